@@ -1,0 +1,231 @@
+//! The command line: `1bit serve` with every flag of the specification's synopsis, and `1bit plugins`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "1bit",
+    version,
+    about = "Serve one local model behind an OpenAI-compatible API"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Serve one model on a loopback port.
+    Serve(Box<ServeArgs>),
+    /// List the device routes found, with their files, ABI versions, and whether they loaded.
+    Plugins(PluginArgs),
+}
+
+#[derive(Args, Debug, Default)]
+pub struct PluginArgs {
+    /// Also look for route files in DIR (before the plugins folder beside the binary).
+    #[arg(long, value_name = "DIR")]
+    pub plugin_dir: Vec<PathBuf>,
+}
+
+#[derive(Args, Debug, Default, Clone)]
+pub struct ServeArgs {
+    /// The model: a .gguf file (the first shard of a sharded one) or an NPU model directory.
+    #[arg(short = 'm', long, value_name = "MODEL")]
+    pub model: PathBuf,
+    /// serve's own port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// serve's own address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// The device route: auto, npu, hrx, hybrid, cpu, ds4, or a vendor's route name.
+    #[arg(long, default_value = "auto", value_name = "ROUTE")]
+    pub device: String,
+    /// The context size (tokens) the backend allocates.
+    #[arg(short = 'c', long, value_name = "N")]
+    pub ctx_size: Option<u64>,
+    /// The served model name (default: the model file's stem).
+    #[arg(long, value_name = "NAME")]
+    pub alias: Option<String>,
+    /// The llama-server binary (default: $ONEBIT_LLAMA_SERVER, the installed one, PATH).
+    #[arg(long, value_name = "PATH")]
+    pub llama_server: Option<String>,
+    /// DwarfStar's ds4-server binary.
+    #[arg(long, value_name = "PATH")]
+    pub ds4: Option<String>,
+    /// Pass --ssd-streaming to ds4-server.
+    #[arg(long)]
+    pub ssd_streaming: bool,
+    /// The libhsa-runtime64 the HRX backend loads.
+    #[arg(long, value_name = "PATH")]
+    pub hrx_libhsa: Option<String>,
+    /// --device hybrid: the program that prefills the prompt.
+    #[arg(long, value_name = "PATH")]
+    pub prefill_provider: Option<String>,
+    /// HRX compute-wave save/restore placement.
+    #[arg(long, value_name = "auto|on|off")]
+    pub hrx_cwsr_placement: Option<String>,
+    /// Draft with this MTP head.
+    #[arg(long, value_name = "HEAD.gguf")]
+    pub mtp: Option<String>,
+    /// Draft with this DFlash block-diffusion model.
+    #[arg(long, value_name = "DRAFT.gguf")]
+    pub dflash: Option<String>,
+    /// Do not draft with the model's own MTP layers.
+    #[arg(long)]
+    pub no_mtp: bool,
+    /// The draft length.
+    #[arg(long, value_name = "N")]
+    pub mtp_max: Option<u32>,
+    /// The draft probability threshold.
+    #[arg(long, value_name = "P")]
+    pub mtp_p_min: Option<f64>,
+    /// A multimodal projector.
+    #[arg(long, value_name = "MMPROJ.gguf")]
+    pub mmproj: Option<String>,
+    /// Laya.
+    #[arg(long)]
+    pub laya: bool,
+    /// Laya's model directory.
+    #[arg(long, value_name = "DIR")]
+    pub laya_model: Option<String>,
+    /// A route policy file.
+    #[arg(long, value_name = "FILE")]
+    pub route_policy: Option<String>,
+    /// Pick experts per request (--pm).
+    #[arg(long)]
+    pub pm: bool,
+    /// --pm's experts file.
+    #[arg(long, value_name = "FILE")]
+    pub pm_experts: Option<String>,
+    /// --pm's Lemonade.
+    #[arg(long, value_name = "URL")]
+    pub lemonade_url: Option<String>,
+    /// Expert streaming (refused in this build).
+    #[arg(long, value_name = "N|auto")]
+    pub moe_slots: Option<String>,
+    /// Expert substitution ratio (refused in this build).
+    #[arg(long, value_name = "R")]
+    pub moe_subst: Option<String>,
+    /// Expert prefetch (refused in this build).
+    #[arg(long, value_name = "N")]
+    pub moe_prefetch: Option<String>,
+    /// Request slots in the backend (-np N).
+    #[arg(long, value_name = "N")]
+    pub parallel: Option<u32>,
+    /// Serve /v1/embeddings from this model beside the chat model.
+    #[arg(long, value_name = "MODEL.gguf")]
+    pub embed: Option<String>,
+    /// Serve /v1/rerank from this model beside the chat model.
+    #[arg(long, value_name = "MODEL.gguf")]
+    pub rerank: Option<String>,
+    /// The model itself is an embedding model.
+    #[arg(long)]
+    pub embedding: bool,
+    /// The model itself is a reranking model.
+    #[arg(long)]
+    pub reranking: bool,
+    /// An NPU option, KEY=VALUE (repeatable).
+    #[arg(long, value_name = "KEY=VALUE", num_args = 1..)]
+    pub npu_opt: Vec<String>,
+    /// Skip the memory check.
+    #[arg(long, conflicts_with = "mem_check")]
+    pub no_mem_check: bool,
+    /// Print the memory estimate and exit: 0 when it fits, 3 when it does not.
+    #[arg(long)]
+    pub mem_check: bool,
+    /// Seconds without progress before a request's backend is judged hung (0: off).
+    #[arg(long, value_name = "SECS")]
+    pub watchdog: Option<u64>,
+    /// Prompt tokens per second the watchdog allows before a request's first byte.
+    #[arg(long, value_name = "N")]
+    pub watchdog_prompt_tps: Option<f64>,
+    /// Refuse a model with any node off the device.
+    #[arg(long, conflicts_with = "no_strict_device")]
+    pub strict_device: bool,
+    /// Allow nodes off the device.
+    #[arg(long)]
+    pub no_strict_device: bool,
+    /// Print the device placement report.
+    #[arg(long)]
+    pub placement_report: bool,
+    /// Tuned settings from FILE instead of the built-in recipes.
+    #[arg(long, value_name = "FILE", conflicts_with = "no_recipes")]
+    pub recipes: Option<String>,
+    /// No recipes.
+    #[arg(long)]
+    pub no_recipes: bool,
+    /// Re-prefill the whole conversation on every request.
+    #[arg(long)]
+    pub precise: bool,
+    /// Print the backend serve would start as one JSON line, and exit.
+    #[arg(long, conflicts_with = "print_backend_env")]
+    pub print_backend: bool,
+    /// Print only the backend's environment, one NAME=VALUE line each, and exit.
+    #[arg(long)]
+    pub print_backend_env: bool,
+    /// Also look for route files in DIR.
+    #[arg(long, value_name = "DIR")]
+    pub plugin_dir: Vec<PathBuf>,
+}
+
+impl ServeArgs {
+    /// Flags this build parses but whose behaviour is not here yet, by the name a user typed.
+    /// Each is refused with one line (exit 2) rather than silently ignored.
+    pub fn not_yet_available(&self) -> Vec<&'static str> {
+        let mut flags = Vec::new();
+        let mut check = |set: bool, name: &'static str| {
+            if set {
+                flags.push(name);
+            }
+        };
+        check(self.ds4.is_some(), "--ds4");
+        check(self.ssd_streaming, "--ssd-streaming");
+        check(self.hrx_libhsa.is_some(), "--hrx-libhsa");
+        check(self.prefill_provider.is_some(), "--prefill-provider");
+        check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
+        check(self.mtp.is_some(), "--mtp");
+        check(self.dflash.is_some(), "--dflash");
+        check(self.no_mtp, "--no-mtp");
+        check(self.mtp_max.is_some(), "--mtp-max");
+        check(self.mtp_p_min.is_some(), "--mtp-p-min");
+        check(self.mmproj.is_some(), "--mmproj");
+        check(self.laya, "--laya");
+        check(self.laya_model.is_some(), "--laya-model");
+        check(self.route_policy.is_some(), "--route-policy");
+        check(self.pm, "--pm");
+        check(self.pm_experts.is_some(), "--pm-experts");
+        check(self.lemonade_url.is_some(), "--lemonade-url");
+        check(self.embed.is_some(), "--embed");
+        check(self.rerank.is_some(), "--rerank");
+        check(self.embedding, "--embedding");
+        check(self.reranking, "--reranking");
+        check(!self.npu_opt.is_empty(), "--npu-opt");
+        check(self.mem_check, "--mem-check");
+        check(self.watchdog.is_some(), "--watchdog");
+        check(self.watchdog_prompt_tps.is_some(), "--watchdog-prompt-tps");
+        check(self.strict_device, "--strict-device");
+        check(self.no_strict_device, "--no-strict-device");
+        check(self.placement_report, "--placement-report");
+        check(self.recipes.is_some(), "--recipes");
+        check(self.no_recipes, "--no-recipes");
+        check(self.precise, "--precise");
+        flags
+    }
+
+    /// Flags the specification keeps but this build refuses for good.
+    pub fn refused_in_this_build(&self) -> Option<&'static str> {
+        if self.moe_slots.is_some() {
+            Some("--moe-slots")
+        } else if self.moe_subst.is_some() {
+            Some("--moe-subst")
+        } else if self.moe_prefetch.is_some() {
+            Some("--moe-prefetch")
+        } else {
+            None
+        }
+    }
+}

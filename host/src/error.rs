@@ -1,0 +1,139 @@
+//! The host's errors: how serve exits when it cannot go on, and the OpenAI-shaped replies a
+//! client gets when a request cannot be served.
+
+use std::fmt;
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+/// serve's exit statuses, as the specification fixes them.
+pub mod exit {
+    /// Stopped cleanly.
+    pub const OK: i32 = 0;
+    /// A backend failed or hung.
+    pub const BACKEND: i32 = 1;
+    /// Bad usage.
+    pub const USAGE: i32 = 2;
+    /// `--print-backend` on a route that needs serve in the request path.
+    pub const NEEDS_SERVE: i32 = 5;
+}
+
+/// Why serve stops: a one-line message (without the `1bit serve: ` prefix) and the exit status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fatal {
+    pub code: i32,
+    pub message: String,
+}
+
+impl Fatal {
+    pub fn usage(message: impl Into<String>) -> Self {
+        Self {
+            code: exit::USAGE,
+            message: message.into(),
+        }
+    }
+
+    pub fn backend(message: impl Into<String>) -> Self {
+        Self {
+            code: exit::BACKEND,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for Fatal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// A request that serve answers itself with an error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApiError {
+    /// The body is not a JSON object.
+    BadJson(String),
+    /// The body is larger than the limit.
+    TooLarge { limit: usize },
+    /// No route for this method and path.
+    NotFound { method: String, path: String },
+    /// The model is still loading, or its backend is down.
+    Unavailable(String),
+    /// The backend did not answer.
+    BadGateway(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadJson(_) => StatusCode::BAD_REQUEST,
+            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The OpenAI error type.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ApiError::BadJson(_) | ApiError::TooLarge { .. } => "invalid_request_error",
+            ApiError::NotFound { .. } => "not_found_error",
+            ApiError::Unavailable(_) => "unavailable_error",
+            ApiError::BadGateway(_) => "server_error",
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            ApiError::BadJson(why) => {
+                format!("the request body is not a JSON object ({why}); send a JSON object")
+            }
+            ApiError::TooLarge { limit } => {
+                format!("the request body is larger than {limit} bytes")
+            }
+            ApiError::NotFound { method, path } => {
+                format!("{method} {path} is not served here")
+            }
+            ApiError::Unavailable(why) | ApiError::BadGateway(why) => why.clone(),
+        }
+    }
+}
+
+/// `{"error":{"message","type","code"}}` with the given status.
+pub fn openai_error(status: StatusCode, error_type: &str, message: &str) -> Response {
+    let body = serde_json::json!({"error": {
+        "message": message,
+        "type": error_type,
+        "code": status.as_u16(),
+    }})
+    .to_string();
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        openai_error(self.status(), self.error_type(), &self.message())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_once_to_status_and_type() {
+        let e = ApiError::BadJson("expected value at line 1 column 1".into());
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.error_type(), "invalid_request_error");
+        assert_eq!(
+            ApiError::BadGateway("x".into()).status(),
+            StatusCode::BAD_GATEWAY
+        );
+        assert_eq!(ApiError::TooLarge { limit: 1 }.status().as_u16(), 413);
+    }
+}

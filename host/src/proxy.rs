@@ -1,0 +1,389 @@
+//! The HTTP front: serve's own routes (/health, /v1/models) and the relay of everything the
+//! route's table names to its backend, streamed through unchanged.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use onebit_plugin_api::{Action, Forward, ForwardRequest, Rule};
+use serde::Deserialize;
+
+use crate::error::ApiError;
+use crate::route_calls::RouteCalls;
+
+/// The pooled client toward the backends.
+pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
+
+/// A request body larger than this is refused with 413 (base64 images make chats large).
+pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024 * 1024;
+
+pub fn backend_client() -> BackendClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build(connector)
+}
+
+/// Whether the model can take requests, as `/health` reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// The backends are starting.
+    Loading,
+    /// Every backend answers its own health route.
+    Ready,
+    /// A backend is down, hung or gone; the reason says which.
+    Down(String),
+}
+
+/// What the handlers share.
+pub struct App {
+    pub served_name: String,
+    pub device: String,
+    /// Unix time serve started, for `/v1/models`.
+    pub created: u64,
+    pub rules: Vec<Rule>,
+    /// The loopback port of each backend, in the plan's order.
+    pub ports: Vec<u16>,
+    pub status: RwLock<Status>,
+    pub client: BackendClient,
+    pub body_limit: usize,
+    pub route: RouteCalls,
+}
+
+impl App {
+    pub fn status(&self) -> Status {
+        self.status
+            .read()
+            .map(|s| s.clone())
+            .unwrap_or(Status::Loading)
+    }
+
+    pub fn set_status(&self, status: Status) {
+        if let Ok(mut s) = self.status.write() {
+            *s = status;
+        }
+    }
+
+    fn rule(&self, method: &Method, path: &str) -> Option<&Rule> {
+        self.rules.iter().find(|r| {
+            r.method.eq_ignore_ascii_case(method.as_str())
+                && match r.path.strip_suffix('*') {
+                    Some(prefix) => path.starts_with(prefix),
+                    None => r.path == path,
+                }
+        })
+    }
+}
+
+/// The router, apart from `main` so tests and benchmarks can build it.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/health", get(health))
+        .route("/v1/models", get(models))
+        .fallback(relay)
+        .with_state(app)
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    match app.status() {
+        Status::Ready => json_response(StatusCode::OK, r#"{"status":"ok"}"#.to_string()),
+        Status::Loading => json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"status": "loading", "error": {
+                "message": "Loading model", "type": "unavailable_error", "code": 503}})
+            .to_string(),
+        ),
+        Status::Down(reason) => json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"status": "error", "reason": reason, "error": {
+                "message": reason, "type": "unavailable_error", "code": 503}})
+            .to_string(),
+        ),
+    }
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    let body = serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": app.served_name,
+            "object": "model",
+            "created": app.created,
+            "owned_by": "1bit",
+            "device": app.device,
+        }]
+    });
+    json_response(StatusCode::OK, body.to_string())
+}
+
+fn json_response(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// Only the one field serve needs from a request body; serde still checks the whole body is
+/// well-formed JSON and an object, without building it.
+#[derive(Deserialize)]
+struct RequestShape {
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let path = parts.uri.path().to_string();
+    let Some(rule) = app.rule(&parts.method, &path) else {
+        return ApiError::NotFound {
+            method: parts.method.to_string(),
+            path,
+        }
+        .into_response();
+    };
+    if let Action::Answer {
+        status,
+        content_type,
+        body,
+    } = &rule.action
+    {
+        return answer(*status, content_type, body.clone());
+    }
+    match app.status() {
+        Status::Ready => {}
+        Status::Loading => {
+            return ApiError::Unavailable("the model is loading; retry when /health answers 200".into())
+                .into_response();
+        }
+        Status::Down(reason) => return ApiError::Unavailable(reason).into_response(),
+    }
+
+    let has_body = parts.method != Method::GET && parts.method != Method::HEAD;
+    let body = if has_body {
+        match axum::body::to_bytes(body, app.body_limit).await {
+            Ok(bytes) => bytes,
+            Err(e) => return body_error(e, app.body_limit).into_response(),
+        }
+    } else {
+        Bytes::new()
+    };
+    let mut streamed = false;
+    if has_body {
+        match serde_json::from_slice::<RequestShape>(&body) {
+            Ok(shape) => streamed = shape.stream.unwrap_or(false),
+            Err(e) => return ApiError::BadJson(e.to_string()).into_response(),
+        }
+    }
+
+    let (backend, body) = match &rule.action {
+        Action::Proxy { backend } => (*backend, body),
+        Action::AskRoute => match ask_route(&app, &parts.method, &parts.uri, &body).await {
+            Ok(Forward::Proxy {
+                backend,
+                body: rewritten,
+            }) => (backend, rewritten.map(Bytes::from).unwrap_or(body)),
+            Ok(Forward::Answer {
+                status,
+                content_type,
+                body,
+            }) => return answer(status, &content_type, body),
+            Err(e) => return e.into_response(),
+        },
+        Action::Answer { .. } => unreachable!("answered above"),
+    };
+    let Some(port) = app.ports.get(backend).copied() else {
+        return ApiError::BadGateway(format!("the route named backend {backend}, which it did not start"))
+            .into_response();
+    };
+
+    let upstream = match upstream_request(&parts.method, &parts.uri, &parts.headers, port, body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let reply = match app.client.request(upstream).await {
+        Ok(reply) => reply,
+        Err(e) => {
+            return ApiError::BadGateway(format!(
+                "the {} backend did not answer ({}); see serve's log",
+                app.device,
+                error_chain(&e)
+            ))
+            .into_response();
+        }
+    };
+    let (mut reply_parts, reply_body) = reply.into_parts();
+    strip_hop_headers(&mut reply_parts.headers);
+    let json_reply = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if rule.inference && !streamed && json_reply {
+        // A whole JSON reply: name the model as serve serves it.
+        let bytes = match reply_body.collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) => {
+                return ApiError::BadGateway(format!(
+                    "the {} backend broke off its reply ({})",
+                    app.device,
+                    error_chain(&e)
+                ))
+                .into_response();
+            }
+        };
+        let bytes = with_model_name(bytes, &app.served_name);
+        reply_parts.headers.remove(header::CONTENT_LENGTH);
+        return Response::from_parts(reply_parts, Body::from(bytes));
+    }
+    // Streamed as it arrives: dropping this response (a client that went away) drops the
+    // upstream body, which closes the backend connection, and the engine stops generating.
+    Response::from_parts(reply_parts, Body::new(reply_body))
+}
+
+fn answer(status: u16, content_type: &str, body: String) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (status, body).into_response();
+    if let Ok(ct) = HeaderValue::from_str(content_type) {
+        response.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    response
+}
+
+fn body_error(e: axum::Error, limit: usize) -> ApiError {
+    let too_large = std::error::Error::source(&e)
+        .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+        || e.to_string().contains("length limit");
+    if too_large {
+        ApiError::TooLarge { limit }
+    } else {
+        ApiError::BadJson(format!("the body could not be read: {e}"))
+    }
+}
+
+/// Headers that belong to one connection, not to the message.
+const HOP_HEADERS: [header::HeaderName; 7] = [
+    header::CONNECTION,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+fn strip_hop_headers(headers: &mut HeaderMap) {
+    for name in &HOP_HEADERS {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+}
+
+fn upstream_request(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    port: u16,
+    body: Bytes,
+) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
+    let path_and_query = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let target: Uri = format!("http://127.0.0.1:{port}{path_and_query}")
+        .parse()
+        .map_err(|e| ApiError::BadJson(format!("the request path is not valid: {e}")))?;
+    let mut request = hyper::Request::builder()
+        .method(method.clone())
+        .uri(target)
+        .body(Full::new(body))
+        .map_err(|e| ApiError::BadGateway(format!("the request could not be relayed: {e}")))?;
+    let out = request.headers_mut();
+    for (name, value) in headers {
+        if name != header::HOST && name != header::CONTENT_LENGTH {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    strip_hop_headers(out);
+    Ok(request)
+}
+
+/// Put `served` in a JSON object reply's `model` field; anything else is left as it came.
+fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return bytes;
+    };
+    match value.get_mut("model") {
+        Some(serde_json::Value::String(model)) if model != served => {
+            *model = served.to_string();
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
+        }
+        _ => bytes,
+    }
+}
+
+/// Ask the route what to do with a request, on a blocking thread.
+async fn ask_route(
+    app: &Arc<App>,
+    method: &Method,
+    uri: &Uri,
+    body: &Bytes,
+) -> Result<Forward, ApiError> {
+    let request = ForwardRequest {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+        query: uri.query().unwrap_or("").to_string(),
+        body: String::from_utf8_lossy(body).into_owned(),
+    };
+    let route = app.route.clone();
+    tokio::task::spawn_blocking(move || route.forward(&request))
+        .await
+        .map_err(|e| ApiError::BadGateway(format!("the route's forward did not finish: {e}")))?
+        .map_err(|e| ApiError::BadGateway(format!("the route could not forward the request: {e}")))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reply_model_becomes_the_served_name_and_other_bytes_pass() {
+        let out = with_model_name(Bytes::from_static(br#"{"model":"x.gguf","n":1}"#), "smol");
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["model"], "smol");
+        assert_eq!(v["n"], 1);
+        let same = Bytes::from_static(br#"{"model":"smol"}"#);
+        assert_eq!(with_model_name(same.clone(), "smol"), same);
+        let text = Bytes::from_static(b"not json");
+        assert_eq!(with_model_name(text.clone(), "smol"), text);
+    }
+
+    #[test]
+    fn request_shape_accepts_objects_only() {
+        assert!(serde_json::from_slice::<RequestShape>(br#"{"stream":true,"x":[1]}"#).is_ok());
+        assert!(serde_json::from_slice::<RequestShape>(b"[1,2]").is_err());
+        assert!(serde_json::from_slice::<RequestShape>(b"{bad").is_err());
+        assert!(serde_json::from_slice::<RequestShape>(b"").is_err());
+    }
+}

@@ -1,0 +1,558 @@
+//! `1bit serve`: plan with the chosen route, start its backends, serve until told to stop or
+//! until a backend fails, and stop everything in order.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener as StdListener;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::serve::ListenerExt;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use nix::sys::signal::Signal;
+use onebit_plugin_api::loader::LoadedRoute;
+use onebit_plugin_api::{
+    BackendHealth, HealthProbe, Plan, PlanOutcome, PlanRequest, Purpose, ServeOptions, Started,
+};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc::unbounded_channel;
+
+use crate::cli::ServeArgs;
+use crate::error::{Fatal, exit};
+use crate::proxy::{self, App, BackendClient, Status};
+use crate::route_calls::{RouteCalls, install_host_services};
+use crate::supervisor::{self, Backend, Event};
+use crate::{model, routes};
+
+/// A backend that does not answer its health route within this long is reported down.
+const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How often serve asks each backend's health route once it is ready.
+const HEALTH_EVERY: Duration = Duration::from_millis(1000);
+/// Ports Lemonade scans for its own servers; backends never take one.
+const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
+
+/// Run `1bit serve` and return its exit status.
+pub fn run(args: ServeArgs) -> i32 {
+    match prepare(&args) {
+        Ok(Prepared::Exit(code)) => code,
+        Ok(Prepared::Serve(prepared)) => {
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .thread_name("serve")
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => return say_fatal(&Fatal::backend(format!("cannot start the runtime: {e}"))),
+            };
+            let code = runtime.block_on(serve_plan(*prepared));
+            runtime.shutdown_timeout(Duration::from_millis(200));
+            code
+        }
+        Err(fatal) => say_fatal(&fatal),
+    }
+}
+
+fn say_fatal(fatal: &Fatal) -> i32 {
+    eprintln!("1bit serve: {}", fatal.message);
+    fatal.code
+}
+
+enum Prepared {
+    Exit(i32),
+    Serve(Box<ServePlan>),
+}
+
+struct ServePlan {
+    args: ServeArgs,
+    route: LoadedRoute,
+    plan: Plan,
+    served_name: String,
+    run_dir: PathBuf,
+}
+
+/// Everything before a process starts: the flags, the model, the route, the plan.
+fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
+    if let Some(flag) = args.refused_in_this_build() {
+        return Err(Fatal::usage(format!(
+            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+        )));
+    }
+    if let Some(flag) = args.not_yet_available().first() {
+        return Err(Fatal::usage(format!(
+            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
+        )));
+    }
+    let facts = model::facts(&args.model)?;
+    let served_name = model::served_name(&args.model, args.alias.as_deref());
+
+    let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
+    let mut loaded = Vec::new();
+    for f in found {
+        match f.outcome {
+            Ok(route) => loaded.push(route),
+            Err(e) => eprintln!("1bit serve: skipping a route: {e}"),
+        }
+    }
+
+    let printing = args.print_backend || args.print_backend_env;
+    let ports = if printing {
+        vec![args.port]
+    } else {
+        reserve_ports(4)?
+    };
+    let run_dir = std::env::temp_dir().join(format!("1bit-serve-{}", std::process::id()));
+    let request = PlanRequest {
+        purpose: if printing {
+            Purpose::PrintBackend
+        } else {
+            Purpose::Serve
+        },
+        options: ServeOptions {
+            model: args.model.to_string_lossy().into_owned(),
+            served_name: served_name.clone(),
+            host: args.host.clone(),
+            port: args.port,
+            device: args.device.clone(),
+            ctx_size: args.ctx_size,
+            llama_server: args.llama_server.clone(),
+            ds4: args.ds4.clone(),
+            parallel: args.parallel,
+            args: std::env::args().skip(2).collect(),
+        },
+        model: facts,
+        env: std::env::vars_os()
+            .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
+            .collect(),
+        ports,
+        run_dir: run_dir.to_string_lossy().into_owned(),
+    };
+
+    let (route, claim) = routes::choose(&args.device, &loaded, &request)?;
+    if let Some(claim) = claim {
+        eprintln!(
+            "1bit serve: --device auto chose {} ({})",
+            route.info.name, claim.reason
+        );
+    }
+    let plan = match route.plan(&request) {
+        Ok(PlanOutcome::Plan(plan)) => plan,
+        Ok(PlanOutcome::Refused(refusal)) => {
+            return Err(Fatal {
+                code: refusal.exit_code,
+                message: refusal.message,
+            });
+        }
+        Err(e) => {
+            return Err(Fatal::backend(format!(
+                "the {} route failed to plan: {e}",
+                route.info.name
+            )));
+        }
+    };
+
+    if printing {
+        return print_backend(args, &plan).map(Prepared::Exit);
+    }
+    for note in &plan.notes {
+        eprintln!("1bit serve: {note}");
+    }
+    Ok(Prepared::Serve(Box::new(ServePlan {
+        args: args.clone(),
+        route: route.clone(),
+        plan,
+        served_name,
+        run_dir,
+    })))
+}
+
+/// `--print-backend`: the plan's backend as one JSON line; `--print-backend-env`: its
+/// environment, one `NAME=VALUE` line each. Only variables the caller has not set are listed.
+fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
+    let backend = match plan.backends.as_slice() {
+        [one] if plan.one_hop => one,
+        _ => {
+            return Err(Fatal {
+                code: exit::NEEDS_SERVE,
+                message: format!(
+                    "--print-backend: --device {} needs 1bit serve in the request path; run 1bit serve itself",
+                    plan.device
+                ),
+            });
+        }
+    };
+    let env: BTreeMap<&String, &String> = backend
+        .env
+        .iter()
+        .filter(|(k, _)| std::env::var_os(k).is_none())
+        .collect();
+    if args.print_backend_env {
+        for (k, v) in env {
+            println!("{k}={v}");
+        }
+        return Ok(exit::OK);
+    }
+    let line = serde_json::json!({
+        "argv": backend.argv,
+        "device": plan.device,
+        "env": env,
+        "port": backend.port,
+        "warmups": plan.warmups,
+        "warmup": plan.warmups.first(),
+    });
+    println!("{line}");
+    Ok(exit::OK)
+}
+
+/// Reserve `n` free loopback ports outside Lemonade's range. The kernel picks each; they are
+/// released just before the backends bind them.
+fn reserve_ports(n: usize) -> Result<Vec<u16>, Fatal> {
+    let mut held = Vec::new();
+    let mut ports = Vec::new();
+    for _ in 0..(n * 8) {
+        if ports.len() == n {
+            break;
+        }
+        let listener = StdListener::bind("127.0.0.1:0")
+            .map_err(|e| Fatal::backend(format!("cannot reserve a loopback port: {e}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Fatal::backend(format!("cannot reserve a loopback port: {e}")))?
+            .port();
+        if !LEMONADE_PORTS.contains(&port) {
+            ports.push(port);
+        }
+        held.push(listener);
+    }
+    if ports.len() < n {
+        return Err(Fatal::backend("cannot reserve loopback ports outside 8001-9000"));
+    }
+    Ok(ports)
+}
+
+/// How long to wait for a backend to stop after SIGTERM.
+fn stop_grace() -> Duration {
+    let secs = std::env::var("ONEBIT_BACKEND_STOP_GRACE_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .unwrap_or(30.0);
+    Duration::from_secs_f64(secs)
+}
+
+async fn serve_plan(p: ServePlan) -> i32 {
+    let ServePlan {
+        args,
+        route,
+        plan,
+        served_name,
+        run_dir,
+    } = p;
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = match tokio::net::TcpListener::bind(&addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            return say_fatal(&Fatal::backend(format!(
+                "cannot listen on {addr} ({e}); pass another --port or --host"
+            )));
+        }
+    };
+    if let Err(e) = std::fs::create_dir_all(&run_dir) {
+        return say_fatal(&Fatal::backend(format!(
+            "cannot create {} ({e})",
+            run_dir.display()
+        )));
+    }
+    let client = proxy::backend_client();
+    let app = Arc::new(App {
+        served_name: served_name.clone(),
+        device: plan.device.clone(),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        rules: plan.rules.clone(),
+        ports: plan.backends.iter().map(|b| b.port).collect(),
+        status: RwLock::new(Status::Loading),
+        client: client.clone(),
+        body_limit: proxy::DEFAULT_BODY_LIMIT,
+        route: RouteCalls {
+            route: route.clone(),
+        },
+    });
+    install_host_services(tokio::runtime::Handle::current(), client.clone(), app.ports.clone());
+
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let server = {
+        let router = proxy::router(app.clone());
+        let mut shutdown_rx = shutdown_rx.clone();
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = shutdown_rx.wait_for(|stop| *stop).await;
+                })
+                .await
+        })
+    };
+
+    let code = supervise(&args, &route, &plan, &app, &client).await;
+
+    let _ = shutdown_tx.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    let _ = std::fs::remove_dir_all(&run_dir);
+    code
+}
+
+/// Start the backends, wait for them, serve until a signal or a failure, then stop them.
+async fn supervise(
+    args: &ServeArgs,
+    route: &LoadedRoute,
+    plan: &Plan,
+    app: &Arc<App>,
+    client: &BackendClient,
+) -> i32 {
+    let (Ok(mut sigterm), Ok(mut sigint)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return say_fatal(&Fatal::backend("cannot install signal handlers"));
+    };
+    let (events_tx, mut events) = unbounded_channel();
+    let mut backends: Vec<Backend> = Vec::new();
+    for (index, spec) in plan.backends.iter().enumerate() {
+        eprintln!(
+            "1bit serve: starting {} on the {} route (port {}): {}",
+            spec.engine,
+            plan.device,
+            spec.port,
+            spec.argv.join(" ")
+        );
+        match supervisor::spawn(index, spec, route, events_tx.clone()) {
+            Ok(b) => backends.push(b),
+            Err(e) => {
+                let program = spec.argv.first().map(String::as_str).unwrap_or("");
+                supervisor::stop_all(&backends, stop_grace()).await;
+                return say_fatal(&Fatal::backend(format!(
+                    "could not start {} ({program}): {e}",
+                    spec.engine
+                )));
+            }
+        }
+    }
+    let grace = stop_grace();
+
+    // Loading: wait until every backend answers its health route, or fails, or we are told
+    // to stop.
+    let ready = async {
+        for b in &backends {
+            wait_ready(client, b).await;
+        }
+    };
+    tokio::select! {
+        _ = ready => {}
+        event = events.recv() => {
+            return fail(event, &backends, app, plan, grace).await;
+        }
+        _ = sigterm.recv() => return stop(&backends, grace, "SIGTERM").await,
+        _ = sigint.recv() => return stop(&backends, grace, "SIGINT").await,
+    }
+
+    let started = Started {
+        plan: plan.clone(),
+        pids: backends.iter().map(|b| b.pid).collect(),
+    };
+    let route_start = {
+        let route = route.clone();
+        tokio::task::spawn_blocking(move || route.start(&started))
+    };
+    let start_error = match route_start.await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(e) => Some(e.to_string()),
+    };
+    if let Some(e) = start_error {
+        supervisor::stop_all(&backends, grace).await;
+        return say_fatal(&Fatal::backend(format!(
+            "the {} route failed to start: {e}",
+            plan.device
+        )));
+    }
+    for warmup in &plan.warmups {
+        if let Err(e) = backend_post(client, &backends[0], &warmup.path, &warmup.body).await {
+            eprintln!("1bit serve: warm-up {} failed: {e}", warmup.path);
+        }
+    }
+    app.set_status(Status::Ready);
+    eprintln!(
+        "1bit serve: ready on http://{}:{}",
+        display_host(&args.host),
+        args.port
+    );
+
+    let monitor = tokio::spawn(monitor_health(
+        app.clone(),
+        client.clone(),
+        route.clone(),
+        backends
+            .iter()
+            .map(|b| (b.spec.port, b.spec.health_path.clone()))
+            .collect(),
+    ));
+    let code = tokio::select! {
+        event = events.recv() => fail(event, &backends, app, plan, grace).await,
+        _ = sigterm.recv() => stop(&backends, grace, "SIGTERM").await,
+        _ = sigint.recv() => stop(&backends, grace, "SIGINT").await,
+    };
+    monitor.abort();
+    code
+}
+
+fn display_host(host: &str) -> String {
+    if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
+}
+
+/// A signal: stop the backends in order and exit cleanly.
+async fn stop(backends: &[Backend], grace: Duration, what: &str) -> i32 {
+    eprintln!("1bit serve: {what}: stopping");
+    for line in supervisor::stop_all(backends, grace).await {
+        eprintln!("1bit serve: {line}");
+    }
+    exit::OK
+}
+
+/// A backend exited or the route asked to stop: say so, stop the rest, exit 1.
+async fn fail(
+    event: Option<Event>,
+    backends: &[Backend],
+    app: &Arc<App>,
+    plan: &Plan,
+    grace: Duration,
+) -> i32 {
+    let message = match event {
+        Some(Event::Exited { index, how }) => {
+            let b = &backends[index];
+            let last = b
+                .tail()
+                .pop()
+                .map(|l| format!(" (its last line: {})", l.trim()))
+                .unwrap_or_default();
+            format!(
+                "the {} backend ({}, port {}, pid {}) {how}{last}; exiting",
+                plan.device, b.spec.engine, b.spec.port, b.pid
+            )
+        }
+        Some(Event::RouteStop { index, reason }) => {
+            if let Some(b) = backends.get(index) {
+                b.signal(Signal::SIGKILL);
+            }
+            format!("{reason}; killing the {} backend and exiting", plan.device)
+        }
+        None => "the backends' event channel closed; exiting".to_string(),
+    };
+    app.set_status(Status::Down(message.clone()));
+    eprintln!("1bit serve: {message}");
+    for line in supervisor::stop_all(backends, grace).await {
+        eprintln!("1bit serve: {line}");
+    }
+    exit::BACKEND
+}
+
+/// Poll a backend's health route until it answers 200. Connection refused means it has not
+/// bound yet, 503 that it is loading.
+async fn wait_ready(client: &BackendClient, backend: &Backend) {
+    let mut delay = Duration::from_millis(10);
+    loop {
+        if let Ok(200) = backend_status(client, backend.spec.port, &backend.spec.health_path).await
+        {
+            return;
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(250));
+    }
+}
+
+async fn backend_status(client: &BackendClient, port: u16, path: &str) -> Result<u16, String> {
+    let request = hyper::Request::get(format!("http://127.0.0.1:{port}{path}"))
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let call = async {
+        let reply = client.request(request).await.map_err(|e| e.to_string())?;
+        let status = reply.status().as_u16();
+        let _ = reply.into_body().collect().await;
+        Ok(status)
+    };
+    tokio::time::timeout(HEALTH_TIMEOUT, call)
+        .await
+        .map_err(|_| format!("did not answer within {} s", HEALTH_TIMEOUT.as_secs_f64()))?
+}
+
+async fn backend_post(
+    client: &BackendClient,
+    backend: &Backend,
+    path: &str,
+    body: &serde_json::Value,
+) -> Result<(), String> {
+    let request = hyper::Request::post(format!("http://127.0.0.1:{}{path}", backend.spec.port))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| e.to_string())?;
+    let reply = client.request(request).await.map_err(|e| e.to_string())?;
+    let status = reply.status();
+    let _ = reply.into_body().collect().await;
+    if status.is_success() {
+        Ok(())
+    } else {
+        Err(format!("status {status}"))
+    }
+}
+
+/// Once ready, ask every backend's health route each second; `/health` reports what the
+/// route makes of the answers. An exit is reported by the supervisor, not here.
+async fn monitor_health(
+    app: Arc<App>,
+    client: BackendClient,
+    route: LoadedRoute,
+    backends: Vec<(u16, String)>,
+) {
+    loop {
+        tokio::time::sleep(HEALTH_EVERY).await;
+        let mut probe = HealthProbe::default();
+        for (port, path) in &backends {
+            probe.backends.push(match backend_status(&client, *port, path).await {
+                Ok(200) => BackendHealth {
+                    ok: true,
+                    reason: String::new(),
+                },
+                Ok(status) => BackendHealth {
+                    ok: false,
+                    reason: format!("the backend on port {port} answered {path} with {status}"),
+                },
+                Err(e) => BackendHealth {
+                    ok: false,
+                    reason: format!("the backend on port {port} {e} on {path}"),
+                },
+            });
+        }
+        let health = match route.health(&probe) {
+            Ok(h) => h,
+            Err(e) => onebit_plugin_api::Health {
+                ok: false,
+                reason: format!("the route's health check failed: {e}"),
+            },
+        };
+        if matches!(app.status(), Status::Down(_) | Status::Ready) {
+            app.set_status(if health.ok {
+                Status::Ready
+            } else {
+                Status::Down(health.reason)
+            });
+        }
+    }
+}

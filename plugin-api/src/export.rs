@@ -1,0 +1,180 @@
+//! The route side of the boundary: turns a [`DeviceRoute`] into a [`RouteMod`] of JSON functions.
+//!
+//! Used only through [`crate::export_route!`]. Each function decodes its JSON input, calls the
+//! route, encodes the result, and catches any panic so it never unwinds into the host.
+
+use std::any::Any;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::OnceLock;
+
+pub use abi_stable::library::LibHeader;
+use abi_stable::library::{
+    CheckTypeLayout, RootModuleResult, __call_root_module_loader,
+};
+use abi_stable::prefix_type::PrefixTypeTrait;
+use abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::types::{BackendReply, BackendRequest, PlanOutcome};
+use crate::{DeviceRoute, HostApi, HostServices, LineVerdict, RouteMod, RouteModRef};
+
+/// The one route instance of this library (a cdylib exports exactly one route).
+static INSTANCE: OnceLock<Box<dyn Any + Send + Sync>> = OnceLock::new();
+
+fn route<R: DeviceRoute>() -> &'static R {
+    INSTANCE
+        .get_or_init(|| Box::new(R::default()))
+        .downcast_ref::<R>()
+        .expect("a route library exports exactly one DeviceRoute type")
+}
+
+/// Build the root module for route type `R`.
+pub fn route_module<R: DeviceRoute>() -> RouteModRef {
+    RouteMod {
+        info: info::<R>,
+        claim: claim::<R>,
+        plan: plan::<R>,
+        start: start::<R>,
+        health: health::<R>,
+        on_backend_line: on_backend_line::<R>,
+        forward: forward::<R>,
+        metrics: metrics::<R>,
+    }
+    .leak_into_prefix()
+}
+
+/// Run `f`, turning a panic into an error naming the operation.
+fn guarded(op: &str, f: impl FnOnce() -> Result<String, String>) -> RResult<RString, RString> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(text)) => ROk(text.into()),
+        Ok(Err(message)) => RErr(message.into()),
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string panic".to_string());
+            RErr(format!("the route panicked in {op}: {what}").into())
+        }
+    }
+}
+
+fn decode<T: DeserializeOwned>(op: &str, input: RStr<'_>) -> Result<T, String> {
+    serde_json::from_str(input.as_str())
+        .map_err(|e| format!("the route could not read the host's {op} input: {e}"))
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<String, String> {
+    serde_json::to_string(value).map_err(|e| format!("the route could not encode its reply: {e}"))
+}
+
+extern "C" fn info<R: DeviceRoute>() -> RResult<RString, RString> {
+    guarded("info", || encode(&route::<R>().info()))
+}
+
+extern "C" fn claim<R: DeviceRoute>(input: RStr<'_>) -> RResult<RString, RString> {
+    guarded("claim", || encode(&route::<R>().claim(&decode("claim", input)?)))
+}
+
+extern "C" fn plan<R: DeviceRoute>(input: RStr<'_>) -> RResult<RString, RString> {
+    guarded("plan", || {
+        let outcome = match route::<R>().plan(&decode("plan", input)?) {
+            Ok(plan) => PlanOutcome::Plan(plan),
+            Err(refusal) => PlanOutcome::Refused(refusal),
+        };
+        encode(&outcome)
+    })
+}
+
+extern "C" fn start<R: DeviceRoute>(input: RStr<'_>) -> RResult<RString, RString> {
+    guarded("start", || {
+        route::<R>()
+            .start(&decode("start", input)?)
+            .map_err(|e| e.message)?;
+        Ok("null".to_string())
+    })
+}
+
+extern "C" fn health<R: DeviceRoute>(input: RStr<'_>) -> RResult<RString, RString> {
+    guarded("health", || {
+        encode(&route::<R>().health(&decode("health", input)?))
+    })
+}
+
+extern "C" fn on_backend_line<R: DeviceRoute>(input: RStr<'_>) -> RResult<RString, RString> {
+    guarded("on_backend_line", || {
+        let verdict = route::<R>().on_backend_line(&decode("on_backend_line", input)?);
+        if verdict == LineVerdict::default() {
+            Ok(String::new())
+        } else {
+            encode(&verdict)
+        }
+    })
+}
+
+/// The host's services, seen from the route.
+struct HostCalls(HostApi);
+
+impl HostServices for HostCalls {
+    fn backend_request(&self, request: &BackendRequest) -> Result<BackendReply, String> {
+        let input = encode(request)?;
+        match (self.0.backend_request)(RStr::from_str(&input)) {
+            ROk(text) => serde_json::from_str(text.as_str())
+                .map_err(|e| format!("the host's backend reply was not understood: {e}")),
+            RErr(message) => Err(message.into_string()),
+        }
+    }
+}
+
+extern "C" fn forward<R: DeviceRoute>(input: RStr<'_>, host: HostApi) -> RResult<RString, RString> {
+    guarded("forward", || {
+        let decision = route::<R>().forward(&decode("forward", input)?, &HostCalls(host));
+        encode(&decision)
+    })
+}
+
+extern "C" fn metrics<R: DeviceRoute>() -> RResult<RString, RString> {
+    guarded("metrics", || Ok(route::<R>().metrics()))
+}
+
+
+/// The symbol abi_stable looks up in a library; spelled out because an export attribute takes
+/// only a literal (checked against abi_stable's own constant in the tests below).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __root_module_loader_name {
+    () => {
+        "_1as_0lib_1header_0root_bmodule_bloader"
+    };
+}
+
+/// The library header a route exports: abi_stable's layout constants for [`RouteModRef`] and
+/// the constructor that builds the module for route type `R`.
+pub const fn lib_header<R: DeviceRoute>() -> LibHeader {
+    // SAFETY: the constructor returns a `RouteModRef`, the type whose layout constants the
+    // header carries, which is what `from_constructor` requires.
+    unsafe { LibHeader::from_constructor::<RouteModRef>(construct::<R>, CheckTypeLayout::Yes) }
+}
+
+extern "C" fn construct<R: DeviceRoute>() -> RootModuleResult {
+    __call_root_module_loader(route_module::<R>)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_exported_symbol_is_the_one_abi_stable_loads() {
+        assert_eq!(
+            crate::__root_module_loader_name!(),
+            abi_stable::library::ROOT_MODULE_LOADER_NAME
+        );
+    }
+
+    #[test]
+    fn a_panic_becomes_an_error_naming_the_operation() {
+        let reply = super::guarded("plan", || panic!("boom"));
+        let message = reply.into_result().unwrap_err();
+        assert_eq!(message.as_str(), "the route panicked in plan: boom");
+    }
+}

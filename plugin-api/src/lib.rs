@@ -1,0 +1,171 @@
+//! The DeviceRoute ABI of 1bit serve: what a device route implements and how the host loads it.
+//!
+//! A route is a `cdylib` that implements [`DeviceRoute`] and exports it with [`export_route!`].
+//! The host finds route files at run time, checks their ABI version (semver: same major, the
+//! route's minor not newer than the host's) and abi_stable's layout check before it calls
+//! anything, and then talks to the route through [`RouteModRef`].
+//!
+//! Every value that crosses the boundary is JSON text in an `RString`, described by the serde
+//! types in [`types`]. New optional fields are added with `#[serde(default)]`, so a route built
+//! against an older minor still reads and writes what a newer host expects. New operations are
+//! appended to [`RouteMod`] after its last prefix field (a minor bump), so an older route simply
+//! lacks them and the host falls back to the documented default.
+//!
+//! `unsafe` is allowed in this crate alone, and only where abi_stable needs it.
+
+pub mod types;
+
+#[cfg(feature = "host")]
+pub mod loader;
+
+#[doc(hidden)]
+pub mod export;
+
+use abi_stable::{
+    StableAbi, declare_root_module_statics,
+    library::RootModule,
+    package_version_strings,
+    sabi_types::VersionStrings,
+    std_types::{RResult, RStr, RString},
+};
+
+pub use types::*;
+
+/// This crate's version, which is the ABI version a route built against it reports.
+pub const ABI_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// What a device route does. The host calls each method as documented; a route keeps whatever
+/// state it needs behind `&self` (one instance per process, created on first use with
+/// `Default`).
+///
+/// Every method runs on a plain OS thread owned by the host, never on an async executor
+/// thread, so a method may block; the per-method notes say how long it should take.
+/// A panic inside a method is caught at the boundary and reported as an error.
+pub trait DeviceRoute: Default + Send + Sync + 'static {
+    /// Who the route is. Called once when the host loads the route (`1bit plugins` too).
+    /// Must not block.
+    fn info(&self) -> RouteInfo;
+
+    /// How strongly the route claims the model for `--device auto` (0 = not at all).
+    /// Called once per route before planning, with the same request `plan` would get.
+    /// Pure and quick: read the request, look at files, but start nothing.
+    fn claim(&self, request: &PlanRequest) -> Claim {
+        let _ = request;
+        Claim::none()
+    }
+
+    /// What to run for this model and these options, or why not.
+    /// Called once before anything starts, and alone for `--print-backend` and `--mem-check`.
+    /// Pure: the same request gives the same plan; it starts nothing and writes nothing.
+    fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal>;
+
+    /// Route-specific start-up, after the host spawned the plan's backends and saw them ready.
+    /// May block (the NPU route loads its kernels here). An error ends serve with status 1.
+    fn start(&self, started: &Started) -> Result<(), RouteError> {
+        let _ = started;
+        Ok(())
+    }
+
+    /// The route's view of its health, given what the host's probes of the backends found.
+    /// Called by `/health` and the watchdog, at most a few times a second. Must not block.
+    fn health(&self, probe: &HealthProbe) -> Health {
+        Health::from_probe(probe)
+    }
+
+    /// One line a backend printed on stderr (without its newline), in order, per backend.
+    /// Called on the host's stderr reader thread for that backend; keep it quick. Return a
+    /// verdict to print a line of serve's own or to stop serve (a lost GPU, say).
+    fn on_backend_line(&self, line: &BackendLine) -> LineVerdict {
+        let _ = line;
+        LineVerdict::default()
+    }
+
+    /// Decide what to do with one request. Called only when the plan sets `route_forwards`,
+    /// on a blocking thread, once per matching request; it may take as long as the request's
+    /// own work (a prefill, say) and may call the backends through `host`.
+    fn forward(&self, request: &ForwardRequest, host: &dyn HostServices) -> Forward {
+        let _ = (request, host);
+        Forward::Proxy {
+            backend: 0,
+            body: None,
+        }
+    }
+
+    /// The route's own Prometheus series, as exposition text the host appends to serve's own.
+    /// Called by `GET /metrics` on a blocking thread; must not block for long.
+    fn metrics(&self) -> String {
+        String::new()
+    }
+}
+
+/// What the host lets a route do during [`DeviceRoute::forward`]: blocking calls that the
+/// host performs with its own runtime.
+pub trait HostServices {
+    /// Send one HTTP request to a backend of the plan and wait for its whole reply.
+    fn backend_request(&self, request: &BackendRequest) -> Result<BackendReply, String>;
+}
+
+/// The host's services as they cross the boundary.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct HostApi {
+    /// [`HostServices::backend_request`]: a [`BackendRequest`] as JSON in, a
+    /// [`BackendReply`] as JSON out.
+    pub backend_request: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+}
+
+/// The root module every route file exports: one function per operation, each taking and
+/// returning JSON. Fields after the last prefix field may be missing in older routes.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = RouteModRef)))]
+#[sabi(missing_field(panic))]
+pub struct RouteMod {
+    /// [`DeviceRoute::info`] → [`RouteInfo`].
+    pub info: extern "C" fn() -> RResult<RString, RString>,
+    /// [`DeviceRoute::claim`]: [`PlanRequest`] → [`Claim`].
+    pub claim: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+    /// [`DeviceRoute::plan`]: [`PlanRequest`] → [`PlanOutcome`].
+    pub plan: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+    /// [`DeviceRoute::start`]: [`Started`] → `null`.
+    pub start: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+    /// [`DeviceRoute::health`]: [`HealthProbe`] → [`Health`].
+    pub health: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+    /// [`DeviceRoute::on_backend_line`]: [`BackendLine`] → [`LineVerdict`]; an empty
+    /// string means the default verdict, so the common case allocates nothing.
+    pub on_backend_line: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+    /// [`DeviceRoute::forward`]: [`ForwardRequest`] → [`Forward`].
+    pub forward: extern "C" fn(RStr<'_>, HostApi) -> RResult<RString, RString>,
+    /// [`DeviceRoute::metrics`] → exposition text (not JSON).
+    #[sabi(last_prefix_field)]
+    pub metrics: extern "C" fn() -> RResult<RString, RString>,
+}
+
+impl RootModule for RouteModRef {
+    declare_root_module_statics! {RouteModRef}
+    const BASE_NAME: &'static str = "onebit_route";
+    const NAME: &'static str = "onebit_route";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
+/// Export a [`DeviceRoute`] implementation as this cdylib's root module.
+///
+/// ```ignore
+/// #[derive(Default)]
+/// struct MyRoute;
+/// impl onebit_plugin_api::DeviceRoute for MyRoute { /* ... */ }
+/// onebit_plugin_api::export_route!(MyRoute);
+/// ```
+///
+/// It places one static with a fixed symbol name in the library (the header the host looks
+/// up), which is an unsafe attribute: a route crate uses `#![deny(unsafe_code)]` rather than
+/// `forbid`, so that this one item may allow it.
+#[macro_export]
+macro_rules! export_route {
+    ($route:ty) => {
+        #[allow(unsafe_code)]
+        #[unsafe(export_name = $crate::__root_module_loader_name!())]
+        pub static ONEBIT_ROUTE_LIB_HEADER: $crate::export::LibHeader =
+            $crate::export::lib_header::<$route>();
+    };
+}

@@ -1,0 +1,273 @@
+//! The host side of the boundary: opening a route file, checking its ABI, and calling it.
+//!
+//! Only the host enables this (feature `host`). A route library, once loaded, is never
+//! unloaded: its functions may be running on any thread until the process ends.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use abi_stable::library::{LibraryError, lib_header_from_path};
+use abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
+use semver::Version;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::types::*;
+use crate::{ABI_VERSION, HostApi, RouteModRef};
+
+/// Why a route file was not loaded. Each variant prints as one line naming the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadError {
+    /// The file is not a library, or exports no 1bit route.
+    NotARoute { file: PathBuf, why: String },
+    /// Built against an ABI this host cannot call.
+    AbiMismatch {
+        file: PathBuf,
+        route_abi: String,
+        host_abi: String,
+    },
+    /// The ABI versions agree but the types do not (a route built from a modified API).
+    Layout { file: PathBuf, why: String },
+    /// The route failed to describe itself.
+    Info { file: PathBuf, why: String },
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LoadError::NotARoute { file, why } => {
+                write!(f, "{}: not a 1bit route ({why})", file.display())
+            }
+            LoadError::AbiMismatch {
+                file,
+                route_abi,
+                host_abi,
+            } => write!(
+                f,
+                "{}: built against route ABI {route_abi}, but this 1bit has ABI {host_abi}; rebuild the route against onebit-plugin-api {}",
+                file.display(),
+                compatible_range(host_abi)
+            ),
+            LoadError::Layout { file, why } => write!(
+                f,
+                "{}: its route ABI types do not match this 1bit's ({why}); rebuild the route against this onebit-plugin-api",
+                file.display()
+            ),
+            LoadError::Info { file, why } => {
+                write!(f, "{}: the route failed to describe itself: {why}", file.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
+
+fn compatible_range(host_abi: &str) -> String {
+    match Version::parse(host_abi) {
+        Ok(v) => format!("{}.0 to {}.{}", v.major, v.major, v.minor),
+        Err(_) => host_abi.to_string(),
+    }
+}
+
+/// Whether a route built against `route` can be called by a host of ABI `host`: the same
+/// major, and the route's minor no newer than the host's (a newer minor may rely on
+/// operations or fields this host does not have).
+pub fn abi_compatible(route: &Version, host: &Version) -> bool {
+    route.major == host.major && route.minor <= host.minor
+}
+
+/// A route file that passed every check.
+#[derive(Clone)]
+pub struct LoadedRoute {
+    pub file: PathBuf,
+    pub abi_version: String,
+    pub info: RouteInfo,
+    module: RouteModRef,
+}
+
+impl fmt::Debug for LoadedRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadedRoute")
+            .field("file", &self.file)
+            .field("abi_version", &self.abi_version)
+            .field("info", &self.info)
+            .finish()
+    }
+}
+
+/// Open `file`, check its ABI version and layout, and ask it who it is. Nothing of the route
+/// runs before both checks pass.
+pub fn load(file: &Path) -> Result<LoadedRoute, LoadError> {
+    let header = lib_header_from_path(file).map_err(|e| LoadError::NotARoute {
+        file: file.to_path_buf(),
+        why: one_line(&e),
+    })?;
+    let route_abi = header.version_strings().version.as_str().to_string();
+    let host_abi = ABI_VERSION.to_string();
+    let compatible = match (Version::parse(&route_abi), Version::parse(&host_abi)) {
+        (Ok(route), Ok(host)) => abi_compatible(&route, &host),
+        _ => false,
+    };
+    if !compatible {
+        return Err(LoadError::AbiMismatch {
+            file: file.to_path_buf(),
+            route_abi,
+            host_abi,
+        });
+    }
+    // abi_stable's own version rule (the library's minor at least the loader's) is the
+    // opposite of ours, so only its layout check is used.
+    let module = header
+        .check_layout::<RouteModRef>()
+        .map_err(|e| LoadError::Layout {
+            file: file.to_path_buf(),
+            why: one_line(&e),
+        })?;
+    let mut route = LoadedRoute {
+        file: file.to_path_buf(),
+        abi_version: route_abi,
+        info: RouteInfo::default(),
+        module,
+    };
+    route.info = decode_reply((route.module.info())()).map_err(|why| LoadError::Info {
+        file: file.to_path_buf(),
+        why,
+    })?;
+    if route.info.name.is_empty() {
+        return Err(LoadError::Info {
+            file: file.to_path_buf(),
+            why: "it has no name".to_string(),
+        });
+    }
+    Ok(route)
+}
+
+fn one_line(e: &LibraryError) -> String {
+    let text = e.to_string();
+    let mut line = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    if line.len() > 300 {
+        let mut end = 300;
+        while !line.is_char_boundary(end) {
+            end -= 1;
+        }
+        line.truncate(end);
+        line.push_str("...");
+    }
+    line
+}
+
+fn decode_reply<T: DeserializeOwned>(reply: RResult<RString, RString>) -> Result<T, String> {
+    match reply {
+        ROk(text) => serde_json::from_str(text.as_str())
+            .map_err(|e| format!("the route's reply was not understood: {e}")),
+        RErr(message) => Err(message.into_string()),
+    }
+}
+
+fn encode<T: Serialize>(value: &T) -> String {
+    serde_json::to_string(value).expect("ABI types always encode")
+}
+
+/// Calls into the route. Each may block as the operation's documentation says; call them
+/// from a thread that may block.
+impl LoadedRoute {
+    pub fn claim(&self, request: &PlanRequest) -> Result<Claim, String> {
+        decode_reply((self.module.claim())(RStr::from_str(&encode(request))))
+    }
+
+    pub fn plan(&self, request: &PlanRequest) -> Result<PlanOutcome, String> {
+        decode_reply((self.module.plan())(RStr::from_str(&encode(request))))
+    }
+
+    pub fn start(&self, started: &Started) -> Result<(), String> {
+        match (self.module.start())(RStr::from_str(&encode(started))) {
+            ROk(_) => Ok(()),
+            RErr(message) => Err(message.into_string()),
+        }
+    }
+
+    pub fn health(&self, probe: &HealthProbe) -> Result<Health, String> {
+        decode_reply((self.module.health())(RStr::from_str(&encode(probe))))
+    }
+
+    pub fn on_backend_line(&self, line: &BackendLine) -> Result<LineVerdict, String> {
+        match (self.module.on_backend_line())(RStr::from_str(&encode(line))) {
+            ROk(text) if text.is_empty() => Ok(LineVerdict::default()),
+            reply => decode_reply(reply),
+        }
+    }
+
+    pub fn forward(&self, request: &ForwardRequest, host: HostApi) -> Result<Forward, String> {
+        decode_reply((self.module.forward())(
+            RStr::from_str(&encode(request)),
+            host,
+        ))
+    }
+
+    pub fn metrics(&self) -> Result<String, String> {
+        match (self.module.metrics())() {
+            ROk(text) => Ok(text.into_string()),
+            RErr(message) => Err(message.into_string()),
+        }
+    }
+}
+
+/// The host's side of [`crate::HostServices`]: what it does when a route asks for a backend
+/// request during `forward`. Called on the route's blocking thread.
+pub trait HostBackend {
+    fn backend_request(request: &BackendRequest) -> Result<BackendReply, String>;
+}
+
+/// The [`HostApi`] a host passes to [`LoadedRoute::forward`], backed by `H`.
+pub fn host_api<H: HostBackend>() -> HostApi {
+    HostApi {
+        backend_request: backend_request_ffi::<H>,
+    }
+}
+
+extern "C" fn backend_request_ffi<H: HostBackend>(input: RStr<'_>) -> RResult<RString, RString> {
+    let call = || -> Result<String, String> {
+        let request: BackendRequest = serde_json::from_str(input.as_str())
+            .map_err(|e| format!("the host could not read the backend request: {e}"))?;
+        let reply = H::backend_request(&request)?;
+        Ok(encode(&reply))
+    };
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(Ok(text)) => ROk(text.into()),
+        Ok(Err(message)) => RErr(message.into()),
+        Err(_) => RErr("the host panicked serving a backend request".to_string().into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_major_and_older_or_equal_minor_is_compatible() {
+        let host = Version::new(1, 2, 0);
+        assert!(abi_compatible(&Version::new(1, 0, 0), &host));
+        assert!(abi_compatible(&Version::new(1, 2, 7), &host));
+        assert!(!abi_compatible(&Version::new(1, 3, 0), &host));
+        assert!(!abi_compatible(&Version::new(2, 0, 0), &host));
+        assert!(!abi_compatible(&Version::new(0, 2, 0), &host));
+    }
+
+    #[test]
+    fn mismatch_is_one_line_naming_file_and_both_versions() {
+        let e = LoadError::AbiMismatch {
+            file: PathBuf::from("/x/libonebit_route_npu.so"),
+            route_abi: "2.0.0".into(),
+            host_abi: "1.0.0".into(),
+        };
+        let text = e.to_string();
+        assert_eq!(text.lines().count(), 1);
+        assert!(text.contains("/x/libonebit_route_npu.so"));
+        assert!(text.contains("2.0.0") && text.contains("1.0.0"));
+    }
+}

@@ -1,0 +1,385 @@
+//! The values that cross the route boundary, as serde types carried in JSON.
+//!
+//! Compatibility rule: a field added in a later minor version carries `#[serde(default)]`, and
+//! readers ignore fields they do not know, so routes and hosts of different minors understand
+//! each other.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Who a route is, for `1bit plugins` and `--device`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouteInfo {
+    /// The `--device` name (`cpu`, `hrx`, ...). Unique among the loaded routes.
+    pub name: String,
+    /// One line on what the route runs.
+    pub summary: String,
+}
+
+/// Why serve is asking for a plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Purpose {
+    /// To serve: the plan's backends will be started now.
+    #[default]
+    Serve,
+    /// `--print-backend` / `--print-backend-env`: Lemonade will start the backend itself, on
+    /// `ports[0]`, which is the port it gave serve.
+    PrintBackend,
+    /// `--mem-check`: only the memory facts are needed.
+    MemCheck,
+}
+
+/// Everything a route needs to plan. Built by the host from the command line, the model file
+/// and the environment.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PlanRequest {
+    pub purpose: Purpose,
+    pub options: ServeOptions,
+    pub model: ModelFacts,
+    /// serve's whole environment. A route reads its variables from here, not from the process,
+    /// so a plan depends only on its request.
+    pub env: BTreeMap<String, String>,
+    /// Loopback ports the host reserved for the plan's backends, in order. For
+    /// [`Purpose::PrintBackend`] this is the one port the caller chose.
+    pub ports: Vec<u16>,
+    /// The directory serve may use for files that live as long as it does (slot files, say).
+    pub run_dir: String,
+}
+
+/// The parsed `1bit serve` options a route may act on. Flags a later version adds arrive as new
+/// fields here; the whole command line is in `args` too, for a vendor's private flags.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServeOptions {
+    /// `-m`, as given.
+    pub model: String,
+    /// `--alias`, else the model file's stem (a directory's name for a directory).
+    pub served_name: String,
+    /// `--host` of serve itself.
+    pub host: String,
+    /// `--port` of serve itself.
+    pub port: u16,
+    /// `--device`, as given (`auto` included).
+    pub device: String,
+    /// `--ctx-size`.
+    pub ctx_size: Option<u64>,
+    /// `--llama-server`.
+    pub llama_server: Option<String>,
+    /// `--ds4`.
+    pub ds4: Option<String>,
+    /// `--parallel`.
+    pub parallel: Option<u32>,
+    /// serve's whole command line after `serve`, for flags this version of the ABI does not
+    /// name.
+    pub args: Vec<String>,
+}
+
+/// What the host read from the model before planning.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ModelFacts {
+    /// The path as given.
+    pub path: String,
+    /// The model is a directory (an NPU model directory, say), not a file.
+    pub is_dir: bool,
+    /// Every file of the model (each shard of a sharded GGUF), in order.
+    pub files: Vec<String>,
+    /// Their total size in bytes.
+    pub bytes: u64,
+    /// `general.architecture`, when the file is a GGUF that names one.
+    pub architecture: Option<String>,
+    /// `<arch>.context_length`.
+    pub context_length: Option<u64>,
+    /// Why the GGUF header could not be read, when it could not (the file may still be served
+    /// by a backend that understands it).
+    pub gguf_error: Option<String>,
+}
+
+/// How strongly a route claims a model for `--device auto`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Claim {
+    /// 0 means no claim; the strongest claim wins. Conventions: 10 a route that runs any GGUF
+    /// (cpu), 50 a route that needs present hardware (hrx), 90 a route that owns the model's
+    /// format (an NPU model directory).
+    pub strength: u8,
+    /// Why, in a few words, for the start-up line.
+    pub reason: String,
+}
+
+impl Claim {
+    /// No claim.
+    pub fn none() -> Self {
+        Self::default()
+    }
+}
+
+/// A route's answer to [`PlanRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanOutcome {
+    Plan(Plan),
+    Refused(Refusal),
+}
+
+/// Why a route will not serve this request, and how serve should exit.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Refusal {
+    /// serve's exit status: 2 bad usage, 3 does not fit, 5 needs serve in the request path.
+    pub exit_code: i32,
+    /// One line: what was wrong and what to do instead.
+    pub message: String,
+}
+
+impl Refusal {
+    pub fn usage(message: impl Into<String>) -> Self {
+        Self {
+            exit_code: 2,
+            message: message.into(),
+        }
+    }
+}
+
+/// An error a route reports from an operation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouteError {
+    pub message: String,
+}
+
+impl RouteError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+}
+
+/// What to run, how to route requests, and what the admission check needs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Plan {
+    /// The route's name, for lines and `/v1/models`.
+    pub device: String,
+    /// Child processes to start, in order. Empty for an in-process route.
+    pub backends: Vec<BackendSpec>,
+    /// How requests are handled; a path no rule matches gets 404.
+    pub rules: Vec<Rule>,
+    /// Whether Lemonade may start `backends[0]` itself and forward to it (`--print-backend`);
+    /// false means the route needs serve in the request path (exit 5).
+    pub one_hop: bool,
+    /// Requests the host sends to `backends[0]` after it is ready and before serve says
+    /// ready, in order.
+    pub warmups: Vec<Warmup>,
+    /// What the memory check needs; None skips it (an in-process route).
+    pub memory: Option<MemoryNeed>,
+    /// Lines serve prints before starting (a recipe applied, a setting chosen).
+    pub notes: Vec<String>,
+}
+
+/// One child process.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendSpec {
+    /// What it is, for lines (`llama-server`, `ds4-server`).
+    pub engine: String,
+    /// The program, then its arguments.
+    pub argv: Vec<String>,
+    /// Variables to add to serve's environment. A variable the user already set wins.
+    pub env: BTreeMap<String, String>,
+    /// The loopback port it listens on.
+    pub port: u16,
+    /// Its health route: 200 means ready (and, later, alive).
+    pub health_path: String,
+    /// A route its main loop answers only between steps (llama-server's `/slots`), which the
+    /// watchdog asks while requests are in flight; None when the engine has none.
+    pub progress_path: Option<String>,
+    /// Its Prometheus route, appended to serve's `/metrics`; None when it has none.
+    pub metrics_path: Option<String>,
+}
+
+/// How one method and path is handled.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Rule {
+    /// `GET`, `POST`, ...
+    pub method: String,
+    /// An exact path, or a prefix ending in `*` (`/slots/*`).
+    pub path: String,
+    pub action: Action,
+    /// A chat, completion or Responses request: the watchdog tracks it, and a non-streamed
+    /// JSON reply gets the served model name.
+    pub inference: bool,
+}
+
+/// What the host does with a request that matches a rule.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Relay it unchanged to `backends[backend]`, same method, path and query.
+    Proxy { backend: usize },
+    /// Answer it directly.
+    Answer {
+        status: u16,
+        content_type: String,
+        body: String,
+    },
+    /// Ask the route ([`crate::DeviceRoute::forward`]) on a blocking thread.
+    AskRoute,
+}
+
+impl Default for Action {
+    fn default() -> Self {
+        Action::Proxy { backend: 0 }
+    }
+}
+
+/// A request sent to a backend after it is ready.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Warmup {
+    pub path: String,
+    pub body: serde_json::Value,
+}
+
+/// What the route knows about memory; the host adds free memory and decides.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MemoryNeed {
+    /// The weights: every file of the model (and extras such as a draft head or mmproj).
+    pub weights_bytes: u64,
+    /// KV cache and recurrent state at `ctx`.
+    pub kv_bytes: u64,
+    /// Compute buffers.
+    pub compute_bytes: u64,
+    /// The context judged.
+    pub ctx: u64,
+    /// Where `ctx` came from, for the line (`--ctx-size`, `the model's own ctx`, ...).
+    pub ctx_source: String,
+    /// Which memory the backend allocates from: `ram` or `gtt`.
+    pub pool: String,
+}
+
+/// What the host passes to [`crate::DeviceRoute::start`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Started {
+    pub plan: Plan,
+    /// The process id of each backend, in the plan's order.
+    pub pids: Vec<u32>,
+}
+
+/// What the host's probes of the backends found, for [`crate::DeviceRoute::health`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HealthProbe {
+    /// One entry per backend, in the plan's order.
+    pub backends: Vec<BackendHealth>,
+}
+
+/// One backend's state as the host sees it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendHealth {
+    pub ok: bool,
+    /// Why not, when not ok.
+    pub reason: String,
+}
+
+/// The route's verdict on health.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Health {
+    pub ok: bool,
+    /// Why not, when not ok; shown in `/health`'s body.
+    pub reason: String,
+}
+
+impl Health {
+    /// Healthy when every backend is; else the first backend's reason.
+    pub fn from_probe(probe: &HealthProbe) -> Self {
+        match probe.backends.iter().find(|b| !b.ok) {
+            None => Health {
+                ok: true,
+                reason: String::new(),
+            },
+            Some(bad) => Health {
+                ok: false,
+                reason: bad.reason.clone(),
+            },
+        }
+    }
+}
+
+/// One line a backend printed on stderr.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendLine {
+    /// Which backend, by its index in the plan.
+    pub backend: usize,
+    pub line: String,
+}
+
+/// What the host should do about a backend's line.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LineVerdict {
+    /// Lines serve prints on its stderr (without the `1bit serve: ` prefix).
+    pub say: Vec<String>,
+    /// Stop serve with status 1 for this reason (a lost GPU, a strict-placement abort).
+    pub stop: Option<String>,
+}
+
+/// One request, as the route sees it in [`crate::DeviceRoute::forward`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ForwardRequest {
+    pub method: String,
+    pub path: String,
+    pub query: String,
+    /// The JSON body as text.
+    pub body: String,
+}
+
+/// The route's decision for one request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Forward {
+    /// Relay it to a backend, with this body instead of the client's when given.
+    Proxy {
+        backend: usize,
+        body: Option<String>,
+    },
+    /// Answer it directly.
+    Answer {
+        status: u16,
+        content_type: String,
+        body: String,
+    },
+}
+
+/// A request the route asks the host to send to a backend (during `forward`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendRequest {
+    pub backend: usize,
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    pub body: Option<String>,
+    /// Give up after this long; 0 means the host's default (30 s).
+    pub timeout_ms: u64,
+}
+
+/// A backend's whole reply.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendReply {
+    pub status: u16,
+    pub body: String,
+}

