@@ -166,8 +166,10 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     match app.status() {
         Status::Ready => {}
         Status::Loading => {
-            return ApiError::Unavailable("the model is loading; retry when /health answers 200".into())
-                .into_response();
+            return ApiError::Unavailable(
+                "the model is loading; retry when /health answers 200".into(),
+            )
+            .into_response();
         }
         Status::Down(reason) => return ApiError::Unavailable(reason).into_response(),
     }
@@ -206,8 +208,10 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         Action::Answer { .. } => unreachable!("answered above"),
     };
     let Some(port) = app.ports.get(backend).copied() else {
-        return ApiError::BadGateway(format!("the route named backend {backend}, which it did not start"))
-            .into_response();
+        return ApiError::BadGateway(format!(
+            "the route named backend {backend}, which it did not start"
+        ))
+        .into_response();
     };
 
     let upstream = match upstream_request(&parts.method, &parts.uri, &parts.headers, port, body) {

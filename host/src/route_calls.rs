@@ -33,7 +33,11 @@ struct HostContext {
 static HOST: OnceLock<HostContext> = OnceLock::new();
 
 /// Make the host services available to the route (once, when the backends are known).
-pub fn install_host_services(runtime: tokio::runtime::Handle, client: BackendClient, ports: Vec<u16>) {
+pub fn install_host_services(
+    runtime: tokio::runtime::Handle,
+    client: BackendClient,
+    ports: Vec<u16>,
+) {
     let _ = HOST.set(HostContext {
         runtime,
         client,
@@ -51,9 +55,7 @@ impl HostBackend for Host {
 }
 
 fn send(request: &BackendRequest) -> Result<BackendReply, String> {
-    let host = HOST
-        .get()
-        .ok_or("the backends are not running yet")?;
+    let host = HOST.get().ok_or("the backends are not running yet")?;
     let port = *host
         .ports
         .get(request.backend)
@@ -86,8 +88,11 @@ fn send(request: &BackendRequest) -> Result<BackendReply, String> {
                 body: String::from_utf8_lossy(&bytes).into_owned(),
             })
         };
-        tokio::time::timeout(timeout, call)
-            .await
-            .map_err(|_| format!("the backend did not answer within {} ms", timeout.as_millis()))?
+        tokio::time::timeout(timeout, call).await.map_err(|_| {
+            format!(
+                "the backend did not answer within {} ms",
+                timeout.as_millis()
+            )
+        })?
     })
 }

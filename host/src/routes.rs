@@ -102,7 +102,11 @@ pub fn listing(found: &[Found]) -> String {
                 route.abi_version,
                 route.info.summary
             )),
-            Err(e) => out.push_str(&format!("{:<8} {}  not loaded: {e}\n", "-", f.file.display())),
+            Err(e) => out.push_str(&format!(
+                "{:<8} {}  not loaded: {e}\n",
+                "-",
+                f.file.display()
+            )),
         }
     }
     out
@@ -143,7 +147,10 @@ pub fn choose<'a>(
                 continue;
             }
         };
-        if claim.strength > 0 && best.as_ref().is_none_or(|(_, b)| claim.strength > b.strength)
+        if claim.strength > 0
+            && best
+                .as_ref()
+                .is_none_or(|(_, b)| claim.strength > b.strength)
         {
             best = Some((route, claim));
         }
@@ -180,7 +187,10 @@ mod tests {
         let found = discover(std::slice::from_ref(&dir));
         assert_eq!(found.len(), 1);
         let text = listing(&found);
-        assert!(text.contains("libonebit_route_broken.so  not loaded: "), "{text}");
+        assert!(
+            text.contains("libonebit_route_broken.so  not loaded: "),
+            "{text}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

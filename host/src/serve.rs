@@ -43,7 +43,9 @@ pub fn run(args: ServeArgs) -> i32 {
                 .build()
             {
                 Ok(rt) => rt,
-                Err(e) => return say_fatal(&Fatal::backend(format!("cannot start the runtime: {e}"))),
+                Err(e) => {
+                    return say_fatal(&Fatal::backend(format!("cannot start the runtime: {e}")));
+                }
             };
             let code = runtime.block_on(serve_plan(*prepared));
             runtime.shutdown_timeout(Duration::from_millis(200));
@@ -122,7 +124,12 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         },
         model: facts,
         env: std::env::vars_os()
-            .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.to_string_lossy().into_owned(),
+                )
+            })
             .collect(),
         ports,
         run_dir: run_dir.to_string_lossy().into_owned(),
@@ -225,7 +232,9 @@ fn reserve_ports(n: usize) -> Result<Vec<u16>, Fatal> {
         held.push(listener);
     }
     if ports.len() < n {
-        return Err(Fatal::backend("cannot reserve loopback ports outside 8001-9000"));
+        return Err(Fatal::backend(
+            "cannot reserve loopback ports outside 8001-9000",
+        ));
     }
     Ok(ports)
 }
@@ -280,7 +289,11 @@ async fn serve_plan(p: ServePlan) -> i32 {
             route: route.clone(),
         },
     });
-    install_host_services(tokio::runtime::Handle::current(), client.clone(), app.ports.clone());
+    install_host_services(
+        tokio::runtime::Handle::current(),
+        client.clone(),
+        app.ports.clone(),
+    );
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let server = {
@@ -525,20 +538,22 @@ async fn monitor_health(
         tokio::time::sleep(HEALTH_EVERY).await;
         let mut probe = HealthProbe::default();
         for (port, path) in &backends {
-            probe.backends.push(match backend_status(&client, *port, path).await {
-                Ok(200) => BackendHealth {
-                    ok: true,
-                    reason: String::new(),
-                },
-                Ok(status) => BackendHealth {
-                    ok: false,
-                    reason: format!("the backend on port {port} answered {path} with {status}"),
-                },
-                Err(e) => BackendHealth {
-                    ok: false,
-                    reason: format!("the backend on port {port} {e} on {path}"),
-                },
-            });
+            probe
+                .backends
+                .push(match backend_status(&client, *port, path).await {
+                    Ok(200) => BackendHealth {
+                        ok: true,
+                        reason: String::new(),
+                    },
+                    Ok(status) => BackendHealth {
+                        ok: false,
+                        reason: format!("the backend on port {port} answered {path} with {status}"),
+                    },
+                    Err(e) => BackendHealth {
+                        ok: false,
+                        reason: format!("the backend on port {port} {e} on {path}"),
+                    },
+                });
         }
         let health = match route.health(&probe) {
             Ok(h) => h,

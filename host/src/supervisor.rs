@@ -195,7 +195,10 @@ fn pump_stderr(
             }
             tail.push_back(line.clone());
         }
-        match route.on_backend_line(&BackendLine { backend: index, line }) {
+        match route.on_backend_line(&BackendLine {
+            backend: index,
+            line,
+        }) {
             Ok(verdict) => {
                 for said in verdict.say {
                     eprintln!("1bit serve: {said}");
@@ -278,6 +281,9 @@ mod tests {
             describe_exit(ExitStatus::from_raw(1 << 8)),
             "exited with status 1"
         );
-        assert_eq!(describe_exit(ExitStatus::from_raw(9)), "was killed by SIGKILL");
+        assert_eq!(
+            describe_exit(ExitStatus::from_raw(9)),
+            "was killed by SIGKILL"
+        );
     }
 }

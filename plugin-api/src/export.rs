@@ -8,9 +8,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 
 pub use abi_stable::library::LibHeader;
-use abi_stable::library::{
-    CheckTypeLayout, RootModuleResult, __call_root_module_loader,
-};
+use abi_stable::library::{__call_root_module_loader, CheckTypeLayout, RootModuleResult};
 use abi_stable::prefix_type::PrefixTypeTrait;
 use abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
 use serde::Serialize;
@@ -74,7 +72,9 @@ extern "C" fn info<R: DeviceRoute>() -> RResult<RString, RString> {
 }
 
 extern "C" fn claim<R: DeviceRoute>(input: RStr<'_>) -> RResult<RString, RString> {
-    guarded("claim", || encode(&route::<R>().claim(&decode("claim", input)?)))
+    guarded("claim", || {
+        encode(&route::<R>().claim(&decode("claim", input)?))
+    })
 }
 
 extern "C" fn plan<R: DeviceRoute>(input: RStr<'_>) -> RResult<RString, RString> {
@@ -137,7 +137,6 @@ extern "C" fn forward<R: DeviceRoute>(input: RStr<'_>, host: HostApi) -> RResult
 extern "C" fn metrics<R: DeviceRoute>() -> RResult<RString, RString> {
     guarded("metrics", || Ok(route::<R>().metrics()))
 }
-
 
 /// The symbol abi_stable looks up in a library; spelled out because an export attribute takes
 /// only a literal (checked against abi_stable's own constant in the tests below).

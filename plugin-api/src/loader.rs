@@ -54,7 +54,11 @@ impl fmt::Display for LoadError {
                 file.display()
             ),
             LoadError::Info { file, why } => {
-                write!(f, "{}: the route failed to describe itself: {why}", file.display())
+                write!(
+                    f,
+                    "{}: the route failed to describe itself: {why}",
+                    file.display()
+                )
             }
         }
     }
@@ -240,7 +244,11 @@ extern "C" fn backend_request_ffi<H: HostBackend>(input: RStr<'_>) -> RResult<RS
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
         Ok(Ok(text)) => ROk(text.into()),
         Ok(Err(message)) => RErr(message.into()),
-        Err(_) => RErr("the host panicked serving a backend request".to_string().into()),
+        Err(_) => RErr(
+            "the host panicked serving a backend request"
+                .to_string()
+                .into(),
+        ),
     }
 }
 

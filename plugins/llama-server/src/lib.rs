@@ -2,6 +2,8 @@
 //! request table, and llama.cpp's memory formulas.
 #![forbid(unsafe_code)]
 
+pub mod memory;
+
 use std::path::{Path, PathBuf};
 
 use onebit_plugin_api::{Action, BackendSpec, PlanRequest, Refusal, Rule};
@@ -16,7 +18,11 @@ pub fn server_binary(request: &PlanRequest) -> Result<String, Refusal> {
     if let Some(path) = &request.options.llama_server {
         return check_executable(path, "--llama-server");
     }
-    if let Some(path) = request.env.get("ONEBIT_LLAMA_SERVER").filter(|p| !p.is_empty()) {
+    if let Some(path) = request
+        .env
+        .get("ONEBIT_LLAMA_SERVER")
+        .filter(|p| !p.is_empty())
+    {
         return check_executable(path, "ONEBIT_LLAMA_SERVER");
     }
     if let Some(installed) = installed_server(request) {
@@ -71,7 +77,12 @@ pub fn cache_dir(request: &PlanRequest) -> Option<PathBuf> {
 pub fn installed_server(request: &PlanRequest) -> Option<PathBuf> {
     let pins: serde_json::Value = serde_json::from_str(PINS).ok()?;
     let dir = pins["llama_cpp"]["install_dir"].as_str()?;
-    Some(cache_dir(request)?.join(dir).join("bin").join("llama-server"))
+    Some(
+        cache_dir(request)?
+            .join(dir)
+            .join("bin")
+            .join("llama-server"),
+    )
 }
 
 fn find_on_path(request: &PlanRequest, name: &str) -> Option<PathBuf> {
@@ -180,7 +191,11 @@ mod tests {
 
     #[test]
     fn cache_dir_follows_the_documented_order() {
-        let r = request(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x"), ("ONEBIT_CACHE_DIR", "/c")]);
+        let r = request(&[
+            ("HOME", "/h"),
+            ("XDG_CACHE_HOME", "/x"),
+            ("ONEBIT_CACHE_DIR", "/c"),
+        ]);
         assert_eq!(cache_dir(&r), Some(PathBuf::from("/c")));
         let r = request(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")]);
         assert_eq!(cache_dir(&r), Some(PathBuf::from("/x/onebit")));
@@ -200,7 +215,11 @@ mod tests {
         r.options.llama_server = Some("/nonexistent/llama-server".into());
         let refusal = server_binary(&r).unwrap_err();
         assert_eq!(refusal.exit_code, 2);
-        assert!(refusal.message.contains("--llama-server /nonexistent/llama-server"));
+        assert!(
+            refusal
+                .message
+                .contains("--llama-server /nonexistent/llama-server")
+        );
     }
 
     #[test]
@@ -231,6 +250,12 @@ mod tests {
             .find(|r| r.path == "/v1/chat/completions")
             .unwrap();
         assert!(chat.inference);
-        assert!(!rules.iter().find(|r| r.path == "/tokenize").unwrap().inference);
+        assert!(
+            !rules
+                .iter()
+                .find(|r| r.path == "/tokenize")
+                .unwrap()
+                .inference
+        );
     }
 }

@@ -1,0 +1,334 @@
+//! Test support: where the built binaries are, a `1bit serve` under test, and small HTTP helpers.
+//!
+//! Plugin authors can use it too: start serve with their route and the fake backend, then
+//! assert on what a client sees.
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The cargo profile folder the tests were built into (`target/debug`), where `1bit`, the
+/// fake backend and the route libraries are.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test knows its own path");
+    let deps = exe
+        .parent()
+        .expect("a test binary lives in target/<profile>/deps");
+    deps.parent().expect("deps has a parent").to_path_buf()
+}
+
+fn built(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is not built; run the tests with `cargo xtask test` (it builds every binary and route first)",
+        path.display()
+    );
+    path
+}
+
+/// The `1bit` binary.
+pub fn onebit() -> PathBuf {
+    built("1bit")
+}
+
+/// The fake backend binary.
+pub fn fake_backend() -> PathBuf {
+    built("fake-backend")
+}
+
+/// A free loopback port, from the kernel.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("the kernel has a free port")
+}
+
+/// A fresh directory under the system temp dir.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let dir =
+        std::env::temp_dir().join(format!("onebit-test-{name}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// A model file the fake backend serves: it exists, and is not a GGUF.
+pub fn dummy_model(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, b"not a gguf: the fake backend serves anything").expect("model file");
+    path
+}
+
+/// A `1bit serve` process under test. Dropping it SIGKILLs it.
+pub struct Serve {
+    child: Child,
+    pub port: u16,
+    stderr: Arc<Mutex<String>>,
+    status: Option<ExitStatus>,
+}
+
+impl Serve {
+    /// `1bit serve ARGS --port <free>` with extra environment; stderr is captured.
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> Serve {
+        let port = free_port();
+        let mut command = Command::new(onebit());
+        command
+            .arg("serve")
+            .args(args)
+            .args(["--port", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("1bit starts");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        for stream in [
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let sink = stderr.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream);
+                let mut line = String::new();
+                while reader.read_line(&mut line).unwrap_or(0) > 0 {
+                    sink.lock().unwrap().push_str(&line);
+                    line.clear();
+                }
+            });
+        }
+        Serve {
+            child,
+            port,
+            stderr,
+            status: None,
+        }
+    }
+
+    /// serve on the fake backend, with the cpu route.
+    pub fn with_fake(model: &Path, extra_args: &[&str], env: &[(&str, &str)]) -> Serve {
+        let fake = fake_backend();
+        let mut args = vec![
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            fake.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra_args);
+        Serve::start(&args, env)
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Everything serve printed so far (stderr and stdout).
+    pub fn output(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Wait until the output contains `text`.
+    pub fn wait_output(&self, text: &str, limit: Duration) -> bool {
+        wait_until(limit, || self.output().contains(text))
+    }
+
+    /// Wait until GET /health answers `status`.
+    pub fn wait_health(&self, status: u16, limit: Duration) -> bool {
+        wait_until(limit, || get(&self.url("/health")).0 == status)
+    }
+
+    /// Wait until ready, or panic with serve's output.
+    pub fn ready(&self) {
+        assert!(
+            self.wait_health(200, Duration::from_secs(30)),
+            "serve did not become ready; its output:\n{}",
+            self.output()
+        );
+    }
+
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid() as i32), signal);
+    }
+
+    /// Wait for serve to exit; None if it is still running after `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        if self.status.is_some() {
+            return self.status;
+        }
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                self.status = Some(status);
+                // Let the output threads drain what is left.
+                std::thread::sleep(Duration::from_millis(50));
+                return self.status;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// The pids of serve's direct children (its backends).
+    pub fn children(&self) -> Vec<u32> {
+        children_of(self.pid())
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Poll `check` every 20 ms until it holds or `limit` passes.
+pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The direct children of `pid`, from /proc.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for task in tasks.flatten() {
+            if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
+                out.extend(
+                    text.split_whitespace()
+                        .filter_map(|p| p.parse::<u32>().ok()),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Whether `pid` is a live process (not gone, not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .unwrap_or("X");
+            state != "Z" && state != "X"
+        }
+        Err(_) => false,
+    }
+}
+
+/// Established TCP connections on this machine whose remote end is 127.0.0.1:`port`.
+pub fn connections_to(port: u16) -> usize {
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
+        return 0;
+    };
+    let remote = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            cols.len() > 3 && cols[2] == remote && cols[3] == "01"
+        })
+        .count()
+}
+
+fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(timeout))
+        .build()
+        .into()
+}
+
+/// GET `url`: (status, body); status 0 when nothing answered.
+pub fn get(url: &str) -> (u16, String) {
+    match agent(Duration::from_secs(10)).get(url).call() {
+        Ok(mut r) => {
+            let status = r.status().as_u16();
+            (status, r.body_mut().read_to_string().unwrap_or_default())
+        }
+        Err(_) => (0, String::new()),
+    }
+}
+
+/// POST `body` as JSON to `url`: (status, body); status 0 when nothing answered.
+pub fn post(url: &str, body: &str) -> (u16, String) {
+    post_with_timeout(url, body, Duration::from_secs(120))
+}
+
+/// POST with a chosen time limit.
+pub fn post_with_timeout(url: &str, body: &str, timeout: Duration) -> (u16, String) {
+    match agent(timeout)
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body)
+    {
+        Ok(mut r) => {
+            let status = r.status().as_u16();
+            (status, r.body_mut().read_to_string().unwrap_or_default())
+        }
+        Err(_) => (0, String::new()),
+    }
+}
+
+/// POST a streamed request and return each SSE `data:` payload, in order, until the stream
+/// ends.
+pub fn sse(url: &str, body: &str) -> Vec<String> {
+    let mut reply = agent(Duration::from_secs(120))
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body)
+        .expect("the streamed request is answered");
+    assert_eq!(reply.status().as_u16(), 200, "a streamed reply");
+    let reader = BufReader::new(reply.body_mut().as_reader());
+    reader
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| line.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+/// Lines of a JSON-lines file (the fake backend's request record), parsed.
+pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}

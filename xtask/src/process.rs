@@ -1,0 +1,67 @@
+//! Running child programs (cargo, pip, cmake) with their output streamed through and failures turned into one line.
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, ExitCode, ExitStatus};
+
+use crate::Failure;
+
+/// The cargo that runs xtask (`$CARGO`), so nested builds use the same toolchain.
+pub fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo")))
+}
+
+/// Runs `command` to completion with inherited stdio; blocks until it exits.
+pub fn status(command: &mut Command) -> Result<ExitStatus, Failure> {
+    command.status().map_err(|err| {
+        Failure::new(
+            format!("cannot start `{}`: {err}", describe(command)),
+            "check that it is installed and on PATH",
+        )
+    })
+}
+
+/// Runs `command` and fails with `todo` unless it exits 0.
+pub fn run(command: &mut Command, todo: &str) -> Result<(), Failure> {
+    let status = status(command)?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Failure::new(
+            format!(
+                "`{}` failed ({})",
+                describe(command),
+                describe_status(status)
+            ),
+            todo,
+        ))
+    }
+}
+
+/// The command line as a user would type it (program by name, not path), for messages.
+pub fn describe(command: &Command) -> String {
+    let program = command.get_program();
+    std::iter::once(Path::new(program).file_name().unwrap_or(program))
+        .chain(command.get_args())
+        .map(|part| part.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+pub fn describe_status(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit status {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None) => "unknown exit status".to_owned(),
+    }
+}
+
+/// The exit code that passes a child's status on: its code, or 128 + the signal that killed it.
+pub fn exit_code(status: ExitStatus) -> ExitCode {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        (None, Some(signal)) => ExitCode::from(u8::try_from(128 + signal).unwrap_or(1)),
+        (None, None) => ExitCode::FAILURE,
+    }
+}

