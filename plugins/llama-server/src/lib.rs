@@ -25,10 +25,8 @@ pub fn server_binary(request: &PlanRequest) -> Result<String, Refusal> {
     {
         return check_executable(path, "ONEBIT_LLAMA_SERVER");
     }
-    if let Some(installed) = installed_server(request) {
-        if is_executable(&installed) {
-            return Ok(installed.to_string_lossy().into_owned());
-        }
+    if let Some(installed) = installed_server(request).filter(|p| is_executable(p)) {
+        return Ok(installed.to_string_lossy().into_owned());
     }
     if let Some(found) = find_on_path(request, "llama-server") {
         return Ok(found.to_string_lossy().into_owned());

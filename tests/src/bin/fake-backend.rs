@@ -1,0 +1,240 @@
+//! A stand-in for llama-server (and DwarfStar's ds4-server) for tests and benchmarks: started with
+//! llama-server's command line, it answers llama-server's routes with deterministic replies, and the
+//! `FAKE_*` environment and trigger words in request bodies make it load slowly, hang, exit, print
+//! chosen stderr lines and record what reached it. See docs/fake-backend.md.
+
+#![forbid(unsafe_code)]
+
+#[path = "fake_backend/app.rs"]
+mod app;
+#[path = "fake_backend/config.rs"]
+mod config;
+#[path = "fake_backend/generate.rs"]
+mod generate;
+#[path = "fake_backend/slots.rs"]
+mod slots;
+#[path = "fake_backend/text.rs"]
+mod text;
+
+use std::io::Write as _;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::serve::ListenerExt as _;
+use nix::sys::signal::{Signal, raise};
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::config::{Command, Config, ExitPlan};
+
+/// What `/props` and `system_fingerprint` report: the pinned llama.cpp tree has no git data.
+pub const BUILD_INFO: &str = "b0-unknown";
+
+const USAGE: &str = "\
+usage: fake-backend -m MODEL [--host H] [--port P] [--alias NAME] [--slot-save-path DIR]
+                    [--no-slots] [--metrics] [-c N] [any other llama-server flag]
+A stand-in for llama-server; its behaviour is set by FAKE_* variables (docs/fake-backend.md).";
+
+fn main() -> ExitCode {
+    let command = config::parse(std::env::args().skip(1), |k| std::env::var(k).ok());
+    let cfg = match command {
+        Ok(Command::Serve(cfg)) => cfg,
+        Ok(Command::Version) => {
+            eprintln!("version: 0.6.0-dev (build 0, commit unknown)");
+            eprintln!(
+                "built with fake-backend {} (onebit-tests) for Linux",
+                env!("CARGO_PKG_VERSION")
+            );
+            return ExitCode::SUCCESS;
+        }
+        Ok(Command::Help) => {
+            eprintln!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fake-backend: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(*cfg))
+}
+
+async fn run(cfg: Config) -> ExitCode {
+    let listener = match TcpListener::bind((cfg.host.as_str(), cfg.port)).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!(
+                "srv         start: couldn't bind HTTP server socket, hostname: {}, port: {} ({e})",
+                cfg.host, cfg.port
+            );
+            eprintln!("srv  llama_server: exiting due to HTTP server error");
+            return ExitCode::FAILURE;
+        }
+    };
+    let port = match listener.local_addr() {
+        Ok(addr) => addr.port(),
+        Err(e) => {
+            eprintln!("fake-backend: cannot read the bound address: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if cfg.port == 0 {
+        // The one line on stdout: the port the kernel chose, for a harness that passed --port 0.
+        println!("{port}");
+        let _ = std::io::stdout().flush();
+    }
+    eprintln!(
+        "main: fake-backend {} standing in for {}",
+        env!("CARGO_PKG_VERSION"),
+        if cfg.ds4 {
+            "ds4-server"
+        } else {
+            "llama-server"
+        }
+    );
+    eprintln!(
+        "srv  llama_server: HTTP server is listening, hostname: {}, port: {port}",
+        cfg.host
+    );
+
+    let state = match app::State::new(cfg, port) {
+        Ok(s) => Arc::new(s),
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let cfg = &state.cfg;
+
+    watch_signals(cfg);
+    if let Some(after) = cfg.exit_after {
+        let plan = cfg.exit;
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            eprintln!(
+                "fake-backend: FAKE_EXIT_AFTER_MS={} reached; exiting",
+                after.as_millis()
+            );
+            exit_now(plan);
+        });
+    }
+    if !cfg.stderr_lines.is_empty() {
+        if cfg.stderr_after.is_zero() {
+            print_lines(&cfg.stderr_lines);
+        } else {
+            let (lines, after) = (cfg.stderr_lines.clone(), cfg.stderr_after);
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                print_lines(&lines);
+            });
+        }
+    }
+    eprintln!("srv    load_model: loading model '{}'", cfg.model_path);
+    if cfg.load.is_zero() {
+        finish_loading(&state);
+    } else {
+        let (state, load) = (Arc::clone(&state), cfg.load);
+        tokio::spawn(async move {
+            tokio::time::sleep(load).await;
+            finish_loading(&state);
+        });
+    }
+
+    // Small SSE writes must leave at once, not wait for Nagle.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    match axum::serve(listener, app::app(state)).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("srv  llama_server: HTTP server error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Opens every route and prints llama-server's "model loaded" lines, in that order, so a test that
+/// waits for `listening on` finds /health at 200.
+fn finish_loading(state: &app::State) {
+    let cfg = &state.cfg;
+    state.ready.store(true, Ordering::Release);
+    eprintln!(
+        "srv    load_model: initializing, n_slots = 1, n_ctx_slot = {}, kv_unified = 'true'",
+        cfg.n_ctx
+    );
+    eprintln!("srv  llama_server: model loaded");
+    eprintln!(
+        "srv  llama_server: listening on http://{}:{}",
+        cfg.host, state.port
+    );
+}
+
+fn print_lines(lines: &[String]) {
+    let mut err = std::io::stderr().lock();
+    for line in lines {
+        let _ = writeln!(err, "{line}");
+    }
+}
+
+/// SIGTERM and SIGINT end the process with status 0 (SIGTERM is only logged with
+/// `FAKE_IGNORE_SIGTERM`). A signal that `FAKE_EXIT_SIGNAL` names keeps its default action, so the
+/// fake can die by it.
+fn watch_signals(cfg: &Config) {
+    let watched = [
+        (SignalKind::terminate(), Signal::SIGTERM, cfg.ignore_sigterm),
+        (SignalKind::interrupt(), Signal::SIGINT, false),
+    ];
+    for (kind, sig, ignore) in watched {
+        if cfg.exit.signal == Some(sig) && !ignore {
+            continue;
+        }
+        let mut stream = match signal(kind) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("fake-backend: cannot watch {sig}: {e}");
+                continue;
+            }
+        };
+        tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                if ignore {
+                    eprintln!("fake-backend: {sig} received and ignored (FAKE_IGNORE_SIGTERM)");
+                    continue;
+                }
+                eprintln!("srv    operator(): operator(): cleaning up before exit...");
+                std::process::exit(0);
+            }
+        });
+    }
+}
+
+/// Ends the process now: with `FAKE_EXIT_SIGNAL`'s signal if set, else with `FAKE_EXIT_CODE`.
+/// Called from runtime tasks; does not return.
+pub fn exit_now(plan: ExitPlan) -> ! {
+    if let Some(sig) = plan.signal {
+        // Rust's runtime catches the first SIGSEGV/SIGBUS (its stack-overflow guard), restores the
+        // default action and returns, so a second raise is the one that kills.
+        for _ in 0..2 {
+            let _ = raise(sig);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        eprintln!(
+            "fake-backend: {sig} did not end the process (it is caught or ignored here); exiting with status {}",
+            128 + sig as i32
+        );
+        std::process::exit(128 + sig as i32);
+    }
+    std::process::exit(plan.code)
+}

@@ -1,0 +1,732 @@
+//! The HTTP side: shared state, the one dispatcher (record, loading gate, triggers, routing) and the
+//! small routes. Generation lives in `generate`, slots in `slots`.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Request, State as AxumState};
+use axum::http::{HeaderValue, Method, StatusCode, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::config::Config;
+use crate::generate::{self, Api};
+use crate::slots;
+use crate::text;
+
+/// Largest request body read; larger ones get 413.
+const MAX_BODY: usize = 256 << 20;
+
+/// State shared by every request. Fields are atomics or short-held std mutexes: no await while
+/// locked, so no handler blocks another for longer than a memcpy.
+pub struct State {
+    pub cfg: Config,
+    /// The port actually bound (differs from `cfg.port` when that was 0).
+    pub port: u16,
+    /// Set once `FAKE_LOAD_MS` has passed; until then every route answers 503.
+    pub ready: AtomicBool,
+    /// Set by `fake_hang`: the main loop is wedged, so `/slots`, `/metrics`, slot actions and new
+    /// generations never answer, while `/health` still does.
+    pub hung: AtomicBool,
+    /// Set by `fake_health_hang`: the health route never answers.
+    pub health_hung: AtomicBool,
+    /// Generations in flight (`is_processing`, `llamacpp:requests_processing`).
+    pub processing: AtomicUsize,
+    pub slot: Mutex<slots::Slot>,
+    /// Words seen by `/tokenize`, so `/detokenize` can give them back.
+    pub vocab: Mutex<HashMap<u32, String>>,
+    pub counters: Counters,
+    record: Option<Mutex<File>>,
+    next_id: AtomicU64,
+    pub started_unix: u64,
+}
+
+/// Totals behind `/metrics`.
+#[derive(Default)]
+pub struct Counters {
+    pub prompt_tokens: AtomicU64,
+    pub prompt_us: AtomicU64,
+    pub predicted_tokens: AtomicU64,
+    pub predicted_us: AtomicU64,
+    pub n_decode: AtomicU64,
+    pub requests: AtomicU64,
+}
+
+impl State {
+    /// Called once from `main` before serving; opens (creates) the record file.
+    pub fn new(cfg: Config, port: u16) -> Result<Self, String> {
+        let record = match &cfg.record {
+            Some(path) => Some(Mutex::new(
+                File::options()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| format!("error: FAKE_RECORD={}: {e}", path.display()))?,
+            )),
+            None => None,
+        };
+        Ok(Self {
+            cfg,
+            port,
+            ready: AtomicBool::new(false),
+            hung: AtomicBool::new(false),
+            health_hung: AtomicBool::new(false),
+            processing: AtomicUsize::new(0),
+            slot: Mutex::new(slots::Slot::default()),
+            vocab: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            record,
+            next_id: AtomicU64::new(1),
+            started_unix: unix_now().as_secs(),
+        })
+    }
+
+    /// A fresh number for reply ids and task ids.
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Marks a generation in flight until the guard drops (with the response or its stream).
+    pub fn busy(self: &Arc<Self>) -> Busy {
+        self.processing.fetch_add(1, Ordering::Relaxed);
+        Busy(Arc::clone(self))
+    }
+
+    /// Appends one JSON line for a request; a blocking write, but short and only with `FAKE_RECORD`.
+    fn record(&self, parts: &Parts, body: &Bytes) {
+        let Some(file) = &self.record else { return };
+        let mut headers = serde_json::Map::new();
+        for (name, value) in &parts.headers {
+            let value = String::from_utf8_lossy(value.as_bytes());
+            match headers.get_mut(name.as_str()) {
+                Some(Value::String(prev)) => {
+                    prev.push_str(", ");
+                    prev.push_str(&value);
+                }
+                _ => {
+                    headers.insert(name.as_str().to_owned(), Value::from(value.into_owned()));
+                }
+            }
+        }
+        let line = json!({
+            "method": parts.method.as_str(),
+            "path": parts.uri.path(),
+            "query": parts.uri.query().unwrap_or(""),
+            "headers": headers,
+            "body": String::from_utf8_lossy(body),
+        });
+        let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
+        bytes.push(b'\n');
+        let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = file.write_all(&bytes).and_then(|()| file.flush()) {
+            eprintln!("fake-backend: FAKE_RECORD write failed: {e}");
+        }
+    }
+}
+
+/// Counts one generation in flight; see [`State::busy`].
+pub struct Busy(Arc<State>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.processing.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Time since the epoch on CLOCK_REALTIME.
+pub fn unix_now() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
+/// Never answers: what a wedged llama-server does.
+pub async fn hang() -> Response {
+    std::future::pending().await
+}
+
+/// The special words a request body may carry.
+#[derive(Default, Clone, Copy)]
+pub struct Triggers {
+    pub hang: bool,
+    pub exit: bool,
+    pub health_hang: bool,
+    pub slow: Option<Duration>,
+    pub status: Option<StatusCode>,
+}
+
+impl Triggers {
+    fn scan(body: &[u8]) -> Self {
+        let text = String::from_utf8_lossy(body);
+        if !text.contains("fake_") {
+            return Self::default();
+        }
+        Self {
+            hang: text.contains("fake_hang"),
+            exit: text.contains("fake_exit"),
+            health_hang: text.contains("fake_health_hang"),
+            slow: number_after(&text, "fake_slow_ms=").map(Duration::from_millis),
+            status: number_after(&text, "fake_status=")
+                .and_then(|n| u16::try_from(n).ok())
+                .and_then(|n| StatusCode::from_u16(n).ok()),
+        }
+    }
+}
+
+fn number_after(text: &str, key: &str) -> Option<u64> {
+    let rest = &text[text.find(key)? + key.len()..];
+    let end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+/// The kinds of llama-server's OpenAI-style errors, each with its HTTP status.
+#[derive(Clone, Copy)]
+pub enum ErrorKind {
+    InvalidRequest,
+    Authentication,
+    Permission,
+    NotFound,
+    Server,
+    NotSupported,
+    Unavailable,
+}
+
+impl ErrorKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidRequest => "invalid_request_error",
+            Self::Authentication => "authentication_error",
+            Self::Permission => "permission_error",
+            Self::NotFound => "not_found_error",
+            Self::Server => "server_error",
+            Self::NotSupported => "not_supported_error",
+            Self::Unavailable => "unavailable_error",
+        }
+    }
+
+    fn status(self) -> StatusCode {
+        match self {
+            Self::InvalidRequest => StatusCode::BAD_REQUEST,
+            Self::Authentication => StatusCode::UNAUTHORIZED,
+            Self::Permission => StatusCode::FORBIDDEN,
+            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::Server => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::NotSupported => StatusCode::NOT_IMPLEMENTED,
+            Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    fn for_status(status: StatusCode) -> Self {
+        match status.as_u16() {
+            401 => Self::Authentication,
+            403 => Self::Permission,
+            404 => Self::NotFound,
+            501 => Self::NotSupported,
+            503 => Self::Unavailable,
+            s if s >= 500 => Self::Server,
+            _ => Self::InvalidRequest,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorDetail<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorDetail<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    code: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    n_prompt_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    n_ctx: Option<u32>,
+}
+
+/// The one place an error becomes a response: `{"error":{"message","type","code"}}`.
+pub fn error(kind: ErrorKind, message: &str) -> Response {
+    error_with_status(kind.status(), kind, message)
+}
+
+fn error_with_status(status: StatusCode, kind: ErrorKind, message: &str) -> Response {
+    let body = ErrorBody {
+        error: ErrorDetail {
+            message,
+            kind: kind.as_str(),
+            code: status.as_u16(),
+            n_prompt_tokens: None,
+            n_ctx: None,
+        },
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+/// llama-server's 400 for a prompt longer than the slot's context.
+pub fn exceeds_context(n_prompt_tokens: usize, n_ctx: u32) -> Response {
+    let body = ErrorBody {
+        error: ErrorDetail {
+            message: "the request exceeds the available context size, try increasing it",
+            kind: "exceed_context_size_error",
+            code: 400,
+            n_prompt_tokens: Some(n_prompt_tokens),
+            n_ctx: Some(n_ctx),
+        },
+    };
+    (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+}
+
+fn not_found() -> Response {
+    error(ErrorKind::NotFound, "File Not Found")
+}
+
+/// The router: everything goes through [`dispatch`], which matches paths itself so that the
+/// recording, the loading gate and the 404 shape cover every request alike.
+pub fn app(state: Arc<State>) -> Router {
+    Router::new().fallback(dispatch).with_state(state)
+}
+
+async fn dispatch(AxumState(st): AxumState<Arc<State>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = match axum::body::to_bytes(body, MAX_BODY).await {
+        Ok(b) => b,
+        Err(_) => {
+            return error_with_status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                ErrorKind::InvalidRequest,
+                "request body too large or unreadable",
+            );
+        }
+    };
+    st.record(&parts, &body);
+    if !st.ready.load(Ordering::Acquire) {
+        return error(ErrorKind::Unavailable, "Loading model");
+    }
+
+    let triggers = Triggers::scan(&body);
+    if triggers.exit {
+        eprintln!(
+            "fake-backend: fake_exit in {} {}; exiting now",
+            parts.method,
+            parts.uri.path()
+        );
+        crate::exit_now(st.cfg.exit);
+    }
+    if triggers.health_hang {
+        eprintln!("fake-backend: fake_health_hang: the health route stops answering");
+        st.health_hung.store(true, Ordering::Release);
+    }
+    if let Some(status) = triggers.status {
+        let message = format!("fake_status={} requested", status.as_u16());
+        return error_with_status(status, ErrorKind::for_status(status), &message);
+    }
+    if triggers.hang && !st.hung.swap(true, Ordering::AcqRel) {
+        eprintln!(
+            "fake-backend: fake_hang in {} {}: the main loop is now wedged (/slots stops answering)",
+            parts.method,
+            parts.uri.path()
+        );
+    }
+
+    let api = if parts.method == Method::POST {
+        generation_api(&st, parts.uri.path())
+    } else {
+        None
+    };
+    if let Some(api) = api {
+        return generate::handle(&st, api, &body, triggers).await;
+    }
+    if triggers.hang {
+        return hang().await;
+    }
+    if let Some(delay) = triggers.slow {
+        tokio::time::sleep(delay).await;
+    }
+    if st.cfg.ds4 {
+        route_ds4(&st, &parts).await
+    } else {
+        route_llama(&st, &parts, &body).await
+    }
+}
+
+/// Which generation API a POST path is, on the active route set.
+fn generation_api(st: &State, path: &str) -> Option<Api> {
+    if st.cfg.ds4 {
+        return match path {
+            "/v1/chat/completions" => Some(Api::Chat),
+            "/v1/completions" => Some(Api::Completion),
+            _ => None,
+        };
+    }
+    match path {
+        "/v1/chat/completions" | "/chat/completions" => Some(Api::Chat),
+        "/v1/completions" => Some(Api::Completion),
+        "/completion" | "/completions" => Some(Api::Native),
+        "/v1/responses" | "/responses" => Some(Api::Responses),
+        _ => None,
+    }
+}
+
+/// DwarfStar's ds4-server: `GET /v1/models` is its health route; nothing llama.cpp-specific.
+async fn route_ds4(st: &State, parts: &Parts) -> Response {
+    match (&parts.method, parts.uri.path()) {
+        (&Method::GET, "/v1/models") => {
+            if st.health_hung.load(Ordering::Acquire) {
+                return hang().await;
+            }
+            models(st)
+        }
+        _ => not_found(),
+    }
+}
+
+async fn route_llama(st: &Arc<State>, parts: &Parts, body: &Bytes) -> Response {
+    let path = parts.uri.path();
+    match parts.method {
+        Method::GET => match path {
+            "/health" | "/v1/health" => {
+                if st.health_hung.load(Ordering::Acquire) {
+                    return hang().await;
+                }
+                axum::Json(json!({"status": "ok"})).into_response()
+            }
+            "/v1/models" | "/models" => models(st),
+            "/props" => props(st),
+            "/slots" => slots::list(st, parts.uri.query()).await,
+            "/metrics" => metrics(st).await,
+            _ => not_found(),
+        },
+        Method::POST => {
+            if let Some(id) = path.strip_prefix("/slots/") {
+                return slots::action(st, id, parts.uri.query(), body).await;
+            }
+            let Ok(json) = serde_json::from_slice::<Value>(body) else {
+                return match path {
+                    "/tokenize" | "/detokenize" | "/apply-template" | "/v1/embeddings"
+                    | "/rerank" | "/reranking" | "/v1/rerank" | "/v1/reranking" => {
+                        error(ErrorKind::InvalidRequest, "request body is not valid JSON")
+                    }
+                    _ => not_found(),
+                };
+            };
+            match path {
+                "/tokenize" => tokenize(st, &json),
+                "/detokenize" => detokenize(st, &json),
+                "/apply-template" => apply_template(&json),
+                "/v1/embeddings" => embeddings(st, &json).await,
+                "/rerank" | "/reranking" | "/v1/rerank" | "/v1/reranking" => {
+                    rerank(st, &json).await
+                }
+                _ => not_found(),
+            }
+        }
+        _ => not_found(),
+    }
+}
+
+fn models(st: &State) -> Response {
+    let name = &st.cfg.model_name;
+    let owned_by = if st.cfg.ds4 { "ds4" } else { "llamacpp" };
+    axum::Json(json!({
+        "models": [{"name": name, "model": name}],
+        "object": "list",
+        "data": [{
+            "id": name,
+            "object": "model",
+            "created": st.started_unix,
+            "owned_by": owned_by,
+            "meta": {"n_ctx": st.cfg.n_ctx, "n_vocab": text::N_VOCAB},
+        }],
+    }))
+    .into_response()
+}
+
+fn props(st: &State) -> Response {
+    axum::Json(json!({
+        "default_generation_settings": {"n_ctx": st.cfg.n_ctx, "params": {}},
+        "total_slots": 1,
+        "model_alias": st.cfg.model_name,
+        "model_path": st.cfg.model_path,
+        "modalities": {"vision": false, "audio": false},
+        "endpoint_slots": st.cfg.slots_endpoint,
+        "endpoint_props": false,
+        "endpoint_metrics": st.cfg.metrics,
+        "chat_template": "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "build_info": crate::BUILD_INFO,
+        "is_sleeping": false,
+    }))
+    .into_response()
+}
+
+async fn metrics(st: &State) -> Response {
+    if !st.cfg.metrics {
+        return error(
+            ErrorKind::NotSupported,
+            "This server does not support metrics endpoint. Start it with `--metrics`",
+        );
+    }
+    if st.hung.load(Ordering::Acquire) {
+        return hang().await;
+    }
+    let c = &st.counters;
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let prompt_s = load(&c.prompt_us) as f64 / 1e6;
+    let predicted_s = load(&c.predicted_us) as f64 / 1e6;
+    let rate = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let series: [(&str, &str, &str, f64); 9] = [
+        (
+            "prompt_tokens_total",
+            "counter",
+            "Number of prompt tokens processed.",
+            load(&c.prompt_tokens) as f64,
+        ),
+        (
+            "prompt_seconds_total",
+            "counter",
+            "Prompt process time",
+            prompt_s,
+        ),
+        (
+            "tokens_predicted_total",
+            "counter",
+            "Number of generation tokens processed.",
+            load(&c.predicted_tokens) as f64,
+        ),
+        (
+            "tokens_predicted_seconds_total",
+            "counter",
+            "Predict process time",
+            predicted_s,
+        ),
+        (
+            "n_decode_total",
+            "counter",
+            "Total number of llama_decode() calls",
+            load(&c.n_decode) as f64,
+        ),
+        (
+            "prompt_tokens_seconds",
+            "gauge",
+            "Average prompt throughput in tokens/s.",
+            rate(load(&c.prompt_tokens), prompt_s),
+        ),
+        (
+            "predicted_tokens_seconds",
+            "gauge",
+            "Average generation throughput in tokens/s.",
+            rate(load(&c.predicted_tokens), predicted_s),
+        ),
+        (
+            "requests_processing",
+            "gauge",
+            "Number of requests processing.",
+            st.processing.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "requests_deferred",
+            "gauge",
+            "Number of requests deferred.",
+            0.0,
+        ),
+    ];
+    let mut out = String::with_capacity(1024);
+    for (name, kind, help, value) in series {
+        let _ = write!(
+            out,
+            "# HELP llamacpp:{name} {help}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+        );
+    }
+    let mut res = out.into_response();
+    let headers = res.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    headers.insert(
+        "process-start-time-unix",
+        HeaderValue::from(st.started_unix),
+    );
+    res
+}
+
+fn tokenize(st: &State, body: &Value) -> Response {
+    let Some(prompt) = body.get("content").and_then(text::prompt) else {
+        return error(ErrorKind::InvalidRequest, "\"content\" must be provided");
+    };
+    let add_special = body
+        .get("add_special")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let with_pieces = body
+        .get("with_pieces")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let words: Vec<&str> = prompt.text.split_whitespace().collect();
+    {
+        let mut vocab = st.vocab.lock().unwrap_or_else(|p| p.into_inner());
+        for (&id, word) in prompt.tokens.iter().zip(&words) {
+            vocab.entry(id).or_insert_with(|| (*word).to_owned());
+        }
+    }
+    let mut tokens: Vec<Value> = Vec::with_capacity(prompt.tokens.len() + 1);
+    if add_special {
+        tokens.push(if with_pieces {
+            json!({"id": text::BOS_ID, "piece": "<s>"})
+        } else {
+            json!(text::BOS_ID)
+        });
+    }
+    for (i, &id) in prompt.tokens.iter().enumerate() {
+        tokens.push(if with_pieces {
+            let word = words.get(i).copied().unwrap_or_default();
+            let piece = if i == 0 {
+                word.to_owned()
+            } else {
+                format!(" {word}")
+            };
+            json!({"id": id, "piece": piece})
+        } else {
+            json!(id)
+        });
+    }
+    axum::Json(json!({"tokens": tokens})).into_response()
+}
+
+fn detokenize(st: &State, body: &Value) -> Response {
+    let Some(ids) = body.get("tokens").and_then(Value::as_array) else {
+        return error(ErrorKind::InvalidRequest, "\"tokens\" must be provided");
+    };
+    let vocab = st.vocab.lock().unwrap_or_else(|p| p.into_inner());
+    let words: Vec<String> = ids
+        .iter()
+        .filter_map(Value::as_u64)
+        .filter(|&id| id != u64::from(text::BOS_ID))
+        .map(|id| {
+            u32::try_from(id)
+                .ok()
+                .and_then(|id| vocab.get(&id).cloned())
+                .unwrap_or_else(|| format!("[{id}]"))
+        })
+        .collect();
+    axum::Json(json!({"content": words.join(" ")})).into_response()
+}
+
+fn apply_template(body: &Value) -> Response {
+    let Some(turns) = body.get("messages").and_then(text::chat_turns) else {
+        return error(ErrorKind::InvalidRequest, "'messages' is required");
+    };
+    axum::Json(json!({"prompt": text::render(&turns)})).into_response()
+}
+
+/// Inputs of an embeddings request: a string, token ids, or an array of either.
+fn embedding_inputs(input: &Value) -> Option<Vec<text::Prompt>> {
+    match input {
+        Value::Array(items) if !items.is_empty() && !items.iter().any(Value::is_number) => {
+            items.iter().map(text::prompt).collect()
+        }
+        other => text::prompt(other).map(|p| vec![p]),
+    }
+}
+
+async fn embeddings(st: &State, body: &Value) -> Response {
+    if st.hung.load(Ordering::Acquire) {
+        return hang().await;
+    }
+    let Some(inputs) = body.get("input").and_then(embedding_inputs) else {
+        return error(ErrorKind::InvalidRequest, "\"input\" must be provided");
+    };
+    let n_tokens: usize = inputs.iter().map(|p| p.tokens.len()).sum();
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| json!({"embedding": text::embedding(&p.text), "index": i, "object": "embedding"}))
+        .collect();
+    axum::Json(json!({
+        "model": st.cfg.model_name,
+        "object": "list",
+        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        "data": data,
+    }))
+    .into_response()
+}
+
+async fn rerank(st: &State, body: &Value) -> Response {
+    if st.hung.load(Ordering::Acquire) {
+        return hang().await;
+    }
+    let Some(query) = body.get("query").and_then(Value::as_str) else {
+        return error(ErrorKind::InvalidRequest, "\"query\" must be provided");
+    };
+    // Jina sends `documents`, TEI sends `texts` and gets a bare array back.
+    let tei = body.get("documents").is_none() && body.get("texts").is_some();
+    let Some(docs) = body
+        .get("documents")
+        .or_else(|| body.get("texts"))
+        .and_then(Value::as_array)
+    else {
+        return error(ErrorKind::InvalidRequest, "\"documents\" must be provided");
+    };
+    let docs: Vec<String> = docs
+        .iter()
+        .map(|d| match d {
+            Value::Object(o) => o.get("text").map(text::content_text).unwrap_or_default(),
+            other => text::content_text(other),
+        })
+        .collect();
+    let mut scored: Vec<(usize, f64)> = docs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (i, text::relevance(query, d)))
+        .collect();
+    scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if let Some(top_n) = body.get("top_n").and_then(Value::as_u64) {
+        scored.truncate(usize::try_from(top_n).unwrap_or(usize::MAX));
+    }
+    if tei {
+        let return_text = body
+            .get("return_text")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let out: Vec<Value> = scored
+            .iter()
+            .map(|&(i, s)| {
+                if return_text {
+                    json!({"index": i, "score": s, "text": docs[i]})
+                } else {
+                    json!({"index": i, "score": s})
+                }
+            })
+            .collect();
+        return axum::Json(out).into_response();
+    }
+    let n_tokens: usize = text::tokenize(query).count() * docs.len()
+        + docs
+            .iter()
+            .map(|d| text::tokenize(d).count())
+            .sum::<usize>();
+    let results: Vec<Value> = scored
+        .iter()
+        .map(|&(i, s)| json!({"index": i, "relevance_score": s}))
+        .collect();
+    axum::Json(json!({
+        "model": st.cfg.model_name,
+        "object": "list",
+        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        "results": results,
+    }))
+    .into_response()
+}
