@@ -135,6 +135,47 @@ fn a_route_built_outside_the_workspace_loads_and_serves() {
 }
 
 #[test]
+fn routes_are_found_through_onebit_plugin_path_and_the_backend_gets_the_plan_env_where_unset() {
+    let (same, _, _) = fixtures();
+    let dir = temp_dir("plugin-path");
+    let model = dummy_model(&dir, "m.gguf");
+    let path = format!("/nonexistent/dir:{}", same.display());
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "outside",
+            "--llama-server",
+            fake_backend().to_str().unwrap(),
+        ],
+        &[
+            ("ONEBIT_PLUGIN_PATH", &path),
+            ("FIXTURE_SET_BY_USER", "user"),
+        ],
+    );
+    serve.ready();
+    let backend = serve.children()[0];
+    let environ = std::fs::read(format!("/proc/{backend}/environ")).unwrap();
+    let vars: Vec<String> = environ
+        .split(|b| *b == 0)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect();
+    assert!(
+        vars.contains(&"FIXTURE_FROM_PLAN=plan".to_string()),
+        "{vars:?}"
+    );
+    assert!(
+        vars.contains(&"FIXTURE_SET_BY_USER=user".to_string()),
+        "the user's value wins"
+    );
+    assert!(
+        vars.iter().any(|v| v.starts_with("PATH=")),
+        "serve's own environment is passed on"
+    );
+}
+
+#[test]
 fn another_major_or_a_newer_minor_is_refused_in_one_line_and_serve_goes_on() {
     let (_, newer_minor, next_major) = fixtures();
     let host = onebit_plugin_api::ABI_VERSION;

@@ -1,6 +1,7 @@
 //! `cargo xtask test`: what CI runs: fmt and clippy checks, setup, a debug build of every target, then the whole test suite against the real llama-server.
 
-use std::process::ExitCode;
+use std::io::{BufRead, BufReader};
+use std::process::{ExitCode, Stdio};
 
 use crate::{Failure, Workspace, process, setup};
 
@@ -40,9 +41,59 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         .args(["test", "--workspace", "--no-fail-fast"])
         .args(extra)
         .env("ONEBIT_TEST_LLAMA_SERVER", &installed.llama_server)
-        .env("ONEBIT_TEST_MODEL", &model);
+        .env("ONEBIT_TEST_MODEL", &model)
+        .stdout(Stdio::piped());
     println!("==> {}", process::describe(&test));
-    Ok(process::exit_code(process::status(&mut test)?))
+    let mut child = test
+        .spawn()
+        .map_err(|e| Failure(format!("cannot run cargo test: {e}")))?;
+    // Pass cargo test's report through and add up its `test result:` lines, so the run ends
+    // with one total rather than the last crate's (often empty) doc-test line.
+    let mut totals = Totals::default();
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            println!("{line}");
+            totals.add(&line);
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(|e| Failure(format!("cannot wait for cargo test: {e}")))?;
+    println!();
+    println!(
+        "{} passed, {} failed, {} skipped",
+        totals.passed, totals.failed, totals.ignored
+    );
+    Ok(process::exit_code(status))
+}
+
+/// The sum of cargo test's `test result: ok. N passed; N failed; N ignored; ...` lines.
+#[derive(Default, Debug, PartialEq)]
+struct Totals {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+impl Totals {
+    fn add(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(what), Some(n)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            match what {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                "ignored" => self.ignored += n,
+                _ => {}
+            }
+        }
+    }
 }
 
 fn cargo_step(ws: &Workspace, args: &[&str], todo: &str) -> Result<(), Failure> {
@@ -50,4 +101,25 @@ fn cargo_step(ws: &Workspace, args: &[&str], todo: &str) -> Result<(), Failure> 
     cargo.current_dir(&ws.root).args(args);
     println!("==> cargo {}", args.join(" "));
     process::run(&mut cargo, todo)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_add_up_every_result_line() {
+        let mut t = Totals::default();
+        t.add("test result: ok. 16 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 3.64s");
+        t.add("test result: FAILED. 2 passed; 1 failed; 3 ignored; 0 measured; 0 filtered out");
+        t.add("running 3 tests");
+        assert_eq!(
+            t,
+            Totals {
+                passed: 18,
+                failed: 1,
+                ignored: 3
+            }
+        );
+    }
 }

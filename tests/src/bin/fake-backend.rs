@@ -5,6 +5,15 @@
 
 #![forbid(unsafe_code)]
 
+/// Writes one line to stderr and ignores failure: a parent that closed our stderr must not turn a
+/// log line into a panic (which would, say, keep SIGTERM from ending the process).
+macro_rules! log {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 #[path = "fake_backend/app.rs"]
 mod app;
 #[path = "fake_backend/config.rs"]
@@ -42,19 +51,19 @@ fn main() -> ExitCode {
     let cfg = match command {
         Ok(Command::Serve(cfg)) => cfg,
         Ok(Command::Version) => {
-            eprintln!("version: 0.6.0-dev (build 0, commit unknown)");
-            eprintln!(
+            log!("version: 0.6.0-dev (build 0, commit unknown)");
+            log!(
                 "built with fake-backend {} (onebit-tests) for Linux",
                 env!("CARGO_PKG_VERSION")
             );
             return ExitCode::SUCCESS;
         }
         Ok(Command::Help) => {
-            eprintln!("{USAGE}");
+            log!("{USAGE}");
             return ExitCode::SUCCESS;
         }
         Err(message) => {
-            eprintln!("{message}");
+            log!("{message}");
             return ExitCode::FAILURE;
         }
     };
@@ -64,7 +73,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("fake-backend: cannot start the tokio runtime: {e}");
+            log!("fake-backend: cannot start the tokio runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -75,27 +84,28 @@ async fn run(cfg: Config) -> ExitCode {
     let listener = match TcpListener::bind((cfg.host.as_str(), cfg.port)).await {
         Ok(l) => l,
         Err(e) => {
-            eprintln!(
+            log!(
                 "srv         start: couldn't bind HTTP server socket, hostname: {}, port: {} ({e})",
-                cfg.host, cfg.port
+                cfg.host,
+                cfg.port
             );
-            eprintln!("srv  llama_server: exiting due to HTTP server error");
+            log!("srv  llama_server: exiting due to HTTP server error");
             return ExitCode::FAILURE;
         }
     };
     let port = match listener.local_addr() {
         Ok(addr) => addr.port(),
         Err(e) => {
-            eprintln!("fake-backend: cannot read the bound address: {e}");
+            log!("fake-backend: cannot read the bound address: {e}");
             return ExitCode::FAILURE;
         }
     };
     if cfg.port == 0 {
         // The one line on stdout: the port the kernel chose, for a harness that passed --port 0.
-        println!("{port}");
-        let _ = std::io::stdout().flush();
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{port}").and_then(|()| out.flush());
     }
-    eprintln!(
+    log!(
         "main: fake-backend {} standing in for {}",
         env!("CARGO_PKG_VERSION"),
         if cfg.ds4 {
@@ -104,7 +114,7 @@ async fn run(cfg: Config) -> ExitCode {
             "llama-server"
         }
     );
-    eprintln!(
+    log!(
         "srv  llama_server: HTTP server is listening, hostname: {}, port: {port}",
         cfg.host
     );
@@ -112,7 +122,7 @@ async fn run(cfg: Config) -> ExitCode {
     let state = match app::State::new(cfg, port) {
         Ok(s) => Arc::new(s),
         Err(message) => {
-            eprintln!("{message}");
+            log!("{message}");
             return ExitCode::FAILURE;
         }
     };
@@ -123,7 +133,7 @@ async fn run(cfg: Config) -> ExitCode {
         let plan = cfg.exit;
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
-            eprintln!(
+            log!(
                 "fake-backend: FAKE_EXIT_AFTER_MS={} reached; exiting",
                 after.as_millis()
             );
@@ -141,7 +151,7 @@ async fn run(cfg: Config) -> ExitCode {
             });
         }
     }
-    eprintln!("srv    load_model: loading model '{}'", cfg.model_path);
+    log!("srv    load_model: loading model '{}'", cfg.model_path);
     if cfg.load.is_zero() {
         finish_loading(&state);
     } else {
@@ -159,7 +169,7 @@ async fn run(cfg: Config) -> ExitCode {
     match axum::serve(listener, app::app(state)).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("srv  llama_server: HTTP server error: {e}");
+            log!("srv  llama_server: HTTP server error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -170,14 +180,15 @@ async fn run(cfg: Config) -> ExitCode {
 fn finish_loading(state: &app::State) {
     let cfg = &state.cfg;
     state.ready.store(true, Ordering::Release);
-    eprintln!(
+    log!(
         "srv    load_model: initializing, n_slots = 1, n_ctx_slot = {}, kv_unified = 'true'",
         cfg.n_ctx
     );
-    eprintln!("srv  llama_server: model loaded");
-    eprintln!(
+    log!("srv  llama_server: model loaded");
+    log!(
         "srv  llama_server: listening on http://{}:{}",
-        cfg.host, state.port
+        cfg.host,
+        state.port
     );
 }
 
@@ -203,17 +214,17 @@ fn watch_signals(cfg: &Config) {
         let mut stream = match signal(kind) {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("fake-backend: cannot watch {sig}: {e}");
+                log!("fake-backend: cannot watch {sig}: {e}");
                 continue;
             }
         };
         tokio::spawn(async move {
             while stream.recv().await.is_some() {
                 if ignore {
-                    eprintln!("fake-backend: {sig} received and ignored (FAKE_IGNORE_SIGTERM)");
+                    log!("fake-backend: {sig} received and ignored (FAKE_IGNORE_SIGTERM)");
                     continue;
                 }
-                eprintln!("srv    operator(): operator(): cleaning up before exit...");
+                log!("srv    operator(): operator(): cleaning up before exit...");
                 std::process::exit(0);
             }
         });
@@ -230,7 +241,7 @@ pub fn exit_now(plan: ExitPlan) -> ! {
             let _ = raise(sig);
         }
         std::thread::sleep(Duration::from_millis(50));
-        eprintln!(
+        log!(
             "fake-backend: {sig} did not end the process (it is caught or ignored here); exiting with status {}",
             128 + sig as i32
         );

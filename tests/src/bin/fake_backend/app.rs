@@ -57,7 +57,6 @@ pub struct Counters {
     pub predicted_tokens: AtomicU64,
     pub predicted_us: AtomicU64,
     pub n_decode: AtomicU64,
-    pub requests: AtomicU64,
 }
 
 impl State {
@@ -127,7 +126,7 @@ impl State {
         bytes.push(b'\n');
         let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
         if let Err(e) = file.write_all(&bytes).and_then(|()| file.flush()) {
-            eprintln!("fake-backend: FAKE_RECORD write failed: {e}");
+            log!("fake-backend: FAKE_RECORD write failed: {e}");
         }
     }
 }
@@ -317,7 +316,7 @@ async fn dispatch(AxumState(st): AxumState<Arc<State>>, req: Request) -> Respons
 
     let triggers = Triggers::scan(&body);
     if triggers.exit {
-        eprintln!(
+        log!(
             "fake-backend: fake_exit in {} {}; exiting now",
             parts.method,
             parts.uri.path()
@@ -325,7 +324,7 @@ async fn dispatch(AxumState(st): AxumState<Arc<State>>, req: Request) -> Respons
         crate::exit_now(st.cfg.exit);
     }
     if triggers.health_hang {
-        eprintln!("fake-backend: fake_health_hang: the health route stops answering");
+        log!("fake-backend: fake_health_hang: the health route stops answering");
         st.health_hung.store(true, Ordering::Release);
     }
     if let Some(status) = triggers.status {
@@ -333,7 +332,7 @@ async fn dispatch(AxumState(st): AxumState<Arc<State>>, req: Request) -> Respons
         return error_with_status(status, ErrorKind::for_status(status), &message);
     }
     if triggers.hang && !st.hung.swap(true, Ordering::AcqRel) {
-        eprintln!(
+        log!(
             "fake-backend: fake_hang in {} {}: the main loop is now wedged (/slots stops answering)",
             parts.method,
             parts.uri.path()

@@ -199,10 +199,7 @@ impl Task {
             "model": self.model,
             "tokens_predicted": n,
             "tokens_evaluated": self.n_prompt,
-            "generation_settings": {
-                "n_predict": self.max_tokens.map_or(-1, |m| m as i64),
-                "stream": false,
-            },
+            "generation_settings": {"n_predict": self.max_tokens.map_or(-1, |m| m as i64)},
             "prompt": self.prompt_text,
             "has_new_line": false,
             "truncated": false,
@@ -357,7 +354,6 @@ pub async fn handle(st: &Arc<State>, api: Api, body: &Bytes, triggers: Triggers)
         predicted_ms: 0.0,
     };
     let c = &st.counters;
-    c.requests.fetch_add(1, Ordering::Relaxed);
     c.prompt_tokens
         .fetch_add(timings.prompt_n as u64, Ordering::Relaxed);
     c.prompt_us
@@ -398,6 +394,7 @@ pub async fn handle(st: &Arc<State>, api: Api, body: &Bytes, triggers: Triggers)
             step: Step::Preamble(0),
             seq: 0,
             interval: st.cfg.sse_interval,
+            first_chunk_at: None,
             hang_at: triggers.hang.then(|| CHUNKS_BEFORE_HANG.min(n_gen)),
             include_usage: ask.include_usage,
             started,
@@ -450,6 +447,7 @@ struct Sse {
     step: Step,
     seq: u64,
     interval: Duration,
+    first_chunk_at: Option<tokio::time::Instant>,
     hang_at: Option<usize>,
     include_usage: bool,
     started: Instant,
@@ -492,7 +490,7 @@ impl Sse {
                 }
                 Step::Content => {
                     if self.hang_at == Some(self.sent) {
-                        eprintln!(
+                        log!(
                             "fake-backend: fake_hang: stream stopped after {} chunks",
                             self.sent
                         );
@@ -502,8 +500,15 @@ impl Sse {
                         self.step = Step::Finish;
                         continue;
                     }
-                    if self.sent > 0 && !self.interval.is_zero() {
-                        tokio::time::sleep(self.interval).await;
+                    // Deadlines from the first chunk, not sleeps after each, so the timer's
+                    // millisecond rounding does not add up and the pace stays the one asked for.
+                    let sent = u32::try_from(self.sent).unwrap_or(u32::MAX);
+                    match self.first_chunk_at {
+                        None => self.first_chunk_at = Some(tokio::time::Instant::now()),
+                        Some(first) if !self.interval.is_zero() => {
+                            tokio::time::sleep_until(first + self.interval * sent).await;
+                        }
+                        Some(_) => {}
                     }
                     let word = &self.words[self.sent % self.words.len()];
                     let piece = if self.sent == 0 {

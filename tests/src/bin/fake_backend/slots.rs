@@ -140,7 +140,7 @@ pub async fn action(st: &Arc<State>, id: &str, query: Option<&str>, body: &Bytes
             let path = dir.join(&filename);
             let result = blocking(move || std::fs::write(path, bytes)).await;
             if let Err(e) = result {
-                eprintln!("fake-backend: slot save to '{filename}' failed: {e}");
+                log!("fake-backend: slot save to '{filename}' failed: {e}");
                 return error(ErrorKind::Server, &format!("Unable to save slot: {e}"));
             }
             axum::Json(json!({
@@ -161,7 +161,7 @@ pub async fn action(st: &Arc<State>, id: &str, query: Option<&str>, body: &Bytes
             let (tokens, n_read) = match restored {
                 Ok(ok) => ok,
                 Err(reason) => {
-                    eprintln!("fake-backend: slot restore from '{filename}' failed: {reason}");
+                    log!("fake-backend: slot restore from '{filename}' failed: {reason}");
                     return error(
                         ErrorKind::InvalidRequest,
                         &format!("Unable to restore slot: {reason}"),
@@ -276,29 +276,5 @@ fn decode(data: &[u8], n_ctx: u32) -> Result<Vec<u32>, String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn saved_tokens_restore_in_packed_and_plain_form() {
-        let tokens = vec![5, 6, 7];
-        assert_eq!(decode(&encode(&tokens), 4096).unwrap(), tokens);
-        let mut plain = Vec::new();
-        for w in [SEQ_MAGIC, SEQ_VERSION, 2, 9, 10] {
-            plain.extend_from_slice(&w.to_le_bytes());
-        }
-        plain.extend_from_slice(b"kv section ignored");
-        assert_eq!(decode(&plain, 4096).unwrap(), [9, 10]);
-        assert!(decode(&plain, 1).is_err());
-        assert!(decode(b"garbage!!!!!!!!!", 4096).is_err());
-    }
-
-    #[test]
-    fn a_cached_prefix_still_evaluates_one_token() {
-        let mut slot = Slot::default();
-        assert_eq!(slot.start(1, &[1, 2, 3], true), 0);
-        assert_eq!(slot.start(2, &[1, 2, 3], true), 2);
-        assert_eq!(slot.start(3, &[1, 2, 4, 5], true), 2);
-        assert_eq!(slot.start(4, &[1, 2, 4, 5], false), 0);
-    }
-}
+#[path = "slots_tests.rs"]
+mod tests;
