@@ -36,12 +36,40 @@ pub fn read_header(path: &Path) -> Result<Header, Error> {
         .metadata()
         .map_err(|e| Error::io(name.clone(), "cannot stat", e))?
         .len();
-    read_header_from(BufReader::new(file), len, &name)
+    reader::parse(BufReader::new(file), len, &name, None)
 }
 
 /// Reads a header from any byte stream starting at the file's first byte. `len` is the
 /// file's total size: no count or string may claim more than what is left of it. `name`
 /// labels errors. Used by the fuzz target and by tests that build headers in memory.
 pub fn read_header_from<R: Read>(reader: R, len: u64, name: &str) -> Result<Header, Error> {
-    reader::parse(reader, len, name)
+    reader::parse(BufReader::new(reader), len, name, None)
+}
+
+/// Arrays longer than this are walked past by [`read_header_lean`].
+pub const LEAN_ARRAY_LIMIT: u64 = 4096;
+
+/// Like [`read_header`], but arrays of more than [`LEAN_ARRAY_LIMIT`] elements (a tokenizer's
+/// vocabulary, scores and merges) are checked and walked past, kept as [`Array::Skipped`]
+/// (type and length only). Per-layer arrays are far shorter and are kept. This is what the
+/// memory check reads: it needs the model's shape, not its vocabulary, and must answer in
+/// milliseconds.
+pub fn read_header_lean(path: &Path) -> Result<Header, Error> {
+    let name = path.display().to_string();
+    let file = File::open(path).map_err(|e| Error::io(name.clone(), "cannot open", e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io(name.clone(), "cannot stat", e))?
+        .len();
+    reader::parse(
+        BufReader::with_capacity(64 * 1024, file),
+        len,
+        &name,
+        Some(LEAN_ARRAY_LIMIT),
+    )
+}
+
+/// [`read_header_lean`] from any byte stream, as [`read_header_from`].
+pub fn read_header_lean_from<R: Read>(reader: R, len: u64, name: &str) -> Result<Header, Error> {
+    reader::parse(BufReader::new(reader), len, name, Some(LEAN_ARRAY_LIMIT))
 }

@@ -1,6 +1,6 @@
 //! Parses a GGUF header from a byte stream, refusing anything the remaining bytes cannot hold.
 
-use std::io::{self, Read};
+use std::io::{self, BufRead, Read};
 
 use crate::error::{Error, ErrorKind};
 use crate::header::{Header, Metadata, TensorInfo};
@@ -28,9 +28,11 @@ struct Cursor<'n, R> {
     pos: u64,
     len: u64,
     name: &'n str,
+    /// Arrays longer than this are skipped (their bytes walked, not kept); None keeps all.
+    keep_arrays_up_to: Option<u64>,
 }
 
-impl<R: Read> Cursor<'_, R> {
+impl<R: BufRead> Cursor<'_, R> {
     fn remaining(&self) -> u64 {
         self.len.saturating_sub(self.pos)
     }
@@ -177,6 +179,70 @@ impl<R: Read> Cursor<'_, R> {
         })
     }
 
+    /// Walk past `n` bytes without keeping them.
+    fn skip(&mut self, n: u64, what: &str) -> Result<(), Error> {
+        if n > self.remaining() {
+            return Err(self.truncated(n, what));
+        }
+        // Straight through the reader's own buffer: no copy, no allocation.
+        let mut left = n;
+        while left > 0 {
+            let available = match self.inner.fill_buf() {
+                Ok(buf) => buf.len() as u64,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(Error::io(self.name, &format!("byte {}: read", self.pos), e));
+                }
+            };
+            if available == 0 {
+                return Err(self.truncated(left, what));
+            }
+            let step = available.min(left);
+            self.inner.consume(step as usize);
+            self.pos += step;
+            left -= step;
+        }
+        Ok(())
+    }
+
+    /// Walk past `n` elements of an array, checking each string's length as `string` does.
+    fn skip_elements(&mut self, elem: ValueType, n: u64, what: &str) -> Result<(), Error> {
+        if elem == ValueType::String {
+            for _ in 0..n {
+                // Fast path: the length and the string both sit in the reader's buffer.
+                if let Ok(buf) = self.inner.fill_buf()
+                    && buf.len() >= 8
+                {
+                    let len = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+                    let whole = 8u64.saturating_add(len);
+                    if whole <= buf.len() as u64 && whole <= self.remaining() {
+                        self.inner.consume(whole as usize);
+                        self.pos += whole;
+                        continue;
+                    }
+                }
+                let at = self.pos;
+                let len = self.u64(what)?;
+                if len > self.remaining() {
+                    return Err(self.err(
+                        at,
+                        ErrorKind::StringTooLong,
+                        format!(
+                            "{what}: string of {len} bytes but only {} bytes remain in the file; {}",
+                            self.remaining(),
+                            self.damage(len)
+                        ),
+                    ));
+                }
+                self.skip(len, what)?;
+            }
+            Ok(())
+        } else {
+            // check_count has bounded n * size by the remaining bytes.
+            self.skip(n * elem.min_size(), what)
+        }
+    }
+
     /// An array value. Arrays of arrays are refused outright, so reading never recurses.
     fn array(&mut self, what: &str) -> Result<Array, Error> {
         let at = self.pos;
@@ -196,6 +262,10 @@ impl<R: Read> Cursor<'_, R> {
             elem.min_size(),
             &format!("elements in {what}"),
         )?;
+        if self.keep_arrays_up_to.is_some_and(|max| count > max) {
+            self.skip_elements(elem, count, what)?;
+            return Ok(Array::Skipped { elem, len: count });
+        }
         // Fits in usize: count * min_size <= remaining bytes of a file we are reading.
         let n = count as usize;
         macro_rules! read_vec {
@@ -289,12 +359,18 @@ impl<R: Read> Cursor<'_, R> {
 
 /// Parses the header from `reader`, which yields the file from its first byte; `len` is the
 /// file's size and bounds every count and allocation; `name` labels errors.
-pub(crate) fn parse<R: Read>(reader: R, len: u64, name: &str) -> Result<Header, Error> {
+pub(crate) fn parse<R: BufRead>(
+    reader: R,
+    len: u64,
+    name: &str,
+    keep_arrays_up_to: Option<u64>,
+) -> Result<Header, Error> {
     let mut c = Cursor {
         inner: reader,
         pos: 0,
         len,
         name,
+        keep_arrays_up_to,
     };
 
     if c.remaining() < 4 {

@@ -217,6 +217,12 @@ pub enum Array {
     U64(Vec<u64>),
     I64(Vec<i64>),
     F64(Vec<f64>),
+    /// An array that a lean read walked past without keeping (a tokenizer vocabulary, say):
+    /// its element type and length only.
+    Skipped {
+        elem: ValueType,
+        len: u64,
+    },
 }
 
 impl Array {
@@ -234,6 +240,7 @@ impl Array {
             Array::U64(_) => ValueType::U64,
             Array::I64(_) => ValueType::I64,
             Array::F64(_) => ValueType::F64,
+            Array::Skipped { elem, .. } => *elem,
         }
     }
 
@@ -251,6 +258,7 @@ impl Array {
             Array::U64(v) => v.len(),
             Array::I64(v) => v.len(),
             Array::F64(v) => v.len(),
+            Array::Skipped { len, .. } => *len as usize,
         }
     }
 
@@ -275,7 +283,7 @@ impl Array {
             Array::I32(v) => conv(v, |x| u64::try_from(x).ok()),
             Array::I64(v) => conv(v, |x| u64::try_from(x).ok()),
             Array::Bool(v) => conv(v, |x| Some(u64::from(x))),
-            Array::F32(_) | Array::F64(_) | Array::String(_) => None,
+            Array::F32(_) | Array::F64(_) | Array::String(_) | Array::Skipped { .. } => None,
         }
     }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use crate::header::TensorInfo;
 use crate::reader::MAGIC;
-use crate::value::{Array, Value};
+use crate::value::{Array, Value, ValueType};
 
 /// A GGUF file to write: version 3 unless told otherwise, metadata in insertion order, tensor
 /// infos, and an optional total size reached by extending the file sparsely.
@@ -189,5 +189,15 @@ fn put_array(out: &mut Vec<u8>, a: &Array) {
         Array::U64(v) => each!(v),
         Array::I64(v) => each!(v),
         Array::F64(v) => each!(v),
+        // A lean read kept only the shape: written back as that many zero values (empty
+        // strings), so the header's layout and counts stay what they were.
+        Array::Skipped { elem, len } => {
+            for _ in 0..*len {
+                match elem {
+                    ValueType::String => put_str(out, ""),
+                    other => out.extend(std::iter::repeat_n(0u8, other.min_size() as usize)),
+                }
+            }
+        }
     }
 }

@@ -253,3 +253,43 @@ fn reading_a_header_reads_the_header_and_no_tensor_data() {
     assert!(read.get() <= header_len + 8192, "read {} bytes", read.get());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_lean_read_walks_past_long_arrays_and_keeps_everything_else() {
+    let vocab: Vec<String> = (0..10_000).map(|i| format!("tok{i}")).collect();
+    let bytes = Builder::new()
+        .kv("general.architecture", "llama")
+        .kv("tokenizer.ggml.tokens", Value::Array(Array::String(vocab)))
+        .kv(
+            "tokenizer.ggml.scores",
+            Value::Array(Array::F32(vec![0.5; 5000])),
+        )
+        .kv(
+            "llama.attention.head_count_kv",
+            Value::Array(Array::U32(vec![8; 64])),
+        )
+        .kv("llama.block_count", 64u32)
+        .tensor("w", &[4, 4], 0, 0)
+        .to_bytes();
+    let full = parse(&bytes).unwrap();
+    let lean = gguf::read_header_lean_from(&bytes[..], bytes.len() as u64, "m.gguf").unwrap();
+    assert_eq!(
+        lean.get_array("tokenizer.ggml.tokens"),
+        Some(&Array::Skipped {
+            elem: ValueType::String,
+            len: 10_000
+        })
+    );
+    assert_eq!(lean.get_array("tokenizer.ggml.scores").unwrap().len(), 5000);
+    assert_eq!(
+        lean.get_array("llama.attention.head_count_kv"),
+        full.get_array("llama.attention.head_count_kv")
+    );
+    assert_eq!(lean.get_u64("llama.block_count"), Some(64));
+    assert_eq!(lean.tensors, full.tensors);
+    assert_eq!(lean.data_offset, full.data_offset);
+    // Cut inside the skipped vocabulary: still a clear truncation error.
+    let cut = &bytes[..120_000];
+    let e = gguf::read_header_lean_from(cut, cut.len() as u64, "m.gguf").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Truncated, "{e}");
+}

@@ -204,7 +204,6 @@ impl ServeArgs {
         check(self.embedding, "--embedding");
         check(self.reranking, "--reranking");
         check(!self.npu_opt.is_empty(), "--npu-opt");
-        check(self.mem_check, "--mem-check");
         check(self.watchdog.is_some(), "--watchdog");
         check(self.watchdog_prompt_tps.is_some(), "--watchdog-prompt-tps");
         check(self.strict_device, "--strict-device");

@@ -14,6 +14,8 @@ pub mod exit {
     pub const BACKEND: i32 = 1;
     /// Bad usage.
     pub const USAGE: i32 = 2;
+    /// The model does not fit.
+    pub const NO_FIT: i32 = 3;
     /// `--print-backend` on a route that needs serve in the request path.
     pub const NEEDS_SERVE: i32 = 5;
 }

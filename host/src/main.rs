@@ -4,6 +4,7 @@
 //! backend die with serve (`supervisor::die_with_serve`), which has no safe equivalent.
 #![deny(unsafe_code)]
 
+mod admission;
 mod cli;
 mod error;
 mod model;

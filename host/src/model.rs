@@ -51,7 +51,7 @@ pub fn facts(model: &Path) -> Result<ModelFacts, Fatal> {
         facts.gguf_error = Some(format!("{}: the file is empty", model.display()));
         return Ok(facts);
     }
-    match gguf::read_header(model) {
+    match gguf::read_header_lean(model) {
         Ok(header) => {
             facts.architecture = header.architecture().map(str::to_string);
             facts.context_length = header

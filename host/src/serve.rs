@@ -23,7 +23,7 @@ use crate::error::{Fatal, exit};
 use crate::proxy::{self, App, BackendClient, Status};
 use crate::route_calls::{RouteCalls, install_host_services};
 use crate::supervisor::{self, Backend, Event};
-use crate::{model, routes};
+use crate::{admission, model, routes};
 
 /// A backend that does not answer its health route within this long is reported down.
 const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -107,6 +107,8 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let request = PlanRequest {
         purpose: if printing {
             Purpose::PrintBackend
+        } else if args.mem_check {
+            Purpose::MemCheck
         } else {
             Purpose::Serve
         },
@@ -158,6 +160,12 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
     };
 
+    if args.mem_check {
+        return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
+    }
+    if !admission::skipped(args.no_mem_check) {
+        admit(args, &served_name, &plan)?;
+    }
     if printing {
         return print_backend(args, &plan).map(Prepared::Exit);
     }
@@ -171,6 +179,47 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         served_name,
         run_dir,
     })))
+}
+
+/// `--mem-check`: the estimate on stdout, exit 0 when it fits and 3 when it does not.
+fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
+    let Some(need) = &plan.memory else {
+        println!(
+            "{name}: nothing to check: the {} route gave no memory estimate for {}",
+            plan.device,
+            args.model.display()
+        );
+        return Ok(exit::OK);
+    };
+    let free =
+        admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
+    let verdict = admission::judge(name, &args.model, need, &free);
+    println!("{}", verdict.line);
+    for warning in &verdict.warnings {
+        println!("warning: {warning}");
+    }
+    Ok(if verdict.fits { exit::OK } else { exit::NO_FIT })
+}
+
+/// The check before a load: say the estimate, refuse with exit 3 when it does not fit.
+fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
+    let Some(need) = &plan.memory else {
+        return Ok(());
+    };
+    let free =
+        admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
+    let verdict = admission::judge(name, &args.model, need, &free);
+    if !verdict.fits {
+        return Err(Fatal {
+            code: exit::NO_FIT,
+            message: verdict.line,
+        });
+    }
+    eprintln!("1bit serve: {}", verdict.line);
+    for warning in &verdict.warnings {
+        eprintln!("1bit serve: warning: {warning}");
+    }
+    Ok(())
 }
 
 /// `--print-backend`: the plan's backend as one JSON line; `--print-backend-env`: its

@@ -259,7 +259,8 @@ pub struct MemoryNeed {
     pub compute_bytes: u64,
     /// The context judged.
     pub ctx: u64,
-    /// Where `ctx` came from, for the line (`--ctx-size`, `the model's own ctx`, ...).
+    /// The context as the line names it, after "at ": `ctx 4096 (--ctx-size)`, `the model's
+    /// own ctx 262144 (no --ctx-size)`.
     pub ctx_source: String,
     /// Which memory the backend allocates from: `ram` or `gtt`.
     pub pool: String,

@@ -1,6 +1,7 @@
 //! `cargo xtask`: installs what 1bit serve needs (llama.cpp's llama-server, the pinned models) and runs the server, its checks and its tests.
 #![forbid(unsafe_code)]
 
+mod bench;
 mod cache;
 mod paths;
 mod pins;
@@ -22,6 +23,7 @@ usage: cargo xtask <subcommand>
   setup             install the pinned llama-server and models into the cache (fast when done)
   serve [ARGS...]   setup, build 1bit in release mode, serve the default model on 127.0.0.1:8000
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
+  bench [mem-check] benchmarks that report figures (results/*.json)
   paths             print cache_dir, llama_server and model paths, one name=value per line";
 
 /// Why a subcommand stopped: one line saying what failed and what to do about it.
@@ -73,6 +75,7 @@ fn main() -> ExitCode {
             .map(|_| ExitCode::SUCCESS),
         Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
+        Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
         Some("paths") => no_arguments("paths", &rest)
             .and_then(|()| Workspace::load())
             .map(|ws| paths::run(&ws)),
@@ -82,7 +85,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, paths (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, paths (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

