@@ -6,6 +6,7 @@
 
 mod cli;
 mod error;
+mod guard;
 mod model;
 mod proxy;
 mod route_calls;
