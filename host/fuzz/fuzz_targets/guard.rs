@@ -3,6 +3,7 @@
 #![no_main]
 
 #[path = "../../src/guard/rules.rs"]
+#[allow(dead_code)] // the target uses fuzz_one alone
 mod rules;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
