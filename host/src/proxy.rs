@@ -243,6 +243,7 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
     strip_hop_headers(&mut reply_parts.headers);
+    strip_cors_headers(&mut reply_parts.headers);
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -368,6 +369,20 @@ fn strip_hop_headers(headers: &mut HeaderMap) {
     headers.remove("keep-alive");
 }
 
+/// llama-server answers any Origin with `Access-Control-Allow-Origin` (and credentials), which
+/// would let any web page read the replies it can make a browser request; serve sends no CORS
+/// headers at all (docs/security.md).
+fn strip_cors_headers(headers: &mut HeaderMap) {
+    let cors: Vec<header::HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().starts_with("access-control-"))
+        .cloned()
+        .collect();
+    for name in cors {
+        headers.remove(name);
+    }
+}
+
 fn upstream_request(
     method: &Method,
     uri: &Uri,
@@ -453,6 +468,19 @@ mod tests {
         assert_eq!(with_model_name(same.clone(), "smol"), same);
         let text = Bytes::from_static(b"not json");
         assert_eq!(with_model_name(text.clone(), "smol"), text);
+    }
+
+    #[test]
+    fn cors_headers_are_stripped_from_replies() {
+        let mut headers = HeaderMap::new();
+        headers.insert("access-control-allow-origin", HeaderValue::from_static("*"));
+        headers.insert(
+            "access-control-allow-credentials",
+            HeaderValue::from_static("true"),
+        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        strip_cors_headers(&mut headers);
+        assert_eq!(headers.len(), 1);
     }
 
     #[test]

@@ -113,4 +113,17 @@ fn eight_concurrent_greedy_chats_on_four_slots_all_answer() {
         let answer = v["choices"][0]["message"]["content"].as_str().unwrap_or("");
         assert!(!answer.trim().is_empty(), "an answer: {reply}");
     }
+    // llama-server reflects any Origin in CORS headers; serve relays none of them.
+    let (status, reply) = raw(
+        serve.port,
+        b"GET /props HTTP/1.1\r\nHost: localhost\r\nOrigin: https://evil.example\r\nConnection: close\r\n\r\n",
+        std::time::Duration::from_secs(10),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let head = reply
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    assert!(!head.contains("access-control-"), "{head}");
 }
