@@ -56,6 +56,14 @@ pub enum ApiError {
     BadJson(String),
     /// The body is larger than the limit.
     TooLarge { limit: usize },
+    /// A body with a Content-Type serve does not read as JSON.
+    BadContentType(String),
+    /// The client sent its body too slowly.
+    BodyTimeout { after: std::time::Duration },
+    /// The guard: on a loopback bind, a Host header that does not name loopback (DNS rebinding).
+    ForeignHost { host: String },
+    /// The guard: a write whose Origin is neither loopback nor this server (a web page).
+    CrossSite { origin: String },
     /// No route for this method and path.
     NotFound { method: String, path: String },
     /// The model is still loading, or its backend is down.
@@ -69,6 +77,9 @@ impl ApiError {
         match self {
             ApiError::BadJson(_) => StatusCode::BAD_REQUEST,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BadContentType(_) => StatusCode::BAD_REQUEST,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::ForeignHost { .. } | ApiError::CrossSite { .. } => StatusCode::FORBIDDEN,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
@@ -78,7 +89,11 @@ impl ApiError {
     /// The OpenAI error type.
     pub fn error_type(&self) -> &'static str {
         match self {
-            ApiError::BadJson(_) | ApiError::TooLarge { .. } => "invalid_request_error",
+            ApiError::BadJson(_)
+            | ApiError::TooLarge { .. }
+            | ApiError::BadContentType(_)
+            | ApiError::BodyTimeout { .. } => "invalid_request_error",
+            ApiError::ForeignHost { .. } | ApiError::CrossSite { .. } => "permission_error",
             ApiError::NotFound { .. } => "not_found_error",
             ApiError::Unavailable(_) => "unavailable_error",
             ApiError::BadGateway(_) => "server_error",
@@ -90,9 +105,22 @@ impl ApiError {
             ApiError::BadJson(why) => {
                 format!("the request body is not a JSON object ({why}); send a JSON object")
             }
-            ApiError::TooLarge { limit } => {
-                format!("the request body is larger than {limit} bytes")
-            }
+            ApiError::TooLarge { limit } => format!(
+                "the request body is larger than {limit} bytes; send less, or raise ONEBIT_MAX_BODY_BYTES"
+            ),
+            ApiError::BadContentType(ct) => format!(
+                "the request body is sent as {ct:?}, not JSON; send it with Content-Type: application/json"
+            ),
+            ApiError::BodyTimeout { after } => format!(
+                "the request body did not arrive within {} s; send it at once, or raise ONEBIT_BODY_READ_TIMEOUT_S",
+                after.as_secs_f64()
+            ),
+            ApiError::ForeignHost { host } => format!(
+                "the Host header does not name this server (Host: {host:?}); call it as localhost or 127.0.0.1, or bind --host 0.0.0.0 to serve other names"
+            ),
+            ApiError::CrossSite { origin } => format!(
+                "cross-site requests are not allowed (Origin: {origin:?}); call the API from a program or from a page served by this host, not from another site"
+            ),
             ApiError::NotFound { method, path } => {
                 format!("{method} {path} is not served here")
             }
@@ -137,5 +165,21 @@ mod tests {
             StatusCode::BAD_GATEWAY
         );
         assert_eq!(ApiError::TooLarge { limit: 1 }.status().as_u16(), 413);
+        let e = ApiError::ForeignHost {
+            host: "evil.example".into(),
+        };
+        assert_eq!(e.status(), StatusCode::FORBIDDEN);
+        assert!(
+            e.message()
+                .starts_with("the Host header does not name this server")
+        );
+        let e = ApiError::CrossSite {
+            origin: "null".into(),
+        };
+        assert_eq!(e.error_type(), "permission_error");
+        assert!(
+            e.message()
+                .starts_with("cross-site requests are not allowed")
+        );
     }
 }

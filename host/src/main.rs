@@ -7,6 +7,7 @@
 mod admission;
 mod cli;
 mod error;
+mod guard;
 mod model;
 mod proxy;
 mod route_calls;

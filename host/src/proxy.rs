@@ -4,12 +4,12 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use axum::{Router, middleware};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -19,13 +19,18 @@ use onebit_plugin_api::{Action, Forward, ForwardRequest, Rule};
 use serde::Deserialize;
 
 use crate::error::ApiError;
+use crate::guard::{self, Guard};
 use crate::route_calls::RouteCalls;
 
 /// The pooled client toward the backends.
 pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
 
-/// A request body larger than this is refused with 413 (base64 images make chats large).
+/// A request body larger than this is refused with 413 (base64 images make chats large);
+/// `ONEBIT_MAX_BODY_BYTES` changes it.
 pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024 * 1024;
+/// A request body must have arrived whole within this long; `ONEBIT_BODY_READ_TIMEOUT_S`
+/// changes it. At the default limit this asks for about 0.5 MiB/s.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub fn backend_client() -> BackendClient {
     let mut connector = HttpConnector::new();
@@ -58,6 +63,10 @@ pub struct App {
     pub status: RwLock<Status>,
     pub client: BackendClient,
     pub body_limit: usize,
+    /// How long a request body may take to arrive.
+    pub body_timeout: Duration,
+    /// The browser guard, applied before routing.
+    pub guard: Guard,
     pub route: RouteCalls,
 }
 
@@ -88,12 +97,15 @@ impl App {
 
 /// The router, apart from `main` so tests and benchmarks can build it.
 pub fn router(app: Arc<App>) -> Router {
+    let guard = app.guard;
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/v1/models", get(models))
         .fallback(relay)
         .with_state(app)
+        // Outermost: every route, the fallback and 404s see the guard first.
+        .layer(middleware::from_fn_with_state(guard, guard::guard))
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -176,9 +188,9 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
 
     let has_body = parts.method != Method::GET && parts.method != Method::HEAD;
     let body = if has_body {
-        match axum::body::to_bytes(body, app.body_limit).await {
+        match read_json_body(&app, &parts.headers, body).await {
             Ok(bytes) => bytes,
-            Err(e) => return body_error(e, app.body_limit).into_response(),
+            Err(e) => return e.into_response(),
         }
     } else {
         Bytes::new()
@@ -231,6 +243,7 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
     strip_hop_headers(&mut reply_parts.headers);
+    strip_cors_headers(&mut reply_parts.headers);
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -267,6 +280,66 @@ fn answer(status: u16, content_type: &str, body: String) -> Response {
     response
 }
 
+/// Read a request body that must be JSON: refuse a non-JSON Content-Type, a declared length
+/// over the limit (before reading a byte), a body that grows past it (the read stops there),
+/// one that takes longer than the body timeout, and invalid UTF-8. Called by `relay` before
+/// anything reaches a backend.
+async fn read_json_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    if let Some(ct) = headers.get(header::CONTENT_TYPE)
+        && !json_content_type(ct.as_bytes())
+    {
+        return Err(ApiError::BadContentType(
+            String::from_utf8_lossy(ct.as_bytes())
+                .chars()
+                .take(100)
+                .collect(),
+        ));
+    }
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > app.body_limit as u64) {
+        return Err(ApiError::TooLarge {
+            limit: app.body_limit,
+        });
+    }
+    let bytes =
+        match tokio::time::timeout(app.body_timeout, axum::body::to_bytes(body, app.body_limit))
+            .await
+        {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(e)) => return Err(body_error(e, app.body_limit)),
+            Err(_) => {
+                return Err(ApiError::BodyTimeout {
+                    after: app.body_timeout,
+                });
+            }
+        };
+    if let Err(e) = std::str::from_utf8(&bytes) {
+        return Err(ApiError::BadJson(format!("it is not UTF-8: {e}")));
+    }
+    Ok(bytes)
+}
+
+/// Content types serve reads as JSON: `application/json` and `+json` types (any parameters),
+/// and `application/x-www-form-urlencoded`, which `curl -d` sends for a JSON body. A browser
+/// form's other types (`text/plain`, `multipart/form-data`) are refused; see docs/security.md.
+fn json_content_type(value: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return false;
+    };
+    let essence = text.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || essence.eq_ignore_ascii_case("application/x-www-form-urlencoded")
+        || essence
+            .get(..12)
+            .is_some_and(|p| p.eq_ignore_ascii_case("application/"))
+            && essence
+                .get(essence.len().saturating_sub(5)..)
+                .is_some_and(|s| s.eq_ignore_ascii_case("+json"))
+}
+
 fn body_error(e: axum::Error, limit: usize) -> ApiError {
     let too_large = std::error::Error::source(&e)
         .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
@@ -294,6 +367,20 @@ fn strip_hop_headers(headers: &mut HeaderMap) {
         headers.remove(name);
     }
     headers.remove("keep-alive");
+}
+
+/// llama-server answers any Origin with `Access-Control-Allow-Origin` (and credentials), which
+/// would let any web page read the replies it can make a browser request; serve sends no CORS
+/// headers at all (docs/security.md).
+fn strip_cors_headers(headers: &mut HeaderMap) {
+    let cors: Vec<header::HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().starts_with("access-control-"))
+        .cloned()
+        .collect();
+    for name in cors {
+        headers.remove(name);
+    }
 }
 
 fn upstream_request(
@@ -381,6 +468,40 @@ mod tests {
         assert_eq!(with_model_name(same.clone(), "smol"), same);
         let text = Bytes::from_static(b"not json");
         assert_eq!(with_model_name(text.clone(), "smol"), text);
+    }
+
+    #[test]
+    fn cors_headers_are_stripped_from_replies() {
+        let mut headers = HeaderMap::new();
+        headers.insert("access-control-allow-origin", HeaderValue::from_static("*"));
+        headers.insert(
+            "access-control-allow-credentials",
+            HeaderValue::from_static("true"),
+        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        strip_cors_headers(&mut headers);
+        assert_eq!(headers.len(), 1);
+    }
+
+    #[test]
+    fn json_content_types() {
+        for yes in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/x-www-form-urlencoded",
+            "application/vnd.api+json",
+        ] {
+            assert!(json_content_type(yes.as_bytes()), "{yes}");
+        }
+        for no in [
+            "text/plain",
+            "multipart/form-data; boundary=x",
+            "application/xml",
+            "",
+            "+json",
+        ] {
+            assert!(!json_content_type(no.as_bytes()), "{no}");
+        }
     }
 
     #[test]

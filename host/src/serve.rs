@@ -7,9 +7,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::serve::ListenerExt;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use nix::sys::signal::Signal;
 use onebit_plugin_api::loader::LoadedRoute;
 use onebit_plugin_api::{
@@ -20,6 +22,7 @@ use tokio::sync::mpsc::unbounded_channel;
 
 use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
+use crate::guard::Guard;
 use crate::proxy::{self, App, BackendClient, Status};
 use crate::route_calls::{RouteCalls, install_host_services};
 use crate::supervisor::{self, Backend, Event};
@@ -27,6 +30,9 @@ use crate::{admission, model, routes};
 
 /// A backend that does not answer its health route within this long is reported down.
 const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
+/// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
+/// changes it.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often serve asks each backend's health route once it is ready.
 const HEALTH_EVERY: Duration = Duration::from_millis(1000);
 /// Ports Lemonade scans for its own servers; backends never take one.
@@ -298,6 +304,72 @@ fn stop_grace() -> Duration {
     Duration::from_secs_f64(secs)
 }
 
+/// A number from the environment; None when unset or not a finite number.
+fn env_number(name: &str) -> Option<f64> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|n| n.is_finite())
+}
+
+/// A positive number of seconds from the environment.
+fn env_secs(name: &str) -> Option<Duration> {
+    env_number(name)
+        .filter(|s| *s > 0.0 && *s < 1e9)
+        .map(Duration::from_secs_f64)
+}
+
+/// Serve HTTP/1 on `listener` until `shutdown` turns true, then let each connection finish
+/// its request in flight. hyper's own connection loop rather than `axum::serve`, because only
+/// it bounds the time a client may take to send its headers: a client that trickles them is
+/// dropped after `header_timeout`, holding nothing but its socket until then.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    header_timeout: Duration,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let service = TowerToHyperService::new(router);
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of descriptors and the like: say so, and do not spin.
+                    eprintln!("1bit serve: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            () = stopped(&mut shutdown) => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let connection = http.serve_connection(TokioIo::new(tcp), service.clone());
+        let mut stop = shutdown.clone();
+        connections.spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => return,
+                () = stopped(&mut stop) => {}
+            }
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        });
+    }
+    drop(listener);
+    while connections.join_next().await.is_some() {}
+}
+
+/// Resolves once serve is told to stop (or the sender is gone).
+async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
 async fn serve_plan(p: ServePlan) -> i32 {
     let ServePlan {
         args,
@@ -333,7 +405,12 @@ async fn serve_plan(p: ServePlan) -> i32 {
         ports: plan.backends.iter().map(|b| b.port).collect(),
         status: RwLock::new(Status::Loading),
         client: client.clone(),
-        body_limit: proxy::DEFAULT_BODY_LIMIT,
+        body_limit: env_number("ONEBIT_MAX_BODY_BYTES")
+            .filter(|n| *n >= 1.0)
+            .map(|n| n as usize)
+            .unwrap_or(proxy::DEFAULT_BODY_LIMIT),
+        body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S").unwrap_or(proxy::DEFAULT_BODY_TIMEOUT),
+        guard: Guard::for_bind(&args.host),
         route: RouteCalls {
             route: route.clone(),
         },
@@ -345,20 +422,12 @@ async fn serve_plan(p: ServePlan) -> i32 {
     );
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-    let server = {
-        let router = proxy::router(app.clone());
-        let mut shutdown_rx = shutdown_rx.clone();
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = shutdown_rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        })
-    };
+    let server = tokio::spawn(accept_loop(
+        listener,
+        proxy::router(app.clone()),
+        env_secs("ONEBIT_HEADER_READ_TIMEOUT_S").unwrap_or(HEADER_READ_TIMEOUT),
+        shutdown_rx,
+    ));
 
     let code = supervise(&args, &route, &plan, &app, &client).await;
 

