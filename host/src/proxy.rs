@@ -63,6 +63,10 @@ pub struct App {
     pub status: RwLock<Status>,
     pub client: BackendClient,
     pub body_limit: usize,
+    /// The route asked that its forwards take turns (`Plan::serialize_forwards`).
+    pub serialize_forwards: bool,
+    /// The turn, when they do.
+    pub forward_turn: Arc<tokio::sync::Mutex<()>>,
     /// How long a request body may take to arrive.
     pub body_timeout: Duration,
     /// The browser guard, applied before routing.
@@ -203,20 +207,39 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         }
     }
 
+    // For a route that asks to, its forwards take turns: the turn is held from asking the
+    // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
+    let mut on_first_byte: Option<FirstByte> = None;
     let (backend, body) = match &rule.action {
         Action::Proxy { backend } => (*backend, body),
-        Action::AskRoute => match ask_route(&app, &parts.method, &parts.uri, &body).await {
-            Ok(Forward::Proxy {
-                backend,
-                body: rewritten,
-            }) => (backend, rewritten.map(Bytes::from).unwrap_or(body)),
-            Ok(Forward::Answer {
-                status,
-                content_type,
-                body,
-            }) => return answer(status, &content_type, body),
-            Err(e) => return e.into_response(),
-        },
+        Action::AskRoute => {
+            let turn = if app.serialize_forwards {
+                Some(app.forward_turn.clone().lock_owned().await)
+            } else {
+                None
+            };
+            let asked_at = std::time::Instant::now();
+            match ask_route(&app, &parts.method, &parts.uri, &body).await {
+                Ok(Forward::Proxy {
+                    backend,
+                    body: rewritten,
+                    first_byte_line,
+                }) => {
+                    on_first_byte = Some(FirstByte {
+                        asked_at,
+                        line: first_byte_line,
+                        _turn: turn,
+                    });
+                    (backend, rewritten.map(Bytes::from).unwrap_or(body))
+                }
+                Ok(Forward::Answer {
+                    status,
+                    content_type,
+                    body,
+                }) => return answer(status, &content_type, body),
+                Err(e) => return e.into_response(),
+            }
+        }
         Action::Answer { .. } => unreachable!("answered above"),
     };
     let Some(port) = app.ports.get(backend).copied() else {
@@ -242,6 +265,20 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         }
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
+    let reply_body = match on_first_byte {
+        None => Body::new(reply_body),
+        Some(first) => {
+            let mut first = Some(first);
+            Body::new(reply_body.map_frame(move |frame| {
+                if frame.is_data()
+                    && let Some(first) = first.take()
+                {
+                    first.arrived();
+                }
+                frame
+            }))
+        }
+    };
     strip_hop_headers(&mut reply_parts.headers);
     strip_cors_headers(&mut reply_parts.headers);
     let json_reply = reply_parts
@@ -268,7 +305,24 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     }
     // Streamed as it arrives: dropping this response (a client that went away) drops the
     // upstream body, which closes the backend connection, and the engine stops generating.
-    Response::from_parts(reply_parts, Body::new(reply_body))
+    Response::from_parts(reply_parts, reply_body)
+}
+
+/// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
+/// and the forward turn (if held) is released.
+struct FirstByte {
+    asked_at: std::time::Instant,
+    line: Option<String>,
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl FirstByte {
+    fn arrived(self) {
+        if let Some(line) = self.line {
+            let ms = format!("{:.1}", self.asked_at.elapsed().as_secs_f64() * 1000.0);
+            eprintln!("{}", line.replace("{first_byte_ms}", &ms));
+        }
+    }
 }
 
 fn answer(status: u16, content_type: &str, body: String) -> Response {

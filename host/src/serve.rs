@@ -411,6 +411,8 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(proxy::DEFAULT_BODY_LIMIT),
         body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S").unwrap_or(proxy::DEFAULT_BODY_TIMEOUT),
         guard: Guard::for_bind(&args.host),
+        serialize_forwards: plan.serialize_forwards,
+        forward_turn: Arc::new(tokio::sync::Mutex::new(())),
         route: RouteCalls {
             route: route.clone(),
         },

@@ -88,6 +88,7 @@ pub trait DeviceRoute: Default + Send + Sync + 'static {
         Forward::Proxy {
             backend: 0,
             body: None,
+            first_byte_line: None,
         }
     }
 

@@ -180,6 +180,13 @@ pub struct Plan {
     pub memory: Option<MemoryNeed>,
     /// Lines serve prints before starting (a recipe applied, a setting chosen).
     pub notes: Vec<String>,
+    /// Run `AskRoute` requests one at a time: each holds the turn from the moment serve asks
+    /// the route until the backend sends the first byte of its reply (the hybrid route's one
+    /// slot).
+    pub serialize_forwards: bool,
+    /// The route's own data, opaque to the host and handed back in [`Started`] (paths,
+    /// settings the route decided at plan time).
+    pub route_state: serde_json::Value,
 }
 
 /// One child process.
@@ -354,7 +361,12 @@ pub enum Forward {
     /// Relay it to a backend, with this body instead of the client's when given.
     Proxy {
         backend: usize,
+        #[serde(default)]
         body: Option<String>,
+        /// A line serve prints on stderr when the reply's first byte arrives, with
+        /// `{first_byte_ms}` replaced by the milliseconds since serve asked the route.
+        #[serde(default)]
+        first_byte_line: Option<String>,
     },
     /// Answer it directly.
     Answer {
