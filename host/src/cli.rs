@@ -205,8 +205,6 @@ impl ServeArgs {
         check(self.reranking, "--reranking");
         check(!self.npu_opt.is_empty(), "--npu-opt");
         check(self.mem_check, "--mem-check");
-        check(self.watchdog.is_some(), "--watchdog");
-        check(self.watchdog_prompt_tps.is_some(), "--watchdog-prompt-tps");
         check(self.strict_device, "--strict-device");
         check(self.no_strict_device, "--no-strict-device");
         check(self.placement_report, "--placement-report");

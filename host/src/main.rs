@@ -6,12 +6,14 @@
 
 mod cli;
 mod error;
+mod metrics;
 mod model;
 mod proxy;
 mod route_calls;
 mod routes;
 mod serve;
 mod supervisor;
+mod watchdog;
 
 use clap::Parser;
 

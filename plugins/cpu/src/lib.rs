@@ -3,7 +3,8 @@
 
 use llama_server::log::{LogSeries, lost_device};
 use onebit_plugin_api::{
-    BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Refusal, RouteInfo, export_route,
+    BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Refusal, RouteInfo,
+    export_route,
 };
 
 /// llama-server's own default context is the model's training context, which on a CPU
@@ -131,10 +132,17 @@ mod tests {
             backend: 0,
             line: l.into(),
         };
-        assert_eq!(route.on_backend_line(&line("srv  all slots are idle")).stop, None);
+        assert_eq!(
+            route.on_backend_line(&line("srv  all slots are idle")).stop,
+            None
+        );
         let verdict = route.on_backend_line(&line("ggml_hrx: AMDGPU hardware exception"));
         assert!(verdict.stop.unwrap().contains("AMDGPU hardware exception"));
         route.on_backend_line(&line("W hrx: CPU fallback: MUL_MAT=2"));
-        assert!(route.metrics().contains("onebit_cpu_fallback_ops{op=\"MUL_MAT\"} 2"));
+        assert!(
+            route
+                .metrics()
+                .contains("onebit_cpu_fallback_ops{op=\"MUL_MAT\"} 2")
+        );
     }
 }

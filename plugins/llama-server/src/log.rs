@@ -184,6 +184,9 @@ mod tests {
         assert!(text.contains("onebit_program_cache_flushes_total 2\n"));
         assert!(!text.contains("onebit_cpu_fallback_ops"));
         s.observe("W hrx: CPU fallback: MUL_MAT=1");
-        assert!(s.render().contains("onebit_cpu_fallback_ops{op=\"all\"} 1\n"));
+        assert!(
+            s.render()
+                .contains("onebit_cpu_fallback_ops{op=\"all\"} 1\n")
+        );
     }
 }
