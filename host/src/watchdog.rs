@@ -8,7 +8,7 @@
 //! prompt's allowance) means the backend is hung.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,9 @@ pub struct Watchdog {
     epoch: Instant,
     /// Per backend: when its progress route last answered (ms since `epoch`; 0 never).
     loop_alive_ms: Vec<AtomicU64>,
+    /// Per backend: its progress route answered 404 or 501 (llama-server `--no-slots`), so
+    /// it is judged as a backend without one.
+    loop_missing: Vec<AtomicBool>,
     next_id: AtomicU64,
     in_flight: Mutex<HashMap<u64, Arc<Tracked>>>,
 }
@@ -119,6 +122,7 @@ impl Watchdog {
             },
             device: device.to_string(),
             loop_alive_ms: backends.iter().map(|_| AtomicU64::new(0)).collect(),
+            loop_missing: backends.iter().map(|_| AtomicBool::new(false)).collect(),
             backends,
             epoch: Instant::now(),
             next_id: AtomicU64::new(1),
@@ -174,7 +178,8 @@ impl Watchdog {
         let map = self.in_flight.lock().ok()?;
         for t in map.values() {
             let watched = &self.backends.get(t.backend)?;
-            let has_loop = watched.progress_path.is_some();
+            let has_loop = watched.progress_path.is_some()
+                && !self.loop_missing[t.backend].load(Ordering::Relaxed);
             if !has_loop && !t.streamed {
                 // Without a progress route, a long non-streamed answer and a hang look alike.
                 continue;
@@ -272,12 +277,19 @@ impl Watchdog {
             };
             let ask = async {
                 let reply = client.request(request).await.ok()?;
-                let ok = reply.status().is_success();
+                let status = reply.status();
                 reply.into_body().collect().await.ok()?;
-                ok.then_some(())
+                Some(status)
             };
-            if let Ok(Some(())) = tokio::time::timeout(self.limit.max(every), ask).await {
-                self.loop_alive_ms[index].store(self.now_ms().max(1), Ordering::Relaxed);
+            match tokio::time::timeout(self.limit.max(every), ask).await {
+                Ok(Some(status)) if status.is_success() => {
+                    self.loop_alive_ms[index].store(self.now_ms().max(1), Ordering::Relaxed);
+                }
+                Ok(Some(status)) if status.as_u16() == 404 || status.as_u16() == 501 => {
+                    self.loop_missing[index].store(true, Ordering::Relaxed);
+                    return;
+                }
+                _ => {}
             }
         }
     }
@@ -355,6 +367,16 @@ mod tests {
         assert_eq!(dog.judge(start + 60_000), None);
         let streamed = dog.track("POST", "/v1/completions", true, 0, 40);
         assert!(dog.judge(streamed.tracked.started_ms + 2500).is_some());
+    }
+
+    #[test]
+    fn a_progress_route_that_answers_501_counts_as_none() {
+        let dog = dog(Some("/slots"));
+        let quiet = dog.track("POST", "/v1/completions", false, 0, 40);
+        let start = quiet.tracked.started_ms;
+        assert!(dog.judge(start + 2500).is_some());
+        dog.loop_missing[0].store(true, Ordering::Relaxed);
+        assert_eq!(dog.judge(start + 60_000), None);
     }
 
     #[test]
