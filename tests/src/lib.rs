@@ -88,6 +88,9 @@ impl Serve {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // serve's metrics state files go to a fresh folder unless the test names one, so tests
+        // neither share counters nor write into the user's home.
+        command.env("ONEBIT_STATE_DIR", temp_dir("state"));
         for (k, v) in env {
             command.env(k, v);
         }
