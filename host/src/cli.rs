@@ -204,8 +204,6 @@ impl ServeArgs {
         check(self.embedding, "--embedding");
         check(self.reranking, "--reranking");
         check(!self.npu_opt.is_empty(), "--npu-opt");
-        check(self.watchdog.is_some(), "--watchdog");
-        check(self.watchdog_prompt_tps.is_some(), "--watchdog-prompt-tps");
         check(self.strict_device, "--strict-device");
         check(self.no_strict_device, "--no-strict-device");
         check(self.placement_report, "--placement-report");

@@ -8,12 +8,14 @@ mod admission;
 mod cli;
 mod error;
 mod guard;
+mod metrics;
 mod model;
 mod proxy;
 mod route_calls;
 mod routes;
 mod serve;
 mod supervisor;
+mod watchdog;
 
 use clap::Parser;
 

@@ -1,7 +1,7 @@
 //! The HTTP front: serve's own routes (/health, /v1/models) and the relay of everything the
 //! route's table names to its backend, streamed through unchanged.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -20,7 +20,9 @@ use serde::Deserialize;
 
 use crate::error::ApiError;
 use crate::guard::{self, Guard};
+use crate::metrics;
 use crate::route_calls::RouteCalls;
+use crate::watchdog::{Ticket, Watchdog};
 
 /// The pooled client toward the backends.
 pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
@@ -49,6 +51,9 @@ pub enum Status {
     Ready,
     /// A backend is down, hung or gone; the reason says which.
     Down(String),
+    /// serve is stopping for this reason (a backend exited, the watchdog fired, a lost GPU);
+    /// unlike `Down`, the health monitor never clears it.
+    Failed(String),
 }
 
 /// What the handlers share.
@@ -72,6 +77,10 @@ pub struct App {
     /// The browser guard, applied before routing.
     pub guard: Guard,
     pub route: RouteCalls,
+    /// The progress watchdog, set once the backends run (never, with `--watchdog 0`).
+    pub watchdog: OnceLock<Arc<Watchdog>>,
+    /// What `/metrics` reads besides the status.
+    pub metrics: metrics::Sources,
 }
 
 impl App {
@@ -102,10 +111,15 @@ impl App {
 /// The router, apart from `main` so tests and benchmarks can build it.
 pub fn router(app: Arc<App>) -> Router {
     let guard = app.guard;
-    Router::new()
+    let mut router = Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
-        .route("/v1/models", get(models))
+        .route("/v1/models", get(models));
+    if !app.metrics.backends.is_empty() {
+        // On every route that runs a child.
+        router = router.route("/metrics", get(metrics::scrape));
+    }
+    router
         .fallback(relay)
         .with_state(app)
         // Outermost: every route, the fallback and 404s see the guard first.
@@ -121,7 +135,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
                 "message": "Loading model", "type": "unavailable_error", "code": 503}})
             .to_string(),
         ),
-        Status::Down(reason) => json_response(
+        Status::Down(reason) | Status::Failed(reason) => json_response(
             StatusCode::SERVICE_UNAVAILABLE,
             serde_json::json!({"status": "error", "reason": reason, "error": {
                 "message": reason, "type": "unavailable_error", "code": 503}})
@@ -187,7 +201,9 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
             )
             .into_response();
         }
-        Status::Down(reason) => return ApiError::Unavailable(reason).into_response(),
+        Status::Down(reason) | Status::Failed(reason) => {
+            return ApiError::Unavailable(reason).into_response();
+        }
     }
 
     let has_body = parts.method != Method::GET && parts.method != Method::HEAD;
@@ -249,6 +265,14 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         .into_response();
     };
 
+    // An inference request is watched from before it is sent: waiting for the reply's head
+    // counts against it too.
+    let ticket = match app.watchdog.get() {
+        Some(dog) if rule.inference => {
+            Some(dog.track(parts.method.as_str(), &path, streamed, backend, body.len()))
+        }
+        _ => None,
+    };
     let upstream = match upstream_request(&parts.method, &parts.uri, &parts.headers, port, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
@@ -265,22 +289,9 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         }
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
-    let reply_body = match on_first_byte {
-        None => Body::new(reply_body),
-        Some(first) => {
-            let mut first = Some(first);
-            Body::new(reply_body.map_frame(move |frame| {
-                if frame.is_data()
-                    && let Some(first) = first.take()
-                {
-                    first.arrived();
-                }
-                frame
-            }))
-        }
-    };
     strip_hop_headers(&mut reply_parts.headers);
     strip_cors_headers(&mut reply_parts.headers);
+    let reply_body = watched(reply_body, ticket, on_first_byte);
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -305,7 +316,7 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     }
     // Streamed as it arrives: dropping this response (a client that went away) drops the
     // upstream body, which closes the backend connection, and the engine stops generating.
-    Response::from_parts(reply_parts, reply_body)
+    Response::from_parts(reply_parts, Body::new(reply_body))
 }
 
 /// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
@@ -323,6 +334,35 @@ impl FirstByte {
             eprintln!("{}", line.replace("{first_byte_ms}", &ms));
         }
     }
+}
+
+/// The backend's reply body, stamping the request's watchdog ticket with every frame (the
+/// reply's head counts as progress too). The ticket rides on the body, so the request stops
+/// being watched when the body is dropped: finished, or the client left.
+fn watched(
+    body: hyper::body::Incoming,
+    ticket: Option<Ticket>,
+    first_byte: Option<FirstByte>,
+) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
+    if ticket.is_none() && first_byte.is_none() {
+        return body.boxed_unsync();
+    }
+    if let Some(ticket) = &ticket {
+        ticket.progress(0);
+    }
+    let mut first_byte = first_byte;
+    body.map_frame(move |frame| {
+        if let Some(data) = frame.data_ref() {
+            if let Some(ticket) = &ticket {
+                ticket.progress(data.len());
+            }
+            if let Some(first) = first_byte.take() {
+                first.arrived();
+            }
+        }
+        frame
+    })
+    .boxed_unsync()
 }
 
 fn answer(status: u16, content_type: &str, body: String) -> Response {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::net::TcpListener as StdListener;
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -26,15 +26,17 @@ use crate::guard::Guard;
 use crate::proxy::{self, App, BackendClient, Status};
 use crate::route_calls::{RouteCalls, install_host_services};
 use crate::supervisor::{self, Backend, Event};
-use crate::{admission, model, routes};
+use crate::watchdog::{self, Watchdog};
+use crate::{admission, metrics, model, routes};
 
 /// A backend that does not answer its health route within this long is reported down.
 const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often serve asks each backend's health route once it is ready.
-const HEALTH_EVERY: Duration = Duration::from_millis(1000);
+/// The pause between two rounds of health questions once ready. With the timeout this puts a
+/// backend that stops answering in `/health` within 1.75 s (Lemonade's probe gives up at 2 s).
+const HEALTH_EVERY: Duration = Duration::from_millis(250);
 /// Ports Lemonade scans for its own servers; backends never take one.
 const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
 
@@ -84,6 +86,13 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(flag) = args.refused_in_this_build() {
         return Err(Fatal::usage(format!(
             "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+        )));
+    }
+    if let Some(tps) = args.watchdog_prompt_tps
+        && !(tps.is_finite() && tps > 0.0)
+    {
+        return Err(Fatal::usage(format!(
+            "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
         )));
     }
     if let Some(flag) = args.not_yet_available().first() {
@@ -394,6 +403,20 @@ async fn serve_plan(p: ServePlan) -> i32 {
         )));
     }
     let client = proxy::backend_client();
+    let state = if plan.backends.is_empty() {
+        None
+    } else {
+        let name = served_name.clone();
+        tokio::task::spawn_blocking(move || {
+            let dir = metrics::state_dir()?;
+            let state = metrics::StateFile::open(&dir, &name);
+            state.bump(|c| c.serve_starts += 1);
+            Some(Arc::new(state))
+        })
+        .await
+        .ok()
+        .flatten()
+    };
     let app = Arc::new(App {
         served_name: served_name.clone(),
         device: plan.device.clone(),
@@ -415,6 +438,16 @@ async fn serve_plan(p: ServePlan) -> i32 {
         forward_turn: Arc::new(tokio::sync::Mutex::new(())),
         route: RouteCalls {
             route: route.clone(),
+        },
+        watchdog: OnceLock::new(),
+        metrics: metrics::Sources {
+            state,
+            backends: plan
+                .backends
+                .iter()
+                .map(|b| (b.port, b.metrics_path.clone()))
+                .collect(),
+            sysfs_root: metrics::sysfs_root(),
         },
     });
     install_host_services(
@@ -476,6 +509,27 @@ async fn supervise(
         }
     }
     let grace = stop_grace();
+    let limit = watchdog::limit_secs(
+        args.watchdog,
+        std::env::var("ONEBIT_WATCHDOG_SECS").ok().as_deref(),
+    );
+    if limit > 0 {
+        let dog = Watchdog::new(
+            Duration::from_secs(limit),
+            args.watchdog_prompt_tps
+                .unwrap_or(watchdog::DEFAULT_PROMPT_TPS),
+            &plan.device,
+            backends
+                .iter()
+                .map(|b| watchdog::Watched {
+                    port: b.spec.port,
+                    pid: b.pid,
+                    progress_path: b.spec.progress_path.clone(),
+                })
+                .collect(),
+        );
+        let _ = app.watchdog.set(Arc::new(dog));
+    }
 
     // Loading: wait until every backend answers its health route, or fails, or we are told
     // to stop.
@@ -534,12 +588,19 @@ async fn supervise(
             .map(|b| (b.spec.port, b.spec.health_path.clone()))
             .collect(),
     ));
+    let dog = app
+        .watchdog
+        .get()
+        .map(|dog| tokio::spawn(dog.clone().run(client.clone(), events_tx.clone())));
     let code = tokio::select! {
         event = events.recv() => fail(event, &backends, app, plan, grace).await,
         _ = sigterm.recv() => stop(&backends, grace, "SIGTERM").await,
         _ = sigint.recv() => stop(&backends, grace, "SIGINT").await,
     };
     monitor.abort();
+    if let Some(dog) = dog {
+        dog.abort();
+    }
     code
 }
 
@@ -576,10 +637,14 @@ async fn fail(
                 .pop()
                 .map(|l| format!(" (its last line: {})", l.trim()))
                 .unwrap_or_default();
+            metrics::bump(&app.metrics.state, |c| c.backend_exits += 1).await;
             format!(
                 "the {} backend ({}, port {}, pid {}) {how}{last}; exiting",
                 plan.device, b.spec.engine, b.spec.port, b.pid
             )
+        }
+        Some(Event::Hung { index, line }) => {
+            return hung(index, &line, backends, app, grace).await;
         }
         Some(Event::RouteStop { index, reason }) => {
             if let Some(b) = backends.get(index) {
@@ -589,10 +654,48 @@ async fn fail(
         }
         None => "the backends' event channel closed; exiting".to_string(),
     };
-    app.set_status(Status::Down(message.clone()));
+    app.set_status(Status::Failed(message.clone()));
     eprintln!("1bit serve: {message}");
     for line in supervisor::stop_all(backends, grace).await {
         eprintln!("1bit serve: {line}");
+    }
+    exit::BACKEND
+}
+
+/// The watchdog fired: say what it saw (the request, Tctl, the backend's last lines), SIGKILL
+/// the backend, count the kill, stop the rest, exit 1.
+async fn hung(
+    index: usize,
+    line: &str,
+    backends: &[Backend],
+    app: &Arc<App>,
+    grace: Duration,
+) -> i32 {
+    app.set_status(Status::Failed(format!("the watchdog fired: {line}")));
+    eprintln!("1bit serve: watchdog: {line}");
+    let root = app.metrics.sysfs_root.clone();
+    if let Ok(Some(t)) = tokio::task::spawn_blocking(move || metrics::tctl_celsius(&root)).await {
+        eprintln!("1bit serve: watchdog: Tctl {t:.1} C");
+    }
+    if let Some(b) = backends.get(index) {
+        let tail = b.tail();
+        if !tail.is_empty() {
+            eprintln!("1bit serve: watchdog: the backend's last lines:");
+            for l in tail {
+                eprintln!("1bit serve: watchdog: | {l}");
+            }
+        }
+        b.signal(Signal::SIGKILL);
+        if !supervisor::wait_exited(std::slice::from_ref(b), Duration::from_secs(5)).await {
+            eprintln!(
+                "1bit serve: watchdog: the {} backend (pid {}) did not die after SIGKILL (stuck in the kernel?); exiting anyway",
+                b.spec.engine, b.pid
+            );
+        }
+    }
+    metrics::bump(&app.metrics.state, |c| c.watchdog_kills += 1).await;
+    for said in supervisor::stop_all(backends, grace).await {
+        eprintln!("1bit serve: {said}");
     }
     exit::BACKEND
 }
@@ -646,8 +749,9 @@ async fn backend_post(
     }
 }
 
-/// Once ready, ask every backend's health route each second; `/health` reports what the
-/// route makes of the answers. An exit is reported by the supervisor, not here.
+/// Once ready, ask every backend's health route (each within 1.5 s) a quarter
+/// second after the last round ended; `/health` reports what the route makes of the answers,
+/// so it never waits on a backend itself. An exit is reported by the supervisor, not here.
 async fn monitor_health(
     app: Arc<App>,
     client: BackendClient,
@@ -675,8 +779,16 @@ async fn monitor_health(
                     },
                 });
         }
-        let health = match route.health(&probe) {
-            Ok(h) => h,
+        let verdict = {
+            let route = route.clone();
+            tokio::task::spawn_blocking(move || route.health(&probe)).await
+        };
+        let health = match verdict {
+            Ok(Ok(h)) => h,
+            Ok(Err(e)) => onebit_plugin_api::Health {
+                ok: false,
+                reason: format!("the route's health check failed: {e}"),
+            },
             Err(e) => onebit_plugin_api::Health {
                 ok: false,
                 reason: format!("the route's health check failed: {e}"),

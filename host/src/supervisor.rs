@@ -25,6 +25,8 @@ pub enum Event {
     Exited { index: usize, how: String },
     /// The route asked serve to stop, for this reason (a lost GPU, say).
     RouteStop { index: usize, reason: String },
+    /// The progress watchdog judged the backend hung; `line` is the first line of its report.
+    Hung { index: usize, line: String },
 }
 
 /// A running backend process.

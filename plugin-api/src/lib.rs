@@ -67,7 +67,8 @@ pub trait DeviceRoute: Default + Send + Sync + 'static {
     }
 
     /// The route's view of its health, given what the host's probes of the backends found.
-    /// Called by `/health` and the watchdog, at most a few times a second. Must not block.
+    /// Called by the host's health monitor on a blocking thread, up to four times a second.
+    /// Must not block.
     fn health(&self, probe: &HealthProbe) -> Health {
         Health::from_probe(probe)
     }

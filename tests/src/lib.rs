@@ -88,6 +88,9 @@ impl Serve {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // serve's metrics state files go to a fresh folder unless the test names one, so tests
+        // neither share counters nor write into the user's home.
+        command.env("ONEBIT_STATE_DIR", temp_dir("state"));
         for (k, v) in env {
             command.env(k, v);
         }
@@ -369,4 +372,73 @@ pub fn rss_kib(pid: u32) -> u64 {
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
         })
         .unwrap_or(0)
+}
+
+/// One sample of a Prometheus text exposition, as a real parser read it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// Parse Prometheus text (format 0.0.4) with the reference parser, Python's `prometheus_client`
+/// (installed by `cargo xtask setup`), and return its samples in order; panics with the
+/// parser's complaint when the text does not parse.
+pub fn parse_prometheus(text: &str) -> Vec<Sample> {
+    use std::io::Write;
+    const SCRIPT: &str = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = []
+for family in text_string_to_metric_families(sys.stdin.read()):
+    for s in family.samples:
+        v = s.value if s.value == s.value and abs(s.value) != float('inf') else None
+        out.append([s.name, s.labels, v])
+print(json.dumps(out))
+"#;
+    let mut child = Command::new("python3")
+        .args(["-c", SCRIPT])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs (cargo xtask setup installs prometheus_client)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the Prometheus parser refused the text: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<(
+        String,
+        std::collections::BTreeMap<String, String>,
+        Option<f64>,
+    )> = serde_json::from_slice(&out.stdout).expect("the parser's JSON");
+    rows.into_iter()
+        .map(|(name, labels, value)| Sample {
+            name,
+            labels,
+            value: value.unwrap_or(f64::NAN),
+        })
+        .collect()
+}
+
+/// The value of the sample `name` whose labels include `labels`, if present.
+pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples
+        .iter()
+        .find(|s| {
+            s.name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.value)
 }

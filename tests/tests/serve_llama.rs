@@ -127,3 +127,23 @@ fn eight_concurrent_greedy_chats_on_four_slots_all_answer() {
         .to_ascii_lowercase();
     assert!(!head.contains("access-control-"), "{head}");
 }
+
+#[test]
+fn metrics_parse_and_end_with_llama_servers_own_series() {
+    let serve = serve_smollm2();
+    let (status, text) = get(&serve.url("/metrics"));
+    assert_eq!(status, 200, "{text}");
+    let samples = parse_prometheus(&text);
+    assert_eq!(
+        sample(&samples, "onebit_up", &[("device", "cpu")]),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(samples[0].name.starts_with("onebit_"), "{text}");
+    let last = samples.last().expect("samples");
+    assert!(last.name.starts_with("llamacpp:"), "{text}");
+    assert!(
+        sample(&samples, "llamacpp:prompt_tokens_total", &[]).is_some(),
+        "{text}"
+    );
+}

@@ -1,14 +1,21 @@
 //! The cpu device route: the model in llama-server on the CPU, with no GPU layers.
 #![deny(unsafe_code)]
 
-use onebit_plugin_api::{Claim, DeviceRoute, Plan, PlanRequest, Refusal, RouteInfo, export_route};
+use llama_server::log::{LogSeries, lost_device};
+use onebit_plugin_api::{
+    BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Refusal, RouteInfo,
+    export_route,
+};
 
 /// llama-server's own default context is the model's training context, which on a CPU
 /// allocates the whole KV cache; serve asks for this much instead unless told otherwise.
 pub const DEFAULT_CTX: u64 = 4096;
 
+/// One per process: it keeps the series it derives from its backend's stderr.
 #[derive(Default)]
-pub struct CpuRoute;
+pub struct CpuRoute {
+    log: LogSeries,
+}
 
 impl DeviceRoute for CpuRoute {
     fn info(&self) -> RouteInfo {
@@ -61,7 +68,21 @@ impl DeviceRoute for CpuRoute {
             warmups: Vec::new(),
             memory,
             notes: Vec::new(),
+            ..Default::default()
         })
+    }
+
+    /// A lost GPU stops serve; every line feeds the log-derived series.
+    fn on_backend_line(&self, line: &BackendLine) -> LineVerdict {
+        self.log.observe(&line.line);
+        LineVerdict {
+            say: Vec::new(),
+            stop: lost_device(&line.line),
+        }
+    }
+
+    fn metrics(&self) -> String {
+        self.log.render()
     }
 }
 
@@ -88,7 +109,7 @@ mod tests {
 
     #[test]
     fn plan_runs_llama_server_on_the_cpu_with_a_bounded_context() {
-        let plan = CpuRoute.plan(&request(None)).unwrap();
+        let plan = CpuRoute::default().plan(&request(None)).unwrap();
         let argv = &plan.backends[0].argv;
         let joined = argv.join(" ");
         assert_eq!(argv[0], "/bin/sh");
@@ -98,7 +119,7 @@ mod tests {
         assert!(joined.contains("--alias smol"));
         assert!(joined.ends_with("-c 4096"));
         assert!(plan.one_hop);
-        let plan = CpuRoute.plan(&request(Some(512))).unwrap();
+        let plan = CpuRoute::default().plan(&request(Some(512))).unwrap();
         assert!(plan.backends[0].argv.join(" ").ends_with("-c 512"));
     }
 
@@ -106,7 +127,28 @@ mod tests {
     fn a_model_directory_is_not_claimed_and_not_planned() {
         let mut r = request(None);
         r.model.is_dir = true;
-        assert_eq!(CpuRoute.claim(&r).strength, 0);
-        assert_eq!(CpuRoute.plan(&r).unwrap_err().exit_code, 2);
+        assert_eq!(CpuRoute::default().claim(&r).strength, 0);
+        assert_eq!(CpuRoute::default().plan(&r).unwrap_err().exit_code, 2);
+    }
+
+    #[test]
+    fn a_lost_gpu_line_stops_serve_and_report_lines_become_series() {
+        let route = CpuRoute::default();
+        let line = |l: &str| BackendLine {
+            backend: 0,
+            line: l.into(),
+        };
+        assert_eq!(
+            route.on_backend_line(&line("srv  all slots are idle")).stop,
+            None
+        );
+        let verdict = route.on_backend_line(&line("ggml_hrx: AMDGPU hardware exception"));
+        assert!(verdict.stop.unwrap().contains("AMDGPU hardware exception"));
+        route.on_backend_line(&line("W hrx: CPU fallback: MUL_MAT=2"));
+        assert!(
+            route
+                .metrics()
+                .contains("onebit_cpu_fallback_ops{op=\"MUL_MAT\"} 2")
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! request table, and llama.cpp's memory formulas.
 #![forbid(unsafe_code)]
 
+pub mod log;
 pub mod memory;
 
 use std::path::{Path, PathBuf};

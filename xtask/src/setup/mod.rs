@@ -45,11 +45,41 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
         llama_server,
         models: models.collect::<Result<_, _>>()?,
     };
+    ensure_prometheus_parser()?;
     println!("llama-server: {}", installed.llama_server.display());
     for path in &installed.models {
         println!("model: {}", path.display());
     }
     Ok(installed)
+}
+
+/// The reference Prometheus text parser the metrics tests check serve's `/metrics` with.
+const PROMETHEUS_CLIENT: (&str, &str) = ("prometheus_client", "0.26.0");
+
+/// Installs Python's `prometheus_client` at its pinned version with pip, unless that version is
+/// already importable (a fraction of a second when it is).
+fn ensure_prometheus_parser() -> Result<(), Failure> {
+    let (package, version) = PROMETHEUS_CLIENT;
+    let check = format!(
+        "import importlib.metadata as m, sys; import {package}; sys.exit(m.version('{package}') != '{version}')"
+    );
+    let present = Command::new("python3")
+        .args(["-c", &check])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if present {
+        println!("{package}: {version}");
+        return Ok(());
+    }
+    let spec = format!("{package}=={version}");
+    println!("installing {spec} with pip (the tests' Prometheus parser)");
+    let mut pip = Command::new("python3");
+    pip.args(["-m", "pip", "install", "--disable-pip-version-check", &spec]);
+    process::run(
+        &mut pip,
+        "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
+    )
 }
 
 /// Takes the setup lock, waiting (and saying so) while another setup holds it; released on drop.
