@@ -36,6 +36,12 @@ impl DeviceRoute for CpuRoute {
                 request.options.model
             )));
         }
+        if request.options.strict_device {
+            return Err(Refusal::usage(
+                "--strict-device needs --device hrx or auto: --device cpu runs every node on the CPU; remove --strict-device",
+            ));
+        }
+        llama_server::check_architecture(request, "cpu")?;
         let server = llama_server::server_binary(request)?;
         let port = *request
             .ports
@@ -95,6 +101,24 @@ mod tests {
         assert!(plan.one_hop);
         let plan = CpuRoute.plan(&request(Some(512))).unwrap();
         assert!(plan.backends[0].argv.join(" ").ends_with("-c 512"));
+    }
+
+    #[test]
+    fn strict_device_and_an_unbuilt_architecture_are_refused() {
+        let mut r = request(None);
+        r.options.strict_device = true;
+        assert!(
+            CpuRoute
+                .plan(&r)
+                .unwrap_err()
+                .message
+                .contains("--strict-device needs")
+        );
+        let mut r = request(None);
+        r.model.architecture = Some("zamba2".into());
+        assert_eq!(CpuRoute.plan(&r).unwrap_err().exit_code, 2);
+        r.model.architecture = Some("llama".into());
+        assert!(CpuRoute.plan(&r).is_ok());
     }
 
     #[test]
