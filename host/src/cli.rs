@@ -222,8 +222,6 @@ impl ServeArgs {
                 flags.push(name);
             }
         };
-        check(self.ds4.is_some(), "--ds4");
-        check(self.ssd_streaming, "--ssd-streaming");
         check(self.prefill_provider.is_some(), "--prefill-provider");
         check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
         check(self.mtp.is_some(), "--mtp");

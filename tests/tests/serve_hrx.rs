@@ -403,3 +403,63 @@ fn the_warmups_arrive_in_order_before_ready() {
         serde_json::from_str(posts[1]["body"].as_str().unwrap()).unwrap();
     assert_eq!(completion["n_predict"], 0);
 }
+
+#[test]
+fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name() {
+    let dir = temp_dir("ds4");
+    let model = dummy_model(&dir, "DeepSeek-V4-Flash.gguf");
+    let fake = fake();
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "ds4",
+            "--ds4",
+            &fake,
+            "--alias",
+            "flash",
+            "--ssd-streaming",
+        ],
+        &[
+            ("FAKE_DS4", "1"),
+            ("FAKE_LOAD_MS", "300"),
+            ("FAKE_MODEL_NAME", "/models/ds4-internal-name"),
+        ],
+    );
+    serve.ready();
+    let out = serve.output();
+    let start = out
+        .lines()
+        .find(|l| l.contains("starting ds4-server on the ds4 route"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(start.ends_with("--ssd-streaming"), "{start}");
+    let (status, body) = post(
+        &serve.url("/v1/chat/completions"),
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["model"], "flash");
+    for (get_it, path) in [
+        (false, "/tokenize"),
+        (false, "/apply-template"),
+        (true, "/slots"),
+        (true, "/props"),
+    ] {
+        let (status, body) = if get_it {
+            get(&serve.url(path))
+        } else {
+            post(&serve.url(path), "{}")
+        };
+        assert_eq!(status, 501, "{path}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"error": {
+                "message": format!("{path} is not available on --device ds4"),
+                "type": "not_implemented"
+            }})
+        );
+    }
+}
