@@ -244,8 +244,6 @@ impl ServeArgs {
         check(self.mem_check, "--mem-check");
         check(self.watchdog.is_some(), "--watchdog");
         check(self.watchdog_prompt_tps.is_some(), "--watchdog-prompt-tps");
-        check(self.recipes.is_some(), "--recipes");
-        check(self.no_recipes, "--no-recipes");
         check(self.precise, "--precise");
         flags
     }

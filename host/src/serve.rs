@@ -159,6 +159,8 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             strict_device: args.strict_device,
             no_strict_device: args.no_strict_device,
             placement_report: args.placement_report,
+            recipes: args.recipes.clone(),
+            no_recipes: args.no_recipes,
             args: std::env::args().skip(2).collect(),
         },
         model: facts,
@@ -197,11 +199,11 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
     };
 
-    if printing {
-        return print_backend(args, &plan).map(Prepared::Exit);
-    }
     for note in &plan.notes {
         eprintln!("1bit serve: {note}");
+    }
+    if printing {
+        return print_backend(args, &plan).map(Prepared::Exit);
     }
     Ok(Prepared::Serve(Box::new(ServePlan {
         args: args.clone(),

@@ -463,3 +463,93 @@ fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name
         );
     }
 }
+
+#[test]
+fn recipes_are_applied_replaced_disabled_and_a_malformed_file_is_refused() {
+    let dir = temp_dir("recipes");
+    let fake = fake();
+    let model = dir.join("qwen3.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "qwen3")
+        .write(&model)
+        .unwrap();
+    let file = dir.join("tuned.json");
+    std::fs::write(
+        &file,
+        r#"{"recipes":[{"id":"qwen3-hrx","match":{"device":["hrx","cpu"],"architecture":["qwen3"],"moe":false},
+            "args":["--cache-reuse","512","-ub","1024","-ngl","0"],"env":{"GGML_HRX_EXTRA":"1"},
+            "why":"test","measured":"by the test","source":"tests/serve_hrx.rs"}]}"#,
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let argv_of = |stdout: &str| -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        v["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (code, stdout, stderr) = run(
+        &print_args(&model, "hrx", &["--llama-server", &fake, "--recipes", f]),
+        &[],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(
+            "1bit serve: recipe qwen3-hrx: --cache-reuse 512, -ub 1024, GGML_HRX_EXTRA=1"
+        ),
+        "{stderr}"
+    );
+    let argv = argv_of(&stdout).join(" ");
+    assert!(argv.contains("--cache-reuse 512 -ub 1024"), "{argv}");
+    assert!(
+        !argv.contains("--cache-reuse 256") && !argv.contains("-ngl 0"),
+        "{argv}"
+    );
+
+    // On cpu serve's -ngl 0 and -c stay; the built-in set (empty) adds nothing; --no-recipes
+    // turns them off.
+    let (_, stdout, stderr) = run(
+        &print_args(&model, "cpu", &["--llama-server", &fake, "--recipes", f]),
+        &[],
+    );
+    assert!(stderr.contains("recipe qwen3-hrx: --cache-reuse 512, -ub 1024, GGML_HRX_EXTRA=1"));
+    assert!(
+        argv_of(&stdout)
+            .join(" ")
+            .contains("-ngl 0 -c 4096 --cache-reuse 512")
+    );
+    for extra in [&[][..], &["--no-recipes"]] {
+        let mut args = print_args(&model, "hrx", &["--llama-server", &fake]);
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = run(&args, &[]);
+        assert_eq!(code, 0, "{stderr}");
+        assert!(!stderr.contains("recipe"), "{stderr}");
+        assert!(argv_of(&stdout).join(" ").contains("--cache-reuse 256"));
+    }
+
+    let bad = dir.join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"recipes":[{"id":"bad","match":{"archtecture":["qwen3"]},"args":["-ub","1"],"measured":"m"}]}"#,
+    )
+    .unwrap();
+    let (code, _, stderr) = run(
+        &print_args(
+            &model,
+            "hrx",
+            &["--llama-server", &fake, "--recipes", bad.to_str().unwrap()],
+        ),
+        &[],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{}: recipe bad: unknown match key \"archtecture\"",
+            bad.display()
+        )),
+        "{stderr}"
+    );
+}

@@ -54,14 +54,18 @@ impl DeviceRoute for CpuRoute {
         if let Some(n) = request.options.parallel {
             argv.extend(["-np".to_string(), n.to_string()]);
         }
+        let mut env = Default::default();
+        let notes = llama_server::recipes::apply(request, "cpu", &mut argv, &mut env)?;
+        let mut backend = llama_server::backend(argv, port);
+        backend.env = env;
         Ok(Plan {
             device: "cpu".to_string(),
-            backends: vec![llama_server::backend(argv, port)],
+            backends: vec![backend],
             rules: llama_server::rules(),
             one_hop: true,
             warmups: Vec::new(),
             memory: None,
-            notes: Vec::new(),
+            notes,
         })
     }
 }

@@ -167,7 +167,7 @@ impl DeviceRoute for HrxRoute {
         let report = o.placement_report || strict == Strictness::Refusing;
 
         let mut argv = llama_server::base_argv(&server, request, port);
-        argv.extend(["--device", "HRX0", "-ngl", "99", "--cache-reuse", "256"].map(String::from));
+        argv.extend(["--device", "HRX0", "-ngl", "99"].map(String::from));
         if let Some(ctx) = o.ctx_size {
             argv.extend(["-c".to_string(), ctx.to_string()]);
         }
@@ -195,6 +195,11 @@ impl DeviceRoute for HrxRoute {
         }
         // A variable the user set wins over the plan's.
         env.retain(|k, _| !request.env.contains_key(k));
+        let notes = llama_server::recipes::apply(request, "hrx", &mut argv, &mut env)?;
+        // After the recipes, so that a recipe's own --cache-reuse wins over serve's.
+        if !argv.iter().any(|a| a == "--cache-reuse") {
+            argv.extend(["--cache-reuse", "256"].map(String::from));
+        }
 
         let no_warmup = request
             .env
@@ -215,7 +220,7 @@ impl DeviceRoute for HrxRoute {
             one_hop: true,
             warmups: if no_warmup { Vec::new() } else { warmups() },
             memory: None,
-            notes: Vec::new(),
+            notes,
         })
     }
 

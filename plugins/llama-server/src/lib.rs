@@ -4,6 +4,7 @@
 
 pub mod memory;
 pub mod placement;
+pub mod recipes;
 
 use std::path::{Path, PathBuf};
 
