@@ -41,6 +41,7 @@ impl DeviceRoute for CpuRoute {
                 "--strict-device needs --device hrx or auto: --device cpu runs every node on the CPU; remove --strict-device",
             ));
         }
+        llama_server::refuse_foreign_flags(request, "cpu")?;
         llama_server::check_architecture(request, "cpu")?;
         let server = llama_server::server_binary(request)?;
         let port = *request
@@ -123,6 +124,14 @@ mod tests {
         assert_eq!(CpuRoute.plan(&r).unwrap_err().exit_code, 2);
         r.model.architecture = Some("llama".into());
         assert!(CpuRoute.plan(&r).is_ok());
+        r.options.ssd_streaming = true;
+        assert!(
+            CpuRoute
+                .plan(&r)
+                .unwrap_err()
+                .message
+                .contains("needs --device ds4")
+        );
     }
 
     #[test]

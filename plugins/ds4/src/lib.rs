@@ -129,6 +129,11 @@ impl DeviceRoute for Ds4Route {
                 o.model
             )));
         }
+        if o.strict_device || o.placement_report {
+            return Err(Refusal::usage(
+                "--strict-device and --placement-report need --device hrx or auto: ds4-server has no placement report; remove them",
+            ));
+        }
         let server = server_binary(request)?;
         let port = *request
             .ports
@@ -206,6 +211,9 @@ mod tests {
                 .argv
                 .ends_with(&["--ssd-streaming".to_string()])
         );
+        let mut r = request(false);
+        r.options.strict_device = true;
+        assert_eq!(Ds4Route.plan(&r).unwrap_err().exit_code, 2);
     }
 
     #[test]

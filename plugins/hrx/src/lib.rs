@@ -157,6 +157,7 @@ impl DeviceRoute for HrxRoute {
                 o.model
             )));
         }
+        llama_server::refuse_foreign_flags(request, "hrx")?;
         llama_server::check_architecture(request, "hrx")?;
         let server = llama_server::server_binary(request)?;
         let port = *request

@@ -190,6 +190,9 @@ fn an_architecture_llama_cpp_does_not_build_is_refused() {
     let refusal = HrxRoute::default().plan(&r).unwrap_err();
     assert_eq!(refusal.exit_code, 2);
     assert!(refusal.message.contains("Lemonade's llamacpp backend"));
+    let mut r = request(&[]);
+    r.options.ssd_streaming = true;
+    assert_eq!(HrxRoute::default().plan(&r).unwrap_err().exit_code, 2);
 }
 
 #[test]

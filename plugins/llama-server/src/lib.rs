@@ -49,6 +49,17 @@ pub fn check_architecture(request: &PlanRequest, route: &str) -> Result<(), Refu
     )))
 }
 
+/// Refuse flags that belong to another engine's route (exit 2): `--ssd-streaming` is
+/// ds4-server's.
+pub fn refuse_foreign_flags(request: &PlanRequest, route: &str) -> Result<(), Refusal> {
+    if request.options.ssd_streaming {
+        return Err(Refusal::usage(format!(
+            "--ssd-streaming is a ds4-server flag and needs --device ds4; remove it for --device {route}"
+        )));
+    }
+    Ok(())
+}
+
 /// Which llama-server to run: `--llama-server PATH`, else `$ONEBIT_LLAMA_SERVER`, else the one
 /// this project installed, else `llama-server` on `PATH`.
 pub fn server_binary(request: &PlanRequest) -> Result<String, Refusal> {
