@@ -38,7 +38,7 @@ impl DeviceRoute for CpuRoute {
         }
         if request.options.strict_device {
             return Err(Refusal::usage(
-                "--strict-device needs --device hrx or auto: --device cpu runs every node on the CPU; remove --strict-device",
+                "--strict-device needs the hrx route (--device hrx, or auto on a machine with HRX): the cpu route runs every node on the CPU; remove --strict-device",
             ));
         }
         llama_server::refuse_foreign_flags(request, "cpu")?;
