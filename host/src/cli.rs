@@ -170,7 +170,47 @@ pub struct ServeArgs {
     /// Also look for route files in DIR.
     #[arg(long, value_name = "DIR")]
     pub plugin_dir: Vec<PathBuf>,
+
+    // Removed flags, parsed only to refuse them with their reason (`ServeArgs::removed`).
+    #[arg(long, hide = true)]
+    pub lean: bool,
+    #[arg(long, hide = true, value_name = "DEVICE")]
+    pub prefill_device: Option<String>,
+    #[arg(long, hide = true, value_name = "N")]
+    pub prefill_min_tokens: Option<String>,
+    #[arg(long, hide = true)]
+    pub adaptive: bool,
+    #[arg(long, hide = true, value_name = "N")]
+    pub adaptive_at: Option<String>,
+    #[arg(long, hide = true, value_name = "MODEL")]
+    pub long_model: Option<String>,
+    #[arg(long, hide = true, value_name = "N")]
+    pub long_from: Option<String>,
+    #[arg(long, hide = true, value_name = "PATH")]
+    pub zinc: Option<String>,
+    #[arg(long, hide = true, value_name = "PATH")]
+    pub mlx_server: Option<String>,
 }
+
+/// What a removed device ran, and what to use instead.
+const REMOVED_DEVICES: [(&str, &str); 4] = [
+    (
+        "vulkan",
+        "it ran upstream llama.cpp's release on Vulkan0, and this engine has no Vulkan build; use --device hrx (or cpu), or Lemonade's own llamacpp Vulkan backend",
+    ),
+    (
+        "rocm",
+        "it ran the ROCmFPX tree's ROCm build on ROCm0, and this engine has no ROCm backend; use --device hrx (or cpu), or Lemonade's own llamacpp ROCm backend",
+    ),
+    (
+        "zinc",
+        "ZINC (zolotukhin/zinc), a Zig GGUF engine on Vulkan, ROCm or CUDA, is not part of this engine; use --device hrx (or cpu)",
+    ),
+    (
+        "mlx",
+        "lemon-mlx-engine's server (MLX on Metal, Apple Silicon) is not part of this engine; use Lemonade's own MLX backend",
+    ),
+];
 
 impl ServeArgs {
     /// Flags this build parses but whose behaviour is not here yet, by the name a user typed.
@@ -182,9 +222,6 @@ impl ServeArgs {
                 flags.push(name);
             }
         };
-        check(self.ds4.is_some(), "--ds4");
-        check(self.ssd_streaming, "--ssd-streaming");
-        check(self.hrx_libhsa.is_some(), "--hrx-libhsa");
         check(self.prefill_provider.is_some(), "--prefill-provider");
         check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
         check(self.mtp.is_some(), "--mtp");
@@ -204,13 +241,85 @@ impl ServeArgs {
         check(self.embedding, "--embedding");
         check(self.reranking, "--reranking");
         check(!self.npu_opt.is_empty(), "--npu-opt");
-        check(self.strict_device, "--strict-device");
-        check(self.no_strict_device, "--no-strict-device");
-        check(self.placement_report, "--placement-report");
-        check(self.recipes.is_some(), "--recipes");
-        check(self.no_recipes, "--no-recipes");
         check(self.precise, "--precise");
         flags
+    }
+
+    /// A removed device or flag, as one line saying what it was and what to use instead
+    /// (exit 2); None when none was asked for.
+    pub fn removed(&self) -> Option<String> {
+        if let Some((device, why)) = REMOVED_DEVICES.iter().find(|(d, _)| *d == self.device) {
+            return Some(format!("--device {device} was removed: {why}"));
+        }
+        let device_flag = |flag: &str, device: &str| {
+            let why = REMOVED_DEVICES
+                .iter()
+                .find(|(d, _)| *d == device)
+                .map(|(_, why)| *why)
+                .unwrap_or_default();
+            format!("{flag} was removed with --device {device}: {why}")
+        };
+        let flags: [(bool, &str, &str); 7] = [
+            (
+                self.lean,
+                "--lean",
+                "ROCmFPX's ROCmFP4 / ROCmI4 formats went with the ROCm build; serve a standard GGUF on --device hrx",
+            ),
+            (
+                self.prefill_device.is_some(),
+                "--prefill-device",
+                "Vulkan decode with the prompt prefilled on HRX0 went with the Vulkan build; --device hrx prefills and decodes on HRX0",
+            ),
+            (
+                self.prefill_min_tokens.is_some(),
+                "--prefill-min-tokens",
+                "Vulkan decode with the prompt prefilled on HRX0 went with the Vulkan build; --device hrx prefills and decodes on HRX0",
+            ),
+            (
+                self.adaptive,
+                "--adaptive",
+                "Vulkan for the first requests with ROCm batching the overflow went with those builds; use --device hrx, with --parallel N for concurrent requests",
+            ),
+            (
+                self.adaptive_at.is_some(),
+                "--adaptive-at",
+                "Vulkan for the first requests with ROCm batching the overflow went with those builds; use --device hrx, with --parallel N for concurrent requests",
+            ),
+            (
+                self.long_model.is_some(),
+                "--long-model",
+                "long conversations to a Hadamard-rotated Q4_0 on the ROCm W4A4 route went with the ROCm build and the H32 format; serve one standard GGUF on --device hrx",
+            ),
+            (
+                self.long_from.is_some(),
+                "--long-from",
+                "long conversations to a Hadamard-rotated Q4_0 on the ROCm W4A4 route went with the ROCm build and the H32 format; serve one standard GGUF on --device hrx",
+            ),
+        ];
+        if let Some((_, flag, why)) = flags.iter().find(|(set, _, _)| *set) {
+            return Some(format!("{flag} was removed: {why}"));
+        }
+        if self.zinc.is_some() {
+            return Some(device_flag("--zinc", "zinc"));
+        }
+        if self.mlx_server.is_some() {
+            return Some(device_flag("--mlx-server", "mlx"));
+        }
+        None
+    }
+
+    /// Flags that need serve in the request path, so `--print-backend` exits 5 for them.
+    pub fn needs_serve_in_path(&self) -> Option<&'static str> {
+        [
+            (self.pm, "--pm"),
+            (self.laya, "--laya"),
+            (self.laya_model.is_some(), "--laya-model"),
+            (self.embed.is_some(), "--embed"),
+            (self.rerank.is_some(), "--rerank"),
+        ]
+        .into_iter()
+        .find(|(set, _)| *set)
+        .map(|(_, flag)| flag)
     }
 
     /// Flags the specification keeps but this build refuses for good.

@@ -54,6 +54,10 @@ pub fn facts(model: &Path) -> Result<ModelFacts, Fatal> {
     match gguf::read_header_lean(model) {
         Ok(header) => {
             facts.architecture = header.architecture().map(str::to_string);
+            facts.expert_count = header
+                .arch_key("expert_count")
+                .and_then(|k| header.get_u64(&k));
+            facts.hadamard_q4_0 = header.get("onebit.hadamard_q4_0").is_some();
             facts.context_length = header
                 .arch_key("context_length")
                 .and_then(|k| header.get_u64(&k));

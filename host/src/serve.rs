@@ -40,6 +40,11 @@ const HEALTH_EVERY: Duration = Duration::from_millis(250);
 /// Ports Lemonade scans for its own servers; backends never take one.
 const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
 
+/// Devices whose routes always need serve in the request path (NPU engines in process, the
+/// hybrid prefill handoff, ds4-server's renamed replies), so `--print-backend` exits 5 for them
+/// even in a build without their route.
+const ONE_HOP_NEVER: [&str; 3] = ["npu", "hybrid", "ds4"];
+
 /// Run `1bit serve` and return its exit status.
 pub fn run(args: ServeArgs) -> i32 {
     match prepare(&args) {
@@ -83,6 +88,16 @@ struct ServePlan {
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
 fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
+    if let Some(why) = args.removed() {
+        return Err(Fatal::usage(why));
+    }
+    let printing = args.print_backend || args.print_backend_env;
+    let needs_serve = |why: String| Fatal {
+        code: exit::NEEDS_SERVE,
+        message: format!(
+            "--print-backend: {why} needs 1bit serve in the request path; run 1bit serve itself"
+        ),
+    };
     if let Some(flag) = args.refused_in_this_build() {
         return Err(Fatal::usage(format!(
             "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
@@ -95,12 +110,32 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
         )));
     }
+    if printing {
+        if let Some(flag) = args.needs_serve_in_path() {
+            return Err(needs_serve(flag.to_string()));
+        }
+        if ONE_HOP_NEVER.contains(&args.device.as_str()) {
+            return Err(needs_serve(format!("--device {}", args.device)));
+        }
+    }
     if let Some(flag) = args.not_yet_available().first() {
         return Err(Fatal::usage(format!(
             "{flag} is not available in this version of 1bit serve yet; remove {flag}"
         )));
     }
     let facts = model::facts(&args.model)?;
+    if facts.hadamard_q4_0 {
+        return Err(Fatal::usage(format!(
+            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the format is dropped; use the model's UD-Q4_K_XL or another standard GGUF",
+            args.model.display()
+        )));
+    }
+    if printing && facts.is_dir {
+        return Err(needs_serve(format!(
+            "the model directory {}",
+            args.model.display()
+        )));
+    }
     let served_name = model::served_name(&args.model, args.alias.as_deref());
 
     let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
@@ -112,7 +147,6 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
     }
 
-    let printing = args.print_backend || args.print_backend_env;
     let ports = if printing {
         vec![args.port]
     } else {
@@ -137,6 +171,13 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             llama_server: args.llama_server.clone(),
             ds4: args.ds4.clone(),
             parallel: args.parallel,
+            ssd_streaming: args.ssd_streaming,
+            hrx_libhsa: args.hrx_libhsa.clone(),
+            strict_device: args.strict_device,
+            no_strict_device: args.no_strict_device,
+            placement_report: args.placement_report,
+            recipes: args.recipes.clone(),
+            no_recipes: args.no_recipes,
             args: std::env::args().skip(2).collect(),
         },
         model: facts,
@@ -181,11 +222,11 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if !admission::skipped(args.no_mem_check) {
         admit(args, &served_name, &plan)?;
     }
-    if printing {
-        return print_backend(args, &plan).map(Prepared::Exit);
-    }
     for note in &plan.notes {
         eprintln!("1bit serve: {note}");
+    }
+    if printing {
+        return print_backend(args, &plan).map(Prepared::Exit);
     }
     Ok(Prepared::Serve(Box::new(ServePlan {
         args: args.clone(),

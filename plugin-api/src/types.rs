@@ -73,6 +73,21 @@ pub struct ServeOptions {
     pub ds4: Option<String>,
     /// `--parallel`.
     pub parallel: Option<u32>,
+    /// `--ssd-streaming` (ds4).
+    pub ssd_streaming: bool,
+    /// `--hrx-libhsa`.
+    pub hrx_libhsa: Option<String>,
+    /// `--strict-device`: the default strict placement plus the report, refusing a report that
+    /// names nodes off the device.
+    pub strict_device: bool,
+    /// `--no-strict-device`: nodes the device declines run on the CPU.
+    pub no_strict_device: bool,
+    /// `--placement-report`: the backend reports every graph's placement.
+    pub placement_report: bool,
+    /// `--recipes FILE`: this recipes file instead of the built-in set.
+    pub recipes: Option<String>,
+    /// `--no-recipes`.
+    pub no_recipes: bool,
     /// serve's whole command line after `serve`, for flags this version of the ABI does not
     /// name.
     pub args: Vec<String>,
@@ -94,6 +109,10 @@ pub struct ModelFacts {
     pub architecture: Option<String>,
     /// `<arch>.context_length`.
     pub context_length: Option<u64>,
+    /// `<arch>.expert_count` (a mixture of experts when above 1).
+    pub expert_count: Option<u64>,
+    /// The file is stamped `onebit.hadamard_q4_0` (the dropped H32 format).
+    pub hadamard_q4_0: bool,
     /// Why the GGUF header could not be read, when it could not (the file may still be served
     /// by a backend that understands it).
     pub gguf_error: Option<String>,

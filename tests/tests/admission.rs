@@ -108,6 +108,29 @@ fn mem_check_prints_the_estimate_and_exits_0_or_3() {
     assert!(printed.stdout.is_empty());
 }
 
+#[test]
+fn hrx_judges_the_models_own_context_when_none_is_given() {
+    let dir = temp_dir("memcheck-hrx");
+    let small = dummy_small_gguf(&dir);
+    let fake = fake_backend();
+    let out = Command::new(onebit())
+        .args(["serve", "-m", small.to_str().unwrap(), "--device", "hrx"])
+        .args(["--llama-server", fake.to_str().unwrap(), "--mem-check"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(" at the model's own ctx 4096 (no --ctx-size), free "),
+        "{stdout}"
+    );
+}
+
 /// A small header-only llama model: fits anywhere.
 fn dummy_small_gguf(dir: &Path) -> PathBuf {
     let path = dir.join("small.gguf");

@@ -43,6 +43,13 @@ impl DeviceRoute for CpuRoute {
                 request.options.model
             )));
         }
+        if request.options.strict_device {
+            return Err(Refusal::usage(
+                "--strict-device needs the hrx route (--device hrx, or auto on a machine with HRX): the cpu route runs every node on the CPU; remove --strict-device",
+            ));
+        }
+        llama_server::refuse_foreign_flags(request, "cpu")?;
+        llama_server::check_architecture(request, "cpu")?;
         let server = llama_server::server_binary(request)?;
         let port = *request
             .ports
@@ -60,14 +67,18 @@ impl DeviceRoute for CpuRoute {
         if let Some(n) = request.options.parallel {
             argv.extend(["-np".to_string(), n.to_string()]);
         }
+        let mut env = Default::default();
+        let notes = llama_server::recipes::apply(request, "cpu", &mut argv, &mut env)?;
+        let mut backend = llama_server::backend(argv, port);
+        backend.env = env;
         Ok(Plan {
             device: "cpu".to_string(),
-            backends: vec![llama_server::backend(argv, port)],
+            backends: vec![backend],
             rules: llama_server::rules(),
             one_hop: true,
             warmups: Vec::new(),
             memory,
-            notes: Vec::new(),
+            notes,
             ..Default::default()
         })
     }
@@ -121,6 +132,32 @@ mod tests {
         assert!(plan.one_hop);
         let plan = CpuRoute::default().plan(&request(Some(512))).unwrap();
         assert!(plan.backends[0].argv.join(" ").ends_with("-c 512"));
+    }
+
+    #[test]
+    fn strict_device_and_an_unbuilt_architecture_are_refused() {
+        let mut r = request(None);
+        r.options.strict_device = true;
+        assert!(
+            CpuRoute::default()
+                .plan(&r)
+                .unwrap_err()
+                .message
+                .contains("--strict-device needs")
+        );
+        let mut r = request(None);
+        r.model.architecture = Some("zamba2".into());
+        assert_eq!(CpuRoute::default().plan(&r).unwrap_err().exit_code, 2);
+        r.model.architecture = Some("llama".into());
+        assert!(CpuRoute::default().plan(&r).is_ok());
+        r.options.ssd_streaming = true;
+        assert!(
+            CpuRoute::default()
+                .plan(&r)
+                .unwrap_err()
+                .message
+                .contains("needs --device ds4")
+        );
     }
 
     #[test]

@@ -4,6 +4,8 @@
 
 pub mod log;
 pub mod memory;
+pub mod placement;
+pub mod recipes;
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +14,52 @@ use onebit_plugin_api::{Action, BackendSpec, MemoryNeed, PlanRequest, Refusal, R
 /// The pins of what the project installs (`third_party/pins.json`), compiled in so a route
 /// finds the llama-server that `cargo xtask setup` built.
 const PINS: &str = include_str!("../../../third_party/pins.json");
+
+/// Which `general.architecture` values the pinned llama.cpp builds, per route
+/// (`registry/architectures.json`).
+const ARCHITECTURES: &str = include_str!("../../../registry/architectures.json");
+
+/// The architectures `route` builds, from `registry/architectures.json`; empty for a route the
+/// file does not list.
+pub fn architectures(route: &str) -> Vec<String> {
+    serde_json::from_str::<serde_json::Value>(ARCHITECTURES)
+        .ok()
+        .and_then(|v| {
+            v["gguf_architectures"][route].as_array().map(|a| {
+                a.iter()
+                    .filter_map(|n| n.as_str().map(str::to_string))
+                    .collect()
+            })
+        })
+        .unwrap_or_default()
+}
+
+/// Refuse a GGUF whose architecture the route's llama.cpp does not build (exit 2), pointing at
+/// Lemonade's llamacpp backend. A file with no architecture (empty, unreadable, not a GGUF) is
+/// not refused for that: the backend says what it makes of it.
+pub fn check_architecture(request: &PlanRequest, route: &str) -> Result<(), Refusal> {
+    let Some(arch) = &request.model.architecture else {
+        return Ok(());
+    };
+    if architectures(route).iter().any(|a| a == arch) {
+        return Ok(());
+    }
+    Err(Refusal::usage(format!(
+        "{}: architecture \"{arch}\" is not built into this llama.cpp, so --device {route} cannot run it (registry/architectures.json); serve it with Lemonade's llamacpp backend (its Vulkan or ROCm llama-server) instead",
+        request.options.model
+    )))
+}
+
+/// Refuse flags that belong to another engine's route (exit 2): `--ssd-streaming` is
+/// ds4-server's.
+pub fn refuse_foreign_flags(request: &PlanRequest, route: &str) -> Result<(), Refusal> {
+    if request.options.ssd_streaming {
+        return Err(Refusal::usage(format!(
+            "--ssd-streaming is a ds4-server flag and needs --device ds4; remove it for --device {route}"
+        )));
+    }
+    Ok(())
+}
 
 /// Which llama-server to run: `--llama-server PATH`, else `$ONEBIT_LLAMA_SERVER`, else the one
 /// this project installed, else `llama-server` on `PATH`.
@@ -306,6 +354,39 @@ mod tests {
                 .find(|r| r.path == "/tokenize")
                 .unwrap()
                 .inference
+        );
+    }
+}
+
+#[cfg(test)]
+mod architecture_tests {
+    use super::*;
+
+    fn with_arch(arch: Option<&str>) -> PlanRequest {
+        let mut r = PlanRequest::default();
+        r.options.model = "/m/x.gguf".into();
+        r.model.architecture = arch.map(str::to_string);
+        r
+    }
+
+    #[test]
+    fn the_list_is_llama_cpps_own_and_an_unbuilt_architecture_is_refused() {
+        let hrx = architectures("hrx");
+        assert!(hrx.len() > 100, "{hrx:?}");
+        for known in ["llama", "qwen3", "qwen35moe", "lfm2", "gemma3"] {
+            assert!(hrx.iter().any(|a| a == known), "{known}");
+        }
+        assert!(!hrx.iter().any(|a| a == "clip" || a == "zamba2"));
+        assert_eq!(architectures("cpu"), hrx);
+        assert!(check_architecture(&with_arch(Some("qwen3")), "hrx").is_ok());
+        assert!(check_architecture(&with_arch(None), "cpu").is_ok());
+        let refusal = check_architecture(&with_arch(Some("zamba2")), "cpu").unwrap_err();
+        assert_eq!(refusal.exit_code, 2);
+        assert!(
+            refusal.message.contains("\"zamba2\"")
+                && refusal.message.contains("Lemonade's llamacpp backend"),
+            "{}",
+            refusal.message
         );
     }
 }

@@ -1,0 +1,269 @@
+//! The hrx device route: the model in the HRX build's llama-server on HRX0, every layer on the
+//! GPU, with strict placement by default and serve's placement lines.
+#![deny(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use llama_server::placement::{self, PlacementLine, Watch};
+use onebit_plugin_api::{
+    BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Purpose, Refusal, RouteInfo,
+    Warmup, export_route,
+};
+
+/// Where TheRock's HSA runtime is looked for when neither `--hrx-libhsa` nor the user's
+/// `IREE_HAL_AMDGPU_LIBHSA_PATH` names one.
+pub const THEROCK_DIR: &str = "/opt/rocm-therock";
+const LIBHSA: &str = "libhsa-runtime64.so.1";
+
+/// `1` or `0` overrides the hardware check of `claim` (tests, or a machine whose sysfs is
+/// unusual).
+pub const PRESENT_ENV: &str = "ONEBIT_HRX_PRESENT";
+
+#[derive(Default)]
+pub struct HrxRoute {
+    /// The placement watch of the plan being served, set by `plan` for [`Purpose::Serve`] and read
+    /// by `on_backend_line` (the same process, one plan per run).
+    watch: Mutex<Option<Watch>>,
+}
+
+/// How strictly placement is held, from the flags and `ONEBIT_STRICT_DEVICE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Strictness {
+    /// `--no-strict-device`: GGML_HRX_STRICT is left unset.
+    Off,
+    /// The default: GGML_HRX_STRICT=1.
+    On,
+    /// `--strict-device`: the default, the report, and a refusal of any report naming nodes off
+    /// HRX.
+    Refusing,
+}
+
+fn strictness(request: &PlanRequest) -> Strictness {
+    let o = &request.options;
+    if o.strict_device {
+        return Strictness::Refusing;
+    }
+    if o.no_strict_device {
+        return Strictness::Off;
+    }
+    match request
+        .env
+        .get("ONEBIT_STRICT_DEVICE")
+        .map(|v| v.trim())
+        .unwrap_or("")
+    {
+        "0" => Strictness::Off,
+        "1" => Strictness::Refusing,
+        _ => Strictness::On,
+    }
+}
+
+/// Whether this machine has HRX, judged cheaply: `ONEBIT_HRX_PRESENT` when set, else `/dev/kfd`
+/// and a DRM card driven by amdgpu.
+pub fn hrx_present(request: &PlanRequest) -> bool {
+    match request.env.get(PRESENT_ENV).map(|v| v.trim()) {
+        Some("1") => return true,
+        Some("0") => return false,
+        _ => {}
+    }
+    Path::new("/dev/kfd").exists() && amdgpu_card(Path::new("/sys/class/drm"))
+}
+
+fn amdgpu_card(drm: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(drm) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        std::fs::read_link(e.path().join("device/driver"))
+            .ok()
+            .and_then(|d| d.file_name().map(|n| n == "amdgpu"))
+            .unwrap_or(false)
+    })
+}
+
+/// The first `libhsa-runtime64.so.1` under `root`, directories in name order, at most four
+/// levels down.
+pub fn find_libhsa(root: &Path) -> Option<PathBuf> {
+    fn walk(dir: &Path, depth: u32) -> Option<PathBuf> {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        entries.sort();
+        if let Some(found) = entries
+            .iter()
+            .find(|p| p.file_name().is_some_and(|n| n == LIBHSA) && p.exists())
+        {
+            return Some(found.clone());
+        }
+        if depth == 0 {
+            return None;
+        }
+        entries
+            .iter()
+            .filter(|p| p.is_dir())
+            .find_map(|p| walk(p, depth - 1))
+    }
+    walk(root, 4)
+}
+
+/// The two warm-up requests of an hrx chat plan: a 360-token chat prompt for 8 tokens (HRX's
+/// one-time per-shape program build), then a 16-token `/completion` with nothing to predict
+/// (the small-batch weight layout ggml-hrx builds on first use).
+pub fn warmups() -> Vec<Warmup> {
+    vec![
+        Warmup {
+            path: "/v1/chat/completions".to_string(),
+            body: serde_json::json!({
+                "messages": [{"role": "user", "content": vec!["a"; 360].join(" ")}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "cache_prompt": false,
+            }),
+        },
+        Warmup {
+            path: "/completion".to_string(),
+            body: serde_json::json!({"prompt": " a".repeat(16), "n_predict": 0}),
+        },
+    ]
+}
+
+impl DeviceRoute for HrxRoute {
+    fn info(&self) -> RouteInfo {
+        RouteInfo {
+            name: "hrx".to_string(),
+            summary: "llama-server on HRX0 (-ngl 99), strict placement".to_string(),
+        }
+    }
+
+    fn claim(&self, request: &PlanRequest) -> Claim {
+        if request.model.is_dir || !hrx_present(request) {
+            return Claim::none();
+        }
+        Claim {
+            strength: 50,
+            reason: "a GGUF on a machine with HRX".to_string(),
+        }
+    }
+
+    fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
+        let o = &request.options;
+        if request.model.is_dir {
+            return Err(Refusal::usage(format!(
+                "{} is a directory; --device hrx serves a .gguf file",
+                o.model
+            )));
+        }
+        llama_server::refuse_foreign_flags(request, "hrx")?;
+        llama_server::check_architecture(request, "hrx")?;
+        let server = llama_server::server_binary(request)?;
+        let port = *request
+            .ports
+            .first()
+            .ok_or_else(|| Refusal::usage("the host reserved no port for the backend"))?;
+        let strict = strictness(request);
+        let report = o.placement_report || strict == Strictness::Refusing;
+
+        let mut argv = llama_server::base_argv(&server, request, port);
+        argv.extend(["--device", "HRX0", "-ngl", "99"].map(String::from));
+        if let Some(ctx) = o.ctx_size {
+            argv.extend(["-c".to_string(), ctx.to_string()]);
+        }
+        if let Some(n) = o.parallel {
+            argv.extend(["-np".to_string(), n.to_string()]);
+        }
+        if report {
+            argv.extend(["-lv", "4"].map(String::from));
+        }
+
+        let mut env = BTreeMap::new();
+        if strict != Strictness::Off {
+            env.insert("GGML_HRX_STRICT".to_string(), "1".to_string());
+        }
+        env.insert(
+            "GGML_HRX_REPORT".to_string(),
+            if report { "2" } else { "1" }.to_string(),
+        );
+        let libhsa = o
+            .hrx_libhsa
+            .clone()
+            .or_else(|| find_libhsa(Path::new(THEROCK_DIR)).map(|p| p.display().to_string()));
+        if let Some(libhsa) = libhsa {
+            env.insert("IREE_HAL_AMDGPU_LIBHSA_PATH".to_string(), libhsa);
+        }
+        // A variable the user set wins over the plan's.
+        env.retain(|k, _| !request.env.contains_key(k));
+        let notes = llama_server::recipes::apply(request, "hrx", &mut argv, &mut env)?;
+        // After the recipes, so that a recipe's own --cache-reuse wins over serve's.
+        if !argv.iter().any(|a| a == "--cache-reuse") {
+            argv.extend(["--cache-reuse", "256"].map(String::from));
+        }
+
+        let no_warmup = request
+            .env
+            .get("ONEBIT_NO_WARMUP")
+            .is_some_and(|v| v.trim() == "1");
+        if request.purpose == Purpose::Serve {
+            let watch = Watch::new(report, strict == Strictness::Refusing);
+            if let Ok(mut slot) = self.watch.lock() {
+                *slot = Some(watch);
+            }
+        }
+        let mut backend = llama_server::backend(argv, port);
+        backend.env = env;
+        // HRX reports its whole pool free, so llama.cpp's --fit shrinks nothing: without
+        // --ctx-size the backend takes the model's own context, and that is what is judged.
+        let ctx_source = match request.options.ctx_size {
+            Some(n) => format!("ctx {n} (--ctx-size)"),
+            None => match request.model.context_length {
+                Some(n) => format!("the model's own ctx {n} (no --ctx-size)"),
+                None => "the model's own ctx (no --ctx-size)".to_string(),
+            },
+        };
+        let memory =
+            llama_server::memory_need(request, request.options.ctx_size, ctx_source, "gtt")?;
+        Ok(Plan {
+            device: "hrx".to_string(),
+            backends: vec![backend],
+            rules: llama_server::rules(),
+            one_hop: true,
+            warmups: if no_warmup { Vec::new() } else { warmups() },
+            memory,
+            notes,
+            ..Default::default()
+        })
+    }
+
+    fn on_backend_line(&self, line: &BackendLine) -> LineVerdict {
+        match placement::parse(&line.line) {
+            None => LineVerdict::default(),
+            Some(PlacementLine::StrictAbort(what)) => LineVerdict {
+                say: vec![placement::strict_refusal(&what)],
+                stop: Some("HRX strict placement refused the model".to_string()),
+            },
+            Some(PlacementLine::Report(graph)) => {
+                let Ok(mut slot) = self.watch.lock() else {
+                    return LineVerdict::default();
+                };
+                let Some(watch) = slot.as_mut() else {
+                    return LineVerdict::default();
+                };
+                let verdict = watch.observe(graph);
+                let mut say: Vec<String> = verdict.say.into_iter().collect();
+                let stop = verdict.stop.map(|refusal| {
+                    say.push(refusal);
+                    "HRX strict placement refused the model (--strict-device)".to_string()
+                });
+                LineVerdict { say, stop }
+            }
+        }
+    }
+}
+
+export_route!(HrxRoute);
+
+#[cfg(test)]
+mod tests;
