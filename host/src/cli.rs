@@ -123,7 +123,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MODEL.gguf")]
     pub rerank: Option<String>,
     /// The model itself is an embedding model.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "reranking")]
     pub embedding: bool,
     /// The model itself is a reranking model.
     #[arg(long)]
@@ -224,12 +224,6 @@ impl ServeArgs {
         };
         check(self.prefill_provider.is_some(), "--prefill-provider");
         check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
-        check(self.mtp.is_some(), "--mtp");
-        check(self.dflash.is_some(), "--dflash");
-        check(self.no_mtp, "--no-mtp");
-        check(self.mtp_max.is_some(), "--mtp-max");
-        check(self.mtp_p_min.is_some(), "--mtp-p-min");
-        check(self.mmproj.is_some(), "--mmproj");
         check(self.laya, "--laya");
         check(self.laya_model.is_some(), "--laya-model");
         check(self.route_policy.is_some(), "--route-policy");
@@ -238,10 +232,7 @@ impl ServeArgs {
         check(self.lemonade_url.is_some(), "--lemonade-url");
         check(self.embed.is_some(), "--embed");
         check(self.rerank.is_some(), "--rerank");
-        check(self.embedding, "--embedding");
-        check(self.reranking, "--reranking");
         check(!self.npu_opt.is_empty(), "--npu-opt");
-        check(self.precise, "--precise");
         flags
     }
 

@@ -68,6 +68,8 @@ pub struct App {
     pub status: RwLock<Status>,
     pub client: BackendClient,
     pub body_limit: usize,
+    /// `--precise` (or `ONEBIT_PRECISE=1`): chats and completions go with `cache_prompt` false.
+    pub precise: bool,
     /// The route asked that its forwards take turns (`Plan::serialize_forwards`).
     pub serialize_forwards: bool,
     /// The turn, when they do.
@@ -222,6 +224,13 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
             Err(e) => return ApiError::BadJson(e.to_string()).into_response(),
         }
     }
+
+    // --precise: every chat and completion is prefilled whole, as a cold run is.
+    let body = if app.precise && rule.inference {
+        without_prompt_cache(body)
+    } else {
+        body
+    };
 
     // For a route that asks to, its forwards take turns: the turn is held from asking the
     // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
@@ -501,6 +510,20 @@ fn upstream_request(
     }
     strip_hop_headers(out);
     Ok(request)
+}
+
+/// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
+fn without_prompt_cache(body: Bytes) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return body;
+    };
+    match value.as_object_mut() {
+        Some(object) => {
+            object.insert("cache_prompt".to_string(), serde_json::Value::Bool(false));
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(body)
+        }
+        None => body,
+    }
 }
 
 /// Put `served` in a JSON object reply's `model` field; anything else is left as it came.

@@ -178,6 +178,14 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             placement_report: args.placement_report,
             recipes: args.recipes.clone(),
             no_recipes: args.no_recipes,
+            mtp: args.mtp.clone(),
+            dflash: args.dflash.clone(),
+            no_mtp: args.no_mtp,
+            mtp_max: args.mtp_max,
+            mtp_p_min: args.mtp_p_min,
+            mmproj: args.mmproj.clone(),
+            embedding: args.embedding,
+            reranking: args.reranking,
             args: std::env::args().skip(2).collect(),
         },
         model: facts,
@@ -293,11 +301,12 @@ fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
             });
         }
     };
-    let env: BTreeMap<&String, &String> = backend
+    let mut env: BTreeMap<&String, &String> = backend
         .env
         .iter()
         .filter(|(k, _)| std::env::var_os(k).is_none())
         .collect();
+    env.extend(backend.env_combined.iter());
     if args.print_backend_env {
         for (k, v) in env {
             println!("{k}={v}");
@@ -475,6 +484,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(proxy::DEFAULT_BODY_LIMIT),
         body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S").unwrap_or(proxy::DEFAULT_BODY_TIMEOUT),
         guard: Guard::for_bind(&args.host),
+        precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
         serialize_forwards: plan.serialize_forwards,
         forward_turn: Arc::new(tokio::sync::Mutex::new(())),
         route: RouteCalls {

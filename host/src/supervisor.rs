@@ -124,6 +124,7 @@ pub fn spawn(
             command.env(key, value);
         }
     }
+    command.envs(&spec.env_combined);
     die_with_serve(&mut command);
     let (reply, answer) = mpsc::channel();
     spawner()

@@ -88,6 +88,22 @@ pub struct ServeOptions {
     pub recipes: Option<String>,
     /// `--no-recipes`.
     pub no_recipes: bool,
+    /// `--mtp HEAD.gguf`: draft with this MTP head.
+    pub mtp: Option<String>,
+    /// `--dflash DRAFT.gguf`: draft with this DFlash model.
+    pub dflash: Option<String>,
+    /// `--no-mtp` (or `ONEBIT_NO_MTP=1`, which the route reads from `env`).
+    pub no_mtp: bool,
+    /// `--mtp-max N`: the draft length.
+    pub mtp_max: Option<u32>,
+    /// `--mtp-p-min P`: the draft probability threshold.
+    pub mtp_p_min: Option<f64>,
+    /// `--mmproj FILE`: a multimodal projector.
+    pub mmproj: Option<String>,
+    /// `--embedding`: the model itself serves embeddings.
+    pub embedding: bool,
+    /// `--reranking`: the model itself serves reranking.
+    pub reranking: bool,
     /// serve's whole command line after `serve`, for flags this version of the ABI does not
     /// name.
     pub args: Vec<String>,
@@ -220,6 +236,9 @@ pub struct BackendSpec {
     pub argv: Vec<String>,
     /// Variables to add to serve's environment. A variable the user already set wins.
     pub env: BTreeMap<String, String>,
+    /// Variables whose value the route built from the user's own (appending to a list, say):
+    /// set even when the user set them, and listed by `--print-backend` in any case.
+    pub env_combined: BTreeMap<String, String>,
     /// The loopback port it listens on.
     pub port: u16,
     /// Its health route: 200 means ready (and, later, alive).

@@ -2,6 +2,7 @@
 #![deny(unsafe_code)]
 
 use llama_server::log::{LogSeries, lost_device};
+use llama_server::options;
 use onebit_plugin_api::{
     BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Refusal, RouteInfo,
     export_route,
@@ -55,20 +56,29 @@ impl DeviceRoute for CpuRoute {
             .ports
             .first()
             .ok_or_else(|| Refusal::usage("the host reserved no port for the backend"))?;
-        let ctx = request.options.ctx_size.unwrap_or(DEFAULT_CTX);
-        let ctx_source = match request.options.ctx_size {
-            Some(n) => format!("ctx {n} (--ctx-size)"),
-            None => format!("ctx {DEFAULT_CTX} (serve's CPU default; no --ctx-size)"),
+        let ctx = options::context(request, Some(DEFAULT_CTX)).unwrap_or(DEFAULT_CTX);
+        let ctx_source = match (request.options.ctx_size, options::role(request)) {
+            (Some(n), _) => format!("ctx {n} (--ctx-size)"),
+            (None, Some(role)) => {
+                format!("ctx {ctx} (serve's default for --{role}; no --ctx-size)")
+            }
+            (None, None) => format!("ctx {DEFAULT_CTX} (serve's CPU default; no --ctx-size)"),
         };
-        let memory = llama_server::memory_need(request, Some(ctx), ctx_source, "ram")?;
+        let asked = options::model_args(request, "cpu", Some(ctx))?;
+        let mut memory = llama_server::memory_need(request, Some(ctx), ctx_source, "ram")?;
+        if let Some(m) = &mut memory {
+            m.weights_bytes += asked.extra_weights_bytes;
+            m.kv_bytes += asked.extra_kv_bytes;
+        }
         let mut argv = llama_server::base_argv(&server, request, port);
         argv.extend(["-ngl", "0", "-c"].map(String::from));
         argv.push(ctx.to_string());
-        if let Some(n) = request.options.parallel {
-            argv.extend(["-np".to_string(), n.to_string()]);
-        }
-        let mut env = Default::default();
-        let notes = llama_server::recipes::apply(request, "cpu", &mut argv, &mut env)?;
+        argv.extend(asked.argv);
+        let mut env = asked.env;
+        let mut notes = asked.notes;
+        notes.extend(llama_server::recipes::apply(
+            request, "cpu", &mut argv, &mut env,
+        )?);
         let mut backend = llama_server::backend(argv, port);
         backend.env = env;
         Ok(Plan {

@@ -164,6 +164,7 @@ impl DeviceRoute for Ds4Route {
                 health_path: "/v1/models".to_string(),
                 progress_path: None,
                 metrics_path: None,
+                ..Default::default()
             }],
             rules: rules(),
             one_hop: false,

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use llama_server::options;
 use llama_server::placement::{self, PlacementLine, Watch};
 use onebit_plugin_api::{
     BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Purpose, Refusal, RouteInfo,
@@ -167,14 +168,14 @@ impl DeviceRoute for HrxRoute {
         let strict = strictness(request);
         let report = o.placement_report || strict == Strictness::Refusing;
 
+        let ctx = options::context(request, None);
+        let asked = options::model_args(request, "hrx", ctx)?;
         let mut argv = llama_server::base_argv(&server, request, port);
         argv.extend(["--device", "HRX0", "-ngl", "99"].map(String::from));
-        if let Some(ctx) = o.ctx_size {
+        if let Some(ctx) = ctx {
             argv.extend(["-c".to_string(), ctx.to_string()]);
         }
-        if let Some(n) = o.parallel {
-            argv.extend(["-np".to_string(), n.to_string()]);
-        }
+        argv.extend(asked.argv);
         if report {
             argv.extend(["-lv", "4"].map(String::from));
         }
@@ -196,7 +197,19 @@ impl DeviceRoute for HrxRoute {
         }
         // A variable the user set wins over the plan's.
         env.retain(|k, _| !request.env.contains_key(k));
-        let notes = llama_server::recipes::apply(request, "hrx", &mut argv, &mut env)?;
+        // Except one the options combined with the user's own value.
+        let mut env_combined = BTreeMap::new();
+        for (k, v) in asked.env {
+            if request.env.contains_key(&k) {
+                env_combined.insert(k, v);
+            } else {
+                env.insert(k, v);
+            }
+        }
+        let mut notes = asked.notes;
+        notes.extend(llama_server::recipes::apply(
+            request, "hrx", &mut argv, &mut env,
+        )?);
         // After the recipes, so that a recipe's own --cache-reuse wins over serve's.
         if !argv.iter().any(|a| a == "--cache-reuse") {
             argv.extend(["--cache-reuse", "256"].map(String::from));
@@ -214,17 +227,24 @@ impl DeviceRoute for HrxRoute {
         }
         let mut backend = llama_server::backend(argv, port);
         backend.env = env;
+        backend.env_combined = env_combined;
         // HRX reports its whole pool free, so llama.cpp's --fit shrinks nothing: without
         // --ctx-size the backend takes the model's own context, and that is what is judged.
-        let ctx_source = match request.options.ctx_size {
-            Some(n) => format!("ctx {n} (--ctx-size)"),
-            None => match request.model.context_length {
+        let ctx_source = match (request.options.ctx_size, ctx, options::role(request)) {
+            (Some(n), _, _) => format!("ctx {n} (--ctx-size)"),
+            (None, Some(n), Some(role)) => {
+                format!("ctx {n} (serve's default for --{role}; no --ctx-size)")
+            }
+            _ => match request.model.context_length {
                 Some(n) => format!("the model's own ctx {n} (no --ctx-size)"),
                 None => "the model's own ctx (no --ctx-size)".to_string(),
             },
         };
-        let memory =
-            llama_server::memory_need(request, request.options.ctx_size, ctx_source, "gtt")?;
+        let mut memory = llama_server::memory_need(request, ctx, ctx_source, "gtt")?;
+        if let Some(m) = &mut memory {
+            m.weights_bytes += asked.extra_weights_bytes;
+            m.kv_bytes += asked.extra_kv_bytes;
+        }
         Ok(Plan {
             device: "hrx".to_string(),
             backends: vec![backend],

@@ -4,6 +4,7 @@
 
 pub mod log;
 pub mod memory;
+pub mod options;
 pub mod placement;
 pub mod recipes;
 
@@ -172,6 +173,7 @@ pub fn backend(argv: Vec<String>, port: u16) -> BackendSpec {
         health_path: "/health".to_string(),
         progress_path: Some("/slots".to_string()),
         metrics_path: Some("/metrics".to_string()),
+        ..Default::default()
     }
 }
 
@@ -197,6 +199,8 @@ pub fn rules() -> Vec<Rule> {
         proxy("POST", "/embeddings", false),
         proxy("POST", "/v1/rerank", false),
         proxy("POST", "/rerank", false),
+        proxy("POST", "/v1/reranking", false),
+        proxy("POST", "/reranking", false),
         proxy("POST", "/tokenize", false),
         proxy("POST", "/detokenize", false),
         proxy("POST", "/apply-template", false),

@@ -1,0 +1,252 @@
+//! What a model can ask of llama-server: slots (`--parallel`), drafting (`--mtp`, `--dflash`,
+//! the model's own MTP layers), images (`--mmproj`), and the embedding and reranking roles;
+//! the argv and environment each maps to per route, and the rules the routes enforce.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use onebit_plugin_api::{PlanRequest, Refusal};
+
+use crate::memory;
+
+/// Architectures whose gated delta-net layers HRX runs one sequence at a time.
+const GATED_DELTA_NET: [&str; 3] = ["qwen35", "qwen35moe", "qwen3next"];
+/// The context (and batch) a role server takes without `--ctx-size`.
+pub const ROLE_CTX: u64 = 8192;
+/// A DFlash drafter that does not say its block size drafts this many tokens.
+const DFLASH_DEFAULT_DRAFT: u64 = 16;
+/// The HRX dispatch turned off when slots share the KV cache: AMD's Qwen attention path
+/// ignores the other sequences.
+const QWEN_ATTENTION_DISPATCH: &str = "qwen.attention";
+
+/// What the options add to a llama-server plan.
+#[derive(Debug, Default, PartialEq)]
+pub struct ModelArgs {
+    /// Arguments appended to the route's argv.
+    pub argv: Vec<String>,
+    /// Environment the plan adds (where the user has not set it).
+    pub env: BTreeMap<String, String>,
+    /// Lines serve prints before starting.
+    pub notes: Vec<String>,
+    /// Files beyond the model that the backend loads (a drafter, a projector), for the memory
+    /// check.
+    pub extra_weights_bytes: u64,
+    /// The drafter's own KV cache at the plan's context.
+    pub extra_kv_bytes: u64,
+}
+
+/// Which role the model serves: chat (none), embedding or reranking.
+pub fn role(request: &PlanRequest) -> Option<&'static str> {
+    if request.options.reranking {
+        Some("reranking")
+    } else if request.options.embedding {
+        Some("embedding")
+    } else {
+        None
+    }
+}
+
+/// The context a llama-server route gives the model: `--ctx-size`, else 8192 for a role, else
+/// `default` (the route's own choice; None = the model's own).
+pub fn context(request: &PlanRequest, default: Option<u64>) -> Option<u64> {
+    request
+        .options
+        .ctx_size
+        .or(role(request).map(|_| ROLE_CTX))
+        .or(default)
+}
+
+/// The options' arguments for `route` (`cpu` or `hrx`) at context `ctx`.
+pub fn model_args(
+    request: &PlanRequest,
+    route: &str,
+    ctx: Option<u64>,
+) -> Result<ModelArgs, Refusal> {
+    let o = &request.options;
+    let mut out = ModelArgs::default();
+    let arch = request.model.architecture.as_deref().unwrap_or("");
+    let on_hrx = route == "hrx";
+
+    // Slots.
+    let mut parallel = o.parallel;
+    if on_hrx && GATED_DELTA_NET.contains(&arch) {
+        match parallel {
+            Some(n) if n > 1 && o.device == "hrx" => {
+                return Err(Refusal::usage(format!(
+                    "--parallel {n}: HRX runs one gated delta-net sequence at a time, and {arch} is such a model; drop --parallel, or use --device cpu"
+                )));
+            }
+            Some(n) if n > 1 => {
+                out.notes.push(format!(
+                    "HRX runs one gated delta-net sequence at a time: {arch} gets one slot, not {n}"
+                ));
+                parallel = Some(1);
+            }
+            _ => parallel = Some(1),
+        }
+    }
+    if let Some(n) = parallel {
+        if n == 0 {
+            return Err(Refusal::usage(
+                "--parallel 0: give at least one slot, e.g. --parallel 2",
+            ));
+        }
+        push(&mut out.argv, &["-np", &n.to_string()]);
+        if on_hrx && n > 1 {
+            out.argv.push("-kvu".to_string());
+            let value = match request.env.get("GGML_HRX_DISABLE_DISPATCH") {
+                Some(user) if !user.is_empty() => format!("{user},{QWEN_ATTENTION_DISPATCH}"),
+                _ => QWEN_ATTENTION_DISPATCH.to_string(),
+            };
+            out.env
+                .insert("GGML_HRX_DISABLE_DISPATCH".to_string(), value);
+        }
+    }
+
+    // Roles.
+    let header = model_header(request);
+    if let Some(role) = role(request) {
+        let n = ctx.unwrap_or(ROLE_CTX).to_string();
+        push(&mut out.argv, &[&format!("--{role}"), "-b", &n, "-ub", &n]);
+        // A model that names no pooling of its own (a chat model asked for embeddings) would
+        // get none, which the OpenAI embeddings route refuses: pool it by the mean.
+        let pools = header
+            .as_ref()
+            .and_then(|h| h.arch_key("pooling_type"))
+            .is_some_and(|k| header.as_ref().is_some_and(|h| h.get(&k).is_some()));
+        if role == "embedding" && !pools {
+            push(&mut out.argv, &["--pooling", "mean"]);
+        }
+    }
+
+    // Drafting.
+    let no_mtp = o.no_mtp
+        || request
+            .env
+            .get("ONEBIT_NO_MTP")
+            .is_some_and(|v| v.trim() == "1");
+    match (&o.mtp, &o.dflash) {
+        (Some(_), Some(_)) => {
+            return Err(Refusal::usage(
+                "--mtp and --dflash are two drafters; pick one",
+            ));
+        }
+        (Some(head), None) => {
+            let head_bytes = drafter_file(head, "--mtp")?;
+            push(
+                &mut out.argv,
+                &["--spec-type", "draft-mtp", "-md", head, "-ngld", "99"],
+            );
+            out.extra_weights_bytes += head_bytes;
+            out.extra_kv_bytes += drafter_kv(head, request, ctx);
+        }
+        (None, Some(draft)) => {
+            let draft_bytes = drafter_file(draft, "--dflash")?;
+            let n_max = match o.mtp_max {
+                Some(n) => u64::from(n),
+                None => dflash_block(draft)
+                    .map(|b| b.saturating_sub(1).max(1))
+                    .unwrap_or(DFLASH_DEFAULT_DRAFT),
+            };
+            push(
+                &mut out.argv,
+                &["--spec-type", "draft-dflash", "-md", draft, "-ngld", "99"],
+            );
+            if o.mtp_max.is_none() {
+                push(&mut out.argv, &["--spec-draft-n-max", &n_max.to_string()]);
+            }
+            out.extra_weights_bytes += draft_bytes;
+            out.extra_kv_bytes += drafter_kv(draft, request, ctx);
+        }
+        (None, None) => {
+            let own_heads = header.as_ref().map(nextn_layers).unwrap_or(0) > 0;
+            let one_slot = parallel.unwrap_or(1) <= 1;
+            if on_hrx && own_heads && !no_mtp && one_slot && role(request).is_none() {
+                push(&mut out.argv, &["--spec-type", "draft-mtp"]);
+                out.notes.push(
+                    "drafting with the model's own MTP layers (--no-mtp turns it off)".to_string(),
+                );
+            }
+        }
+    }
+    if o.mtp.is_some() || o.dflash.is_some() || out.argv.iter().any(|a| a == "draft-mtp") {
+        if let Some(n) = o.mtp_max {
+            push(&mut out.argv, &["--spec-draft-n-max", &n.to_string()]);
+        }
+        if let Some(p) = o.mtp_p_min {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(Refusal::usage(format!(
+                    "--mtp-p-min {p}: a probability between 0 and 1, e.g. 0.5"
+                )));
+            }
+            push(&mut out.argv, &["--spec-draft-p-min", &p.to_string()]);
+        }
+    } else if o.mtp_max.is_some() || o.mtp_p_min.is_some() {
+        return Err(Refusal::usage(
+            "--mtp-max and --mtp-p-min set a drafter's draft; add --mtp HEAD.gguf or --dflash DRAFT.gguf",
+        ));
+    }
+
+    // Images.
+    if let Some(mmproj) = &o.mmproj {
+        out.extra_weights_bytes += drafter_file(mmproj, "--mmproj")?;
+        push(
+            &mut out.argv,
+            &["--mmproj", mmproj, "-b", "4096", "-ub", "4096"],
+        );
+    }
+    // A variable the user set wins.
+    out.env
+        .retain(|k, _| k == "GGML_HRX_DISABLE_DISPATCH" || !request.env.contains_key(k));
+    Ok(out)
+}
+
+fn push(argv: &mut Vec<String>, items: &[&str]) {
+    argv.extend(items.iter().map(|s| s.to_string()));
+}
+
+/// A drafter or projector file: it must exist; its size counts in the memory check.
+fn drafter_file(path: &str, flag: &str) -> Result<u64, Refusal> {
+    std::fs::metadata(path)
+        .map(|m| m.len())
+        .map_err(|e| Refusal::usage(format!("{flag} {path}: {e}; pass an existing .gguf file")))
+}
+
+/// The drafter's KV cache at the plan's context (0 when its header says too little).
+fn drafter_kv(path: &str, request: &PlanRequest, ctx: Option<u64>) -> u64 {
+    let Ok(header) = gguf::read_header_lean(Path::new(path)) else {
+        return 0;
+    };
+    let mut settings = memory::KvSettings::new(ctx.unwrap_or(0));
+    settings.n_parallel = request.options.parallel.unwrap_or(4).max(1);
+    settings.unified = request.options.parallel.is_none();
+    memory::kv_estimate(&header, &settings)
+        .map(|e| e.total_bytes())
+        .unwrap_or(0)
+}
+
+/// `dflash.block_size` of a DFlash drafter, when the file says.
+fn dflash_block(path: &str) -> Option<u64> {
+    let header = gguf::read_header_lean(Path::new(path)).ok()?;
+    header.get_u64("dflash.block_size").or_else(|| {
+        header
+            .arch_key("block_size")
+            .and_then(|k| header.get_u64(&k))
+    })
+}
+
+/// The model's GGUF header, when it has one.
+fn model_header(request: &PlanRequest) -> Option<gguf::Header> {
+    if request.model.gguf_error.is_some() || request.model.is_dir {
+        return None;
+    }
+    gguf::read_header_lean(Path::new(&request.options.model)).ok()
+}
+
+/// `<arch>.nextn_predict_layers`: the model's own MTP layers.
+fn nextn_layers(header: &gguf::Header) -> u64 {
+    header
+        .arch_key("nextn_predict_layers")
+        .and_then(|k| header.get_u64(&k))
+        .unwrap_or(0)
+}

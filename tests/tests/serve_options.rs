@@ -1,0 +1,434 @@
+//! What a model can ask for: --parallel, drafting, --mmproj, roles, --precise, thinking
+//! controls; the argv and env each gives per route, the refusals, and the real effect.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use onebit_tests::*;
+
+/// A header-only GGUF of `arch` with enough shape for the memory check, plus `extra` keys.
+fn model(dir: &Path, name: &str, arch: &str, extra: &[(&str, u32)]) -> PathBuf {
+    let path = dir.join(name);
+    let mut b = gguf::writer::Builder::new()
+        .kv("general.architecture", arch)
+        .kv(format!("{arch}.block_count"), 2u32)
+        .kv(format!("{arch}.context_length"), 4096u32)
+        .kv(format!("{arch}.embedding_length"), 64u32)
+        .kv(format!("{arch}.attention.head_count"), 4u32);
+    for (k, v) in extra {
+        b = b.kv(*k, *v);
+    }
+    b.write(&path).unwrap();
+    path
+}
+
+/// `1bit serve ... --print-backend` on port 8001 with a clean environment plus `env`:
+/// (exit status, the plan's JSON or null, stderr).
+fn plan(
+    model: &Path,
+    device: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (i32, serde_json::Value, String) {
+    let mut command = Command::new(onebit());
+    command
+        .args(["serve", "-m", model.to_str().unwrap(), "--device", device])
+        .args(["--llama-server", fake_backend().to_str().unwrap()])
+        .args(["--port", "8001", "--print-backend"])
+        .args(extra);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GGML_HRX_") || k.starts_with("ONEBIT_") {
+            command.env_remove(k);
+        }
+    }
+    command
+        .env("ONEBIT_HRX_PRESENT", "1")
+        .envs(env.iter().copied());
+    let out = command.output().unwrap();
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        json,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn argv(plan: &serde_json::Value) -> String {
+    plan["argv"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn parallel_gives_slots_and_on_hrx_a_shared_cache_without_the_qwen_attention_dispatch() {
+    let dir = temp_dir("parallel");
+    let m = model(&dir, "q.gguf", "qwen3", &[]);
+    let (code, p, err) = plan(&m, "cpu", &["--parallel", "3"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        argv(&p).contains("-np 3") && !argv(&p).contains("-kvu"),
+        "{}",
+        argv(&p)
+    );
+
+    let (code, p, err) = plan(&m, "hrx", &["--parallel", "3"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(argv(&p).contains("-np 3 -kvu"), "{}", argv(&p));
+    assert_eq!(p["env"]["GGML_HRX_DISABLE_DISPATCH"], "qwen.attention");
+
+    let (_, p, _) = plan(
+        &m,
+        "hrx",
+        &["--parallel", "3"],
+        &[("GGML_HRX_DISABLE_DISPATCH", "foo.bar")],
+    );
+    assert_eq!(
+        p["env"]["GGML_HRX_DISABLE_DISPATCH"], "foo.bar,qwen.attention",
+        "appended to the user's own value"
+    );
+}
+
+#[test]
+fn gated_delta_net_models_get_one_slot_on_hrx_and_keep_theirs_on_cpu() {
+    let dir = temp_dir("gdn");
+    let m = model(
+        &dir,
+        "q35.gguf",
+        "qwen35",
+        &[("qwen35.full_attention_interval", 4)],
+    );
+    let (code, _, err) = plan(&m, "hrx", &["--parallel", "2"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("HRX runs one gated delta-net sequence at a time"),
+        "{err}"
+    );
+
+    let (code, p, err) = plan(&m, "auto", &["--parallel", "2"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(p["device"], "hrx");
+    assert!(argv(&p).contains("-np 1"), "{}", argv(&p));
+    assert!(
+        err.contains("HRX runs one gated delta-net sequence at a time"),
+        "{err}"
+    );
+
+    let (code, p, err) = plan(&m, "cpu", &["--parallel", "2"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(argv(&p).contains("-np 2"), "{}", argv(&p));
+}
+
+#[test]
+fn drafting_flags_map_to_llama_servers_speculative_options() {
+    let dir = temp_dir("draft");
+    let m = model(&dir, "q.gguf", "qwen3", &[]);
+    let head = model(&dir, "head.gguf", "qwen3", &[]);
+    let head_s = head.to_str().unwrap();
+    let (code, p, err) = plan(&m, "cpu", &["--mtp", head_s], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        argv(&p).contains(&format!("--spec-type draft-mtp -md {head_s} -ngld 99")),
+        "{}",
+        argv(&p)
+    );
+
+    let block = dir.join("dflash.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "dflash")
+        .kv("dflash.block_size", 8u32)
+        .write(&block)
+        .unwrap();
+    let block_s = block.to_str().unwrap();
+    let (_, p, _) = plan(&m, "cpu", &["--dflash", block_s], &[]);
+    assert!(
+        argv(&p).contains(&format!(
+            "--spec-type draft-dflash -md {block_s} -ngld 99 --spec-draft-n-max 7"
+        )),
+        "{}",
+        argv(&p)
+    );
+    let (_, p, _) = plan(&m, "cpu", &["--dflash", head_s], &[]);
+    assert!(
+        argv(&p).contains("--spec-draft-n-max 16"),
+        "no block size: 16: {}",
+        argv(&p)
+    );
+    let (_, p, _) = plan(
+        &m,
+        "cpu",
+        &["--dflash", block_s, "--mtp-max", "4", "--mtp-p-min", "0.5"],
+        &[],
+    );
+    let a = argv(&p);
+    assert!(
+        a.contains("--spec-draft-n-max 4") && a.contains("--spec-draft-p-min 0.5"),
+        "{a}"
+    );
+    assert_eq!(a.matches("--spec-draft-n-max").count(), 1, "{a}");
+
+    let (code, _, err) = plan(&m, "cpu", &["--mtp", head_s, "--dflash", block_s], &[]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--mtp and --dflash are two drafters; pick one"),
+        "{err}"
+    );
+    let (code, _, err) = plan(&m, "cpu", &["--mtp-max", "4"], &[]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = plan(&m, "cpu", &["--mtp", "/nonexistent/head.gguf"], &[]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--mtp /nonexistent/head.gguf"), "{err}");
+}
+
+#[test]
+fn a_model_with_its_own_mtp_layers_drafts_with_them_on_hrx_unless_told_not_to() {
+    let dir = temp_dir("nextn");
+    let m = model(
+        &dir,
+        "q.gguf",
+        "qwen3",
+        &[("qwen3.nextn_predict_layers", 1)],
+    );
+    let (_, p, _) = plan(&m, "hrx", &[], &[]);
+    let a = argv(&p);
+    assert!(
+        a.contains("--spec-type draft-mtp") && !a.contains("-md "),
+        "{a}"
+    );
+    for (extra, env) in [
+        (vec!["--no-mtp"], vec![]),
+        (vec![], vec![("ONEBIT_NO_MTP", "1")]),
+        (vec!["--parallel", "2"], vec![]),
+        (vec!["--embedding"], vec![]),
+    ] {
+        let (code, p, err) = plan(&m, "hrx", &extra, &env);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            !argv(&p).contains("draft-mtp"),
+            "{extra:?} {env:?}: {}",
+            argv(&p)
+        );
+    }
+    let (_, p, _) = plan(&m, "cpu", &[], &[]);
+    assert!(!argv(&p).contains("draft-mtp"), "not on cpu: {}", argv(&p));
+}
+
+#[test]
+fn mmproj_and_roles_set_their_batches() {
+    let dir = temp_dir("mmproj");
+    let m = model(&dir, "q.gguf", "qwen3", &[]);
+    let proj = model(&dir, "mmproj.gguf", "clip", &[]);
+    let proj_s = proj.to_str().unwrap();
+    for device in ["cpu", "hrx"] {
+        let (code, p, err) = plan(&m, device, &["--mmproj", proj_s], &[]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            argv(&p).contains(&format!("--mmproj {proj_s} -b 4096 -ub 4096")),
+            "{}",
+            argv(&p)
+        );
+    }
+    let (_, p, _) = plan(&m, "cpu", &["--embedding"], &[]);
+    let a = argv(&p);
+    assert!(
+        a.contains("-c 8192") && a.contains("--embedding -b 8192 -ub 8192"),
+        "{a}"
+    );
+    let (_, p, _) = plan(&m, "cpu", &["--reranking", "-c", "2048"], &[]);
+    assert!(
+        argv(&p).contains("--reranking -b 2048 -ub 2048"),
+        "{}",
+        argv(&p)
+    );
+}
+
+#[test]
+fn the_drafter_counts_in_the_memory_check() {
+    let dir = temp_dir("draft-memory");
+    let m = model(&dir, "q.gguf", "qwen3", &[]);
+    let head = dir.join("head.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "qwen3")
+        .total_size(3 << 30)
+        .write(&head)
+        .unwrap();
+    let check = |extra: &[&str]| {
+        let out = Command::new(onebit())
+            .args([
+                "serve",
+                "-m",
+                m.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--mem-check",
+            ])
+            .args(["--llama-server", fake_backend().to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(check(&[]).contains("weights 0.00 +"), "{}", check(&[]));
+    let with = check(&["--mtp", head.to_str().unwrap()]);
+    assert!(with.contains("weights 3.00 +"), "{with}");
+}
+
+#[test]
+fn thinking_controls_and_precise_reach_the_backend() {
+    let dir = temp_dir("thinking");
+    let m = dummy_model(&dir, "m.gguf");
+    let record = dir.join("record.jsonl");
+    let serve = Serve::with_fake(
+        &m,
+        &["--precise"],
+        &[("FAKE_RECORD", record.to_str().unwrap())],
+    );
+    serve.ready();
+    let body = r#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"enable_thinking":false},"reasoning_format":"none"}"#;
+    assert_eq!(post(&serve.url("/v1/chat/completions"), body).0, 200);
+    let sent = json_lines(&record)
+        .into_iter()
+        .find(|l| l["path"] == "/v1/chat/completions")
+        .expect("the chat reached the backend");
+    let sent: serde_json::Value = serde_json::from_str(sent["body"].as_str().unwrap()).unwrap();
+    assert_eq!(sent["chat_template_kwargs"]["enable_thinking"], false);
+    assert_eq!(sent["reasoning_format"], "none");
+    assert_eq!(sent["cache_prompt"], false, "--precise");
+}
+
+/// Serve SmolLM2 on the real llama-server with `extra` flags.
+fn smollm2(extra: &[&str]) -> Serve {
+    let server = installed_llama_server();
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        server.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let serve = Serve::start(&args, &[]);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(120)),
+        "not ready:\n{}",
+        serve.output()
+    );
+    serve
+}
+
+#[test]
+fn two_slots_decode_two_chats_at_once() {
+    let serve = smollm2(&["--parallel", "2", "--ctx-size", "2048"]);
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        "temperature": 0,
+        "max_tokens": 48,
+    })
+    .to_string();
+    let url = serve.url("/v1/chat/completions");
+    let slots_url = serve.url("/slots");
+    let (replies, most_busy) = std::thread::scope(|s| {
+        let a = s.spawn(|| post(&url, &body));
+        let b = s.spawn(|| post(&url, &body));
+        let mut most_busy = 0;
+        while !a.is_finished() || !b.is_finished() {
+            let (_, slots) = get(&slots_url);
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&slots) {
+                let busy = v
+                    .as_array()
+                    .map(|a| a.iter().filter(|s| s["is_processing"] == true).count())
+                    .unwrap_or(0);
+                most_busy = most_busy.max(busy);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        ((a.join().unwrap(), b.join().unwrap()), most_busy)
+    });
+    for (status, reply) in [replies.0, replies.1] {
+        assert_eq!(status, 200, "{reply}");
+        assert!(reply.contains("Paris"), "{reply}");
+    }
+    assert_eq!(most_busy, 2, "both chats were decoding at the same time");
+}
+
+fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    dot / (norm(a) * norm(b))
+}
+
+#[test]
+fn the_model_itself_serves_embeddings_that_rank_a_paraphrase_first() {
+    let serve = smollm2(&["--embedding"]);
+    let body = serde_json::json!({"input": [
+        "The cat sat on the mat.",
+        "A cat was sitting on the rug.",
+        "Quarterly revenue grew by four percent.",
+    ]});
+    let (status, reply) = post(&serve.url("/v1/embeddings"), &body.to_string());
+    assert_eq!(status, 200, "{reply}");
+    let v: serde_json::Value = serde_json::from_str(&reply).unwrap();
+    let vectors: Vec<Vec<f64>> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            d["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect();
+    assert_eq!(vectors.len(), 3);
+    assert!(
+        vectors.iter().all(|e| e.len() == 576),
+        "SmolLM2's width is 576"
+    );
+    let paraphrase = cosine(&vectors[0], &vectors[1]);
+    let unrelated = cosine(&vectors[0], &vectors[2]);
+    assert!(paraphrase > unrelated, "{paraphrase} vs {unrelated}");
+}
+
+#[test]
+fn precise_prefills_a_repeated_request_whole_and_without_it_the_cache_serves_it() {
+    let ask = |serve: &Serve| {
+        let body = serde_json::json!({
+            "messages": [{"role": "user", "content": "Name three colours of the rainbow."}],
+            "temperature": 0,
+            "max_tokens": 4,
+        })
+        .to_string();
+        let (status, reply) = post(&serve.url("/v1/chat/completions"), &body);
+        assert_eq!(status, 200, "{reply}");
+        let v: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        (
+            v["timings"]["prompt_n"].as_u64().unwrap(),
+            v["usage"]["prompt_tokens"].as_u64().unwrap(),
+        )
+    };
+    let serve = smollm2(&["--precise", "--parallel", "1"]);
+    let _ = ask(&serve);
+    let (prompt_n, prompt_tokens) = ask(&serve);
+    assert_eq!(
+        prompt_n, prompt_tokens,
+        "--precise prefills the whole prompt again"
+    );
+    drop(serve);
+    let serve = smollm2(&["--parallel", "1"]);
+    let _ = ask(&serve);
+    let (prompt_n, prompt_tokens) = ask(&serve);
+    assert!(
+        prompt_n < prompt_tokens,
+        "served from the cache: {prompt_n} of {prompt_tokens}"
+    );
+}
