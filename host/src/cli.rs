@@ -230,8 +230,6 @@ impl ServeArgs {
         check(self.pm, "--pm");
         check(self.pm_experts.is_some(), "--pm-experts");
         check(self.lemonade_url.is_some(), "--lemonade-url");
-        check(self.embed.is_some(), "--embed");
-        check(self.rerank.is_some(), "--rerank");
         check(!self.npu_opt.is_empty(), "--npu-opt");
         flags
     }

@@ -68,6 +68,8 @@ pub struct App {
     pub status: RwLock<Status>,
     pub client: BackendClient,
     pub body_limit: usize,
+    /// Models served beside the main one, for `/v1/models`.
+    pub side_models: Vec<onebit_plugin_api::SideModel>,
     /// `--precise` (or `ONEBIT_PRECISE=1`): chats and completions go with `cache_prompt` false.
     pub precise: bool,
     /// The route asked that its forwards take turns (`Plan::serialize_forwards`).
@@ -147,16 +149,24 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {
-    let body = serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": app.served_name,
+    let mut data = vec![serde_json::json!({
+        "id": app.served_name,
+        "object": "model",
+        "created": app.created,
+        "owned_by": "1bit",
+        "device": app.device,
+    })];
+    for side in &app.side_models {
+        data.push(serde_json::json!({
+            "id": side.id,
             "object": "model",
             "created": app.created,
             "owned_by": "1bit",
             "device": app.device,
-        }]
-    });
+            "role": side.role,
+        }));
+    }
+    let body = serde_json::json!({"object": "list", "data": data});
     json_response(StatusCode::OK, body.to_string())
 }
 

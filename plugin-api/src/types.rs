@@ -104,6 +104,10 @@ pub struct ServeOptions {
     pub embedding: bool,
     /// `--reranking`: the model itself serves reranking.
     pub reranking: bool,
+    /// `--embed MODEL.gguf`: an embedding model served beside the chat model.
+    pub embed: Option<String>,
+    /// `--rerank MODEL.gguf`: a reranking model served beside the chat model.
+    pub rerank: Option<String>,
     /// serve's whole command line after `serve`, for flags this version of the ABI does not
     /// name.
     pub args: Vec<String>,
@@ -224,6 +228,20 @@ pub struct Plan {
     /// The route's own data, opaque to the host and handed back in [`Started`] (paths,
     /// settings the route decided at plan time).
     pub route_state: serde_json::Value,
+    /// Models served beside the main one (`--embed`, `--rerank`), listed by `/v1/models`.
+    pub side_models: Vec<SideModel>,
+}
+
+/// A model served beside the main one by its own backend.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SideModel {
+    /// Its name in `/v1/models`.
+    pub id: String,
+    /// `embedding` or `rerank`.
+    pub role: String,
+    /// Its backend, by index in the plan.
+    pub backend: usize,
 }
 
 /// One child process.

@@ -249,7 +249,7 @@ fn mmproj_and_roles_set_their_batches() {
 }
 
 #[test]
-fn the_drafter_counts_in_the_memory_check() {
+fn the_drafter_and_the_side_servers_count_in_the_memory_check() {
     let dir = temp_dir("draft-memory");
     let m = model(&dir, "q.gguf", "qwen3", &[]);
     let head = dir.join("head.gguf");
@@ -277,6 +277,8 @@ fn the_drafter_counts_in_the_memory_check() {
     assert!(check(&[]).contains("weights 0.00 +"), "{}", check(&[]));
     let with = check(&["--mtp", head.to_str().unwrap()]);
     assert!(with.contains("weights 3.00 +"), "{with}");
+    let with = check(&["--embed", head.to_str().unwrap()]);
+    assert!(with.contains("weights 3.00 +"), "a side server counts: {with}");
 }
 
 #[test]
@@ -431,4 +433,133 @@ fn precise_prefills_a_repeated_request_whole_and_without_it_the_cache_serves_it(
         prompt_n < prompt_tokens,
         "served from the cache: {prompt_n} of {prompt_tokens}"
     );
+}
+
+/// The argv of each of serve's backends, in start order.
+fn backend_argvs(serve: &Serve) -> Vec<Vec<String>> {
+    let mut children = serve.children();
+    children.sort();
+    children
+        .iter()
+        .map(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                .unwrap_or_default()
+                .split('\0')
+                .filter(|a| !a.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn embed_and_rerank_servers_run_beside_the_chat_model_and_get_their_routes() {
+    let dir = temp_dir("rag");
+    let chat = dummy_model(&dir, "chat.gguf");
+    let embed = dummy_model(&dir, "embedder.gguf");
+    let rerank = dummy_model(&dir, "ranker.gguf");
+    let record = dir.join("record.jsonl");
+    let serve = Serve::with_fake(
+        &chat,
+        &[
+            "--embed",
+            embed.to_str().unwrap(),
+            "--rerank",
+            rerank.to_str().unwrap(),
+        ],
+        &[("FAKE_RECORD", record.to_str().unwrap())],
+    );
+    serve.ready();
+    let argvs = backend_argvs(&serve);
+    assert_eq!(argvs.len(), 3, "{argvs:?}");
+    let joined: Vec<String> = argvs.iter().map(|a| a.join(" ")).collect();
+    let side = |needle: &str| joined.iter().find(|a| a.contains(needle)).cloned().unwrap();
+    assert!(side("embedder.gguf").contains("--embedding -c 8192 -b 8192 -ub 8192 -np 4"));
+    assert!(side("ranker.gguf").contains("--reranking -c 8192 -b 8192 -ub 8192 -np 4"));
+    let port_of = |a: &str| {
+        let words: Vec<&str> = a.split(' ').collect();
+        let i = words.iter().position(|w| *w == "--port").unwrap();
+        words[i + 1].to_string()
+    };
+    let (embed_port, rerank_port) = (
+        port_of(&side("embedder.gguf")),
+        port_of(&side("ranker.gguf")),
+    );
+
+    assert_eq!(
+        post(&serve.url("/v1/embeddings"), r#"{"input":"hello"}"#).0,
+        200
+    );
+    assert_eq!(
+        post(
+            &serve.url("/v1/rerank"),
+            r#"{"query":"a","documents":["a","b"]}"#
+        )
+        .0,
+        200
+    );
+    assert_eq!(
+        post(
+            &serve.url("/v1/chat/completions"),
+            r#"{"messages":[{"role":"user","content":"hi"}]}"#
+        )
+        .0,
+        200
+    );
+    let hosts: Vec<(String, String)> = json_lines(&record)
+        .iter()
+        .filter(|l| l["method"] == "POST")
+        .map(|l| {
+            (
+                l["path"].as_str().unwrap_or("").to_string(),
+                l["headers"]["host"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let host_of = |path: &str| {
+        hosts
+            .iter()
+            .find(|(p, _)| p == path)
+            .map(|(_, h)| h.clone())
+            .unwrap()
+    };
+    assert!(
+        host_of("/v1/embeddings").ends_with(&format!(":{embed_port}")),
+        "{hosts:?}"
+    );
+    assert!(
+        host_of("/v1/rerank").ends_with(&format!(":{rerank_port}")),
+        "{hosts:?}"
+    );
+    assert!(!host_of("/v1/chat/completions").ends_with(&format!(":{embed_port}")));
+
+    let (_, models) = get(&serve.url("/v1/models"));
+    let v: serde_json::Value = serde_json::from_str(&models).unwrap();
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3, "{models}");
+    assert_eq!(data[1]["id"], "embedder");
+    assert_eq!(data[1]["role"], "embedding");
+    assert_eq!(data[2]["id"], "ranker");
+    assert_eq!(data[2]["role"], "rerank");
+}
+
+#[test]
+fn a_real_embedding_server_answers_beside_the_real_chat_model() {
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let serve = smollm2(&["--ctx-size", "2048", "--embed", model.to_str().unwrap()]);
+    let chat = serde_json::json!({
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        "temperature": 0,
+        "max_tokens": 8,
+    })
+    .to_string();
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &chat);
+    assert_eq!(status, 200, "{reply}");
+    assert!(reply.contains("Paris"), "{reply}");
+    let (status, reply) = post(&serve.url("/v1/embeddings"), r#"{"input":"hello world"}"#);
+    assert_eq!(status, 200, "{reply}");
+    let v: serde_json::Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 576);
+    let (_, models) = get(&serve.url("/v1/models"));
+    assert!(models.contains(r#""role":"embedding""#), "{models}");
 }

@@ -81,10 +81,20 @@ impl DeviceRoute for CpuRoute {
         )?);
         let mut backend = llama_server::backend(argv, port);
         backend.env = env;
+        let side = llama_server::rag::side_servers(request, "cpu", &server, 1)?;
+        if let Some(m) = &mut memory {
+            m.weights_bytes += side.weights_bytes;
+            m.kv_bytes += side.kv_bytes;
+        }
+        let mut backends = vec![backend];
+        backends.extend(side.backends);
+        let mut rules = side.rules;
+        rules.extend(llama_server::rules());
         Ok(Plan {
             device: "cpu".to_string(),
-            backends: vec![backend],
-            rules: llama_server::rules(),
+            backends,
+            rules,
+            side_models: side.models,
             one_hop: true,
             warmups: Vec::new(),
             memory,

@@ -245,10 +245,20 @@ impl DeviceRoute for HrxRoute {
             m.weights_bytes += asked.extra_weights_bytes;
             m.kv_bytes += asked.extra_kv_bytes;
         }
+        let side = llama_server::rag::side_servers(request, "hrx", &server, 1)?;
+        if let Some(m) = &mut memory {
+            m.weights_bytes += side.weights_bytes;
+            m.kv_bytes += side.kv_bytes;
+        }
+        let mut backends = vec![backend];
+        backends.extend(side.backends);
+        let mut rules = side.rules;
+        rules.extend(llama_server::rules());
         Ok(Plan {
             device: "hrx".to_string(),
-            backends: vec![backend],
-            rules: llama_server::rules(),
+            backends,
+            rules,
+            side_models: side.models,
             one_hop: true,
             warmups: if no_warmup { Vec::new() } else { warmups() },
             memory,

@@ -110,11 +110,7 @@ pub fn model_args(
         push(&mut out.argv, &[&format!("--{role}"), "-b", &n, "-ub", &n]);
         // A model that names no pooling of its own (a chat model asked for embeddings) would
         // get none, which the OpenAI embeddings route refuses: pool it by the mean.
-        let pools = header
-            .as_ref()
-            .and_then(|h| h.arch_key("pooling_type"))
-            .is_some_and(|k| header.as_ref().is_some_and(|h| h.get(&k).is_some()));
-        if role == "embedding" && !pools {
+        if role == "embedding" && !crate::rag::has_pooling(header.as_ref()) {
             push(&mut out.argv, &["--pooling", "mean"]);
         }
     }
