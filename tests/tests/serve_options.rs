@@ -278,7 +278,10 @@ fn the_drafter_and_the_side_servers_count_in_the_memory_check() {
     let with = check(&["--mtp", head.to_str().unwrap()]);
     assert!(with.contains("weights 3.00 +"), "{with}");
     let with = check(&["--embed", head.to_str().unwrap()]);
-    assert!(with.contains("weights 3.00 +"), "a side server counts: {with}");
+    assert!(
+        with.contains("weights 3.00 +"),
+        "a side server counts: {with}"
+    );
 }
 
 #[test]
