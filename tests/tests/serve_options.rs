@@ -566,3 +566,35 @@ fn a_real_embedding_server_answers_beside_the_real_chat_model() {
     let (_, models) = get(&serve.url("/v1/models"));
     assert!(models.contains(r#""role":"embedding""#), "{models}");
 }
+
+#[test]
+fn hrx_side_servers_run_under_the_same_strict_placement() {
+    let dir = temp_dir("rag-hrx");
+    let chat = dummy_model(&dir, "chat.gguf");
+    let embed = dummy_model(&dir, "embedder.gguf");
+    let fake = fake_backend();
+    let serve = Serve::start(
+        &[
+            "-m",
+            chat.to_str().unwrap(),
+            "--device",
+            "hrx",
+            "--llama-server",
+            fake.to_str().unwrap(),
+            "--embed",
+            embed.to_str().unwrap(),
+        ],
+        &[],
+    );
+    serve.ready();
+    let children = serve.children();
+    assert_eq!(children.len(), 2);
+    for pid in children {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let text = String::from_utf8_lossy(&environ);
+        assert!(
+            text.split('\0').any(|v| v == "GGML_HRX_STRICT=1"),
+            "pid {pid}"
+        );
+    }
+}

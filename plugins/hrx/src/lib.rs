@@ -250,8 +250,13 @@ impl DeviceRoute for HrxRoute {
             m.weights_bytes += side.weights_bytes;
             m.kv_bytes += side.kv_bytes;
         }
-        let mut backends = vec![backend];
-        backends.extend(side.backends);
+        // Every hrx backend serve starts runs under the same placement rules.
+        let side_backends = side.backends.into_iter().map(|mut b| {
+            b.env = backend.env.clone();
+            b
+        });
+        let mut backends = vec![backend.clone()];
+        backends.extend(side_backends);
         let mut rules = side.rules;
         rules.extend(llama_server::rules());
         Ok(Plan {
