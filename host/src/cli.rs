@@ -185,7 +185,6 @@ impl ServeArgs {
         check(self.ds4.is_some(), "--ds4");
         check(self.ssd_streaming, "--ssd-streaming");
         check(self.hrx_libhsa.is_some(), "--hrx-libhsa");
-        check(self.prefill_provider.is_some(), "--prefill-provider");
         check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
         check(self.mtp.is_some(), "--mtp");
         check(self.dflash.is_some(), "--dflash");

@@ -83,21 +83,11 @@ struct ServePlan {
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
 fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
-    if let Some(flag) = args.refused_in_this_build() {
-        return Err(Fatal::usage(format!(
-            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
-        )));
-    }
     if let Some(tps) = args.watchdog_prompt_tps
         && !(tps.is_finite() && tps > 0.0)
     {
         return Err(Fatal::usage(format!(
             "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
-        )));
-    }
-    if let Some(flag) = args.not_yet_available().first() {
-        return Err(Fatal::usage(format!(
-            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
         )));
     }
     let facts = model::facts(&args.model)?;
@@ -174,6 +164,19 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             )));
         }
     };
+    // After the route's plan, so that a route's own refusal of a flag (`--mtp` on --device
+    // hybrid, say) says why, rather than the generic line below. A plan is pure, so asking it
+    // first starts nothing.
+    if let Some(flag) = args.refused_in_this_build() {
+        return Err(Fatal::usage(format!(
+            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+        )));
+    }
+    if let Some(flag) = args.not_yet_available().first() {
+        return Err(Fatal::usage(format!(
+            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
+        )));
+    }
 
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
