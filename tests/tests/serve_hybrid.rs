@@ -374,3 +374,52 @@ fn refused_flags_exit_2_and_print_backend_exits_5() {
         serve.output()
     );
 }
+
+#[test]
+fn concurrent_handoffs_take_turns_until_each_reply_starts() {
+    let dir = temp_dir("hybrid-turns");
+    let model = dummy_model(&dir, "m.gguf");
+    let record = dir.join("record.jsonl");
+    let serve = hybrid(
+        &model,
+        true,
+        &[],
+        &[("FAKE_RECORD", record.to_str().unwrap())],
+    );
+    serve.ready();
+    let url = serve.url("/v1/chat/completions");
+    std::thread::scope(|s| {
+        let asks: Vec<_> = (0..3)
+            .map(|i| {
+                let url = &url;
+                s.spawn(move || {
+                    let body = format!(
+                        r#"{{"messages":[{{"role":"user","content":"request {i} fake_slow_ms=200"}}]}}"#
+                    );
+                    post(url, &body)
+                })
+            })
+            .collect();
+        for ask in asks {
+            let (status, reply) = ask.join().unwrap();
+            assert_eq!(status, 200, "{reply}");
+        }
+    });
+    // Each handoff runs whole, its restore followed by its own chat, before the next begins.
+    let paths: Vec<String> = json_lines(&record)
+        .iter()
+        .filter(|l| l["path"] != "/health" && l["path"] != "/slots")
+        .map(|l| l["path"].as_str().unwrap().to_string())
+        .collect();
+    let one = [
+        "/apply-template",
+        "/tokenize",
+        "/completion",
+        "/slots/0",
+        "/slots/0",
+        "/slots/0",
+        "/v1/chat/completions",
+    ];
+    assert_eq!(paths, one.repeat(3), "handoffs never interleave");
+    assert!(wait_until(SECS(5), || handoff_lines(&serve.output()).len() == 3));
+}
