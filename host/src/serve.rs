@@ -142,8 +142,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         run_dir: run_dir.to_string_lossy().into_owned(),
     };
 
+    let refused_flag = refused_flag(args);
     let (route, claim) = routes::choose(&args.device, &loaded, &request)?;
-    if let Some(claim) = claim {
+    if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
         eprintln!(
             "1bit serve: --device auto chose {} ({})",
             route.info.name, claim.reason
@@ -164,18 +165,11 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             )));
         }
     };
-    // After the route's plan, so that a route's own refusal of a flag (`--mtp` on --device
-    // hybrid, say) says why, rather than the generic line below. A plan is pure, so asking it
-    // first starts nothing.
-    if let Some(flag) = args.refused_in_this_build() {
-        return Err(Fatal::usage(format!(
-            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
-        )));
-    }
-    if let Some(flag) = args.not_yet_available().first() {
-        return Err(Fatal::usage(format!(
-            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
-        )));
+    // A flag refused for every route is refused only once the route has planned, so that a
+    // route's own refusal of it (`--mtp` on --device hybrid, say) says why instead. A plan is
+    // pure, so asking it first starts nothing.
+    if let Some(refused) = refused_flag {
+        return Err(refused);
     }
 
     if args.mem_check {
@@ -197,6 +191,20 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         served_name,
         run_dir,
     })))
+}
+
+/// A flag this build parses but refuses on every route, as the one line serve exits 2 with.
+fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
+    if let Some(flag) = args.refused_in_this_build() {
+        return Some(Fatal::usage(format!(
+            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+        )));
+    }
+    args.not_yet_available().first().map(|flag| {
+        Fatal::usage(format!(
+            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
+        ))
+    })
 }
 
 /// `--mem-check`: the estimate on stdout, exit 0 when it fits and 3 when it does not.
