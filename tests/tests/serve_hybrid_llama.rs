@@ -3,6 +3,7 @@
 //! route does, prefilling only the one re-evaluated token.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use onebit_tests::*;
@@ -97,18 +98,31 @@ fn chat(serve: &Serve, question: &str, stream: bool) -> (String, u64) {
     (text, prompt_n)
 }
 
+/// One test of this file at a time: each runs two or three llama-servers, and on a small
+/// machine running them all at once only makes each slower.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The plain cpu route's greedy replies to [`QUESTIONS`], asked once for the whole file (the
+/// tests run at once; one cpu serve is enough).
+fn cpu_replies() -> &'static [String] {
+    static REPLIES: OnceLock<Vec<String>> = OnceLock::new();
+    REPLIES.get_or_init(|| {
+        let cpu = serve_smollm2("cpu", None, &[]);
+        let replies: Vec<String> = QUESTIONS.iter().map(|q| chat(&cpu, q, false).0).collect();
+        assert!(replies.iter().all(|r| !r.trim().is_empty()), "{replies:?}");
+        replies
+    })
+}
+
 /// The plain cpu route's greedy replies, then the hybrid route's with `provider`: equal, and
 /// each with one prompt token processed by the decoder, streamed and not, two prompts in a row.
 fn replies_equal_the_cpu_route(provider: &Path, env: &[(&str, &str)]) {
-    let cpu = serve_smollm2("cpu", None, &[]);
-    let reference: Vec<String> = QUESTIONS.iter().map(|q| chat(&cpu, q, false).0).collect();
-    drop(cpu);
-    assert!(
-        reference.iter().all(|r| !r.trim().is_empty()),
-        "{reference:?}"
-    );
+    let reference = cpu_replies();
     let hybrid = serve_smollm2("hybrid", Some(provider), env);
-    for (question, expected) in QUESTIONS.iter().zip(&reference) {
+    for (question, expected) in QUESTIONS.iter().zip(reference) {
         for stream in [false, true] {
             let (text, prompt_n) = chat(&hybrid, question, stream);
             assert_eq!(&text, expected, "{question} (stream {stream})");
@@ -134,11 +148,13 @@ fn replies_equal_the_cpu_route(provider: &Path, env: &[(&str, &str)]) {
 
 #[test]
 fn the_test_provider_hands_over_the_prompt_and_the_reply_is_the_cpu_routes() {
+    let _turn = one_at_a_time();
     replies_equal_the_cpu_route(&fake_prefill_provider(), &[]);
 }
 
 #[test]
 fn a_separate_llama_server_prefills_and_the_reply_is_the_cpu_routes() {
+    let _turn = one_at_a_time();
     let server = llama_server();
     replies_equal_the_cpu_route(
         &prefill_llama(),
@@ -150,6 +166,7 @@ fn a_separate_llama_server_prefills_and_the_reply_is_the_cpu_routes() {
 /// its slot directory.
 #[test]
 fn a_llama_server_named_by_url_prefills_and_the_reply_is_the_cpu_routes() {
+    let _turn = one_at_a_time();
     let dir = temp_dir("prefill-url");
     let port = free_port();
     let model = installed(
