@@ -222,7 +222,6 @@ impl ServeArgs {
                 flags.push(name);
             }
         };
-        check(self.prefill_provider.is_some(), "--prefill-provider");
         check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
         check(self.laya, "--laya");
         check(self.laya_model.is_some(), "--laya-model");

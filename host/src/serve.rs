@@ -98,11 +98,6 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             "--print-backend: {why} needs 1bit serve in the request path; run 1bit serve itself"
         ),
     };
-    if let Some(flag) = args.refused_in_this_build() {
-        return Err(Fatal::usage(format!(
-            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
-        )));
-    }
     if let Some(tps) = args.watchdog_prompt_tps
         && !(tps.is_finite() && tps > 0.0)
     {
@@ -117,11 +112,6 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         if ONE_HOP_NEVER.contains(&args.device.as_str()) {
             return Err(needs_serve(format!("--device {}", args.device)));
         }
-    }
-    if let Some(flag) = args.not_yet_available().first() {
-        return Err(Fatal::usage(format!(
-            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
-        )));
     }
     let facts = model::facts(&args.model)?;
     if facts.hadamard_q4_0 {
@@ -203,8 +193,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         run_dir: run_dir.to_string_lossy().into_owned(),
     };
 
+    let refused_flag = refused_flag(args);
     let (route, claim) = routes::choose(&args.device, &loaded, &request)?;
-    if let Some(claim) = claim {
+    if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
         eprintln!(
             "1bit serve: --device auto chose {} ({})",
             route.info.name, claim.reason
@@ -225,6 +216,12 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             )));
         }
     };
+    // A flag refused for every route is refused only once the route has planned, so that a
+    // route's own refusal of it (`--mtp` on --device hybrid, say) says why instead. A plan is
+    // pure, so asking it first starts nothing.
+    if let Some(refused) = refused_flag {
+        return Err(refused);
+    }
 
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
@@ -245,6 +242,20 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         served_name,
         run_dir,
     })))
+}
+
+/// A flag this build parses but refuses on every route, as the one line serve exits 2 with.
+fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
+    if let Some(flag) = args.refused_in_this_build() {
+        return Some(Fatal::usage(format!(
+            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+        )));
+    }
+    args.not_yet_available().first().map(|flag| {
+        Fatal::usage(format!(
+            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
+        ))
+    })
 }
 
 /// `--mem-check`: the estimate on stdout, exit 0 when it fits and 3 when it does not.

@@ -41,6 +41,17 @@ pub fn fake_backend() -> PathBuf {
     built("fake-backend")
 }
 
+/// The test prefill provider of `--device hybrid` (docs/hybrid.md).
+pub fn fake_prefill_provider() -> PathBuf {
+    built("fake-prefill-provider")
+}
+
+/// The real prefill provider shipped with the hybrid route: it prefills on a llama-server of
+/// its own.
+pub fn prefill_llama() -> PathBuf {
+    built("1bit-prefill-llama")
+}
+
 /// A free loopback port, from the kernel.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
