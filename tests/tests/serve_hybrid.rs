@@ -427,3 +427,28 @@ fn concurrent_handoffs_take_turns_until_each_reply_starts() {
     assert_eq!(paths, one.repeat(3), "handoffs never interleave");
     assert!(wait_until(SECS(5), || handoff_lines(&serve.output()).len() == 3));
 }
+
+#[test]
+fn the_decoder_is_the_hrx_llama_server_where_the_machine_has_hrx() {
+    let dir = temp_dir("hybrid-hrx");
+    let model = dummy_model(&dir, "m.gguf");
+    for (present, expected, strict) in
+        [("1", "--device HRX0 -ngl 99", true), ("0", "-ngl 0", false)]
+    {
+        let serve = hybrid(&model, false, &[], &[("ONEBIT_HRX_PRESENT", present)]);
+        serve.ready();
+        let pid = serve.children()[0];
+        let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+            .unwrap()
+            .replace('\0', " ");
+        assert!(cmdline.contains(expected), "{cmdline}");
+        assert!(cmdline.contains("-np 1 --slot-save-path"), "{cmdline}");
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let environ = String::from_utf8_lossy(&environ);
+        assert_eq!(
+            environ.split('\0').any(|v| v == "GGML_HRX_STRICT=1"),
+            strict,
+            "strict placement on every hrx backend"
+        );
+    }
+}

@@ -20,7 +20,7 @@ const LIBHSA: &str = "libhsa-runtime64.so.1";
 
 /// `1` or `0` overrides the hardware check of `claim` (tests, or a machine whose sysfs is
 /// unusual).
-pub const PRESENT_ENV: &str = "ONEBIT_HRX_PRESENT";
+pub const PRESENT_ENV: &str = llama_server::HRX_PRESENT_ENV;
 
 #[derive(Default)]
 pub struct HrxRoute {
@@ -61,28 +61,8 @@ fn strictness(request: &PlanRequest) -> Strictness {
     }
 }
 
-/// Whether this machine has HRX, judged cheaply: `ONEBIT_HRX_PRESENT` when set, else `/dev/kfd`
-/// and a DRM card driven by amdgpu.
-pub fn hrx_present(request: &PlanRequest) -> bool {
-    match request.env.get(PRESENT_ENV).map(|v| v.trim()) {
-        Some("1") => return true,
-        Some("0") => return false,
-        _ => {}
-    }
-    Path::new("/dev/kfd").exists() && amdgpu_card(Path::new("/sys/class/drm"))
-}
-
-fn amdgpu_card(drm: &Path) -> bool {
-    let Ok(entries) = std::fs::read_dir(drm) else {
-        return false;
-    };
-    entries.flatten().any(|e| {
-        std::fs::read_link(e.path().join("device/driver"))
-            .ok()
-            .and_then(|d| d.file_name().map(|n| n == "amdgpu"))
-            .unwrap_or(false)
-    })
-}
+/// Whether this machine has HRX (shared with the hybrid route's decoder).
+pub use llama_server::hrx_present;
 
 /// The first `libhsa-runtime64.so.1` under `root`, directories in name order, at most four
 /// levels down.

@@ -180,7 +180,7 @@ fn auto_claims_a_gguf_only_where_hrx_is_present_and_the_plan_works_anywhere() {
     dir.model.is_dir = true;
     assert_eq!(route.claim(&dir).strength, 0);
     assert!(route.plan(&request(&[(PRESENT_ENV, "0")])).is_ok());
-    assert!(!amdgpu_card(Path::new("/nonexistent")));
+    assert!(!llama_server::amdgpu_card(Path::new("/nonexistent")));
 }
 
 #[test]

@@ -109,8 +109,32 @@ impl DeviceRoute for HybridRoute {
         };
         let mut one_slot = request.clone();
         one_slot.options.parallel = Some(1);
-        let memory = llama_server::memory_need(&one_slot, Some(ctx), ctx_source, "ram")?;
+        let pool = if llama_server::hrx_present(request) {
+            "gtt"
+        } else {
+            "ram"
+        };
+        let memory = llama_server::memory_need(&one_slot, Some(ctx), ctx_source, pool)?;
         let argv = decoder_argv(request, port, ctx)?;
+        let on_hrx = llama_server::hrx_present(request);
+        let mut decoder = llama_server::backend(argv, port);
+        if on_hrx {
+            // Every hrx backend serve starts runs under strict placement (unless opted out).
+            let strict_off = request.options.no_strict_device
+                || request
+                    .env
+                    .get("ONEBIT_STRICT_DEVICE")
+                    .is_some_and(|v| v.trim() == "0");
+            if !strict_off {
+                decoder
+                    .env
+                    .insert("GGML_HRX_STRICT".to_string(), "1".to_string());
+            }
+            decoder
+                .env
+                .insert("GGML_HRX_REPORT".to_string(), "1".to_string());
+            decoder.env.retain(|k, _| !request.env.contains_key(k));
+        }
         let settings = Settings {
             provider: provider.clone(),
             elfs: request
@@ -134,7 +158,7 @@ impl DeviceRoute for HybridRoute {
         };
         Ok(Plan {
             device: "hybrid".to_string(),
-            backends: vec![llama_server::backend(argv, port)],
+            backends: vec![decoder],
             rules: rules(provider.is_some()),
             // serve is in the request path: it hands each prompt over.
             one_hop: false,
@@ -197,7 +221,12 @@ export_route!(HybridRoute);
 fn decoder_argv(request: &PlanRequest, port: u16, ctx: u64) -> Result<Vec<String>, Refusal> {
     let server = llama_server::server_binary(request)?;
     let mut argv = llama_server::base_argv(&server, request, port);
-    argv.extend(["-ngl", "0", "-c"].map(String::from));
+    // The decoder is the HRX llama-server where the machine has HRX, else the CPU one.
+    if llama_server::hrx_present(request) {
+        argv.extend(["--device", "HRX0", "-ngl", "99", "-c"].map(String::from));
+    } else {
+        argv.extend(["-ngl", "0", "-c"].map(String::from));
+    }
     argv.push(ctx.to_string());
     argv.extend(["-np", "1", "--slot-save-path"].map(String::from));
     argv.push(request.run_dir.clone());

@@ -226,6 +226,32 @@ pub fn rules() -> Vec<Rule> {
     rules
 }
 
+/// Set to 1 or 0 to say whether the machine has HRX, instead of looking (tests, odd machines).
+pub const HRX_PRESENT_ENV: &str = "ONEBIT_HRX_PRESENT";
+
+/// Whether this machine has HRX, judged cheaply: `ONEBIT_HRX_PRESENT` when set, else `/dev/kfd`
+/// and a DRM card driven by amdgpu.
+pub fn hrx_present(request: &PlanRequest) -> bool {
+    match request.env.get(HRX_PRESENT_ENV).map(|v| v.trim()) {
+        Some("1") => return true,
+        Some("0") => return false,
+        _ => {}
+    }
+    Path::new("/dev/kfd").exists() && amdgpu_card(Path::new("/sys/class/drm"))
+}
+
+pub fn amdgpu_card(drm: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(drm) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        std::fs::read_link(e.path().join("device/driver"))
+            .ok()
+            .and_then(|d| d.file_name().map(|n| n == "amdgpu"))
+            .unwrap_or(false)
+    })
+}
+
 /// What llama-server's compute buffers take beyond weights and KV (HRX measured 20-505 MiB).
 pub const COMPUTE_BYTES: u64 = 512 * 1024 * 1024;
 
