@@ -112,6 +112,29 @@ pub fn installed_model(file: &str) -> PathBuf {
     path
 }
 
+/// `1bit serve` of the default model (SmolLM2) on the cpu route with the real, pinned
+/// llama-server and `extra` flags, once it is ready (model loads take seconds).
+pub fn serve_smollm2(extra: &[&str]) -> Serve {
+    let server = installed_llama_server();
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        server.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let serve = Serve::start(&args, &[]);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(120)),
+        "llama-server did not become ready:\n{}",
+        serve.output()
+    );
+    serve
+}
+
 /// A model file the fake backend serves: it exists, and is not a GGUF.
 pub fn dummy_model(dir: &Path, name: &str) -> PathBuf {
     let path = dir.join(name);

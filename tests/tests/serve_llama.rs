@@ -4,36 +4,19 @@ use onebit_tests::*;
 
 const QUESTION: &str = "What is the capital of France? Answer in one word.";
 
-fn serve_smollm2() -> Serve {
-    serve_smollm2_with(&[])
+fn smollm2() -> Serve {
+    smollm2_with(&[])
 }
 
-fn serve_smollm2_with(extra: &[&str]) -> Serve {
-    let server = installed_llama_server();
-    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
-    let mut args = vec![
-        "-m",
-        model.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--llama-server",
-        server.to_str().unwrap(),
-        "--ctx-size",
-        "2048",
-    ];
+fn smollm2_with(extra: &[&str]) -> Serve {
+    let mut args = vec!["--ctx-size", "2048"];
     args.extend_from_slice(extra);
-    let serve = Serve::start(&args, &[]);
-    assert!(
-        serve.wait_health(200, std::time::Duration::from_secs(120)),
-        "llama-server did not become ready:\n{}",
-        serve.output()
-    );
-    serve
+    onebit_tests::serve_smollm2(&args)
 }
 
 #[test]
 fn a_greedy_chat_answers_paris_under_the_served_name_streamed_and_not() {
-    let serve = serve_smollm2();
+    let serve = smollm2();
     let body = serde_json::json!({
         "messages": [{"role": "user", "content": QUESTION}],
         "temperature": 0,
@@ -65,7 +48,7 @@ fn a_greedy_chat_answers_paris_under_the_served_name_streamed_and_not() {
 
 #[test]
 fn eight_concurrent_greedy_chats_on_four_slots_all_answer() {
-    let serve = serve_smollm2_with(&["--parallel", "4"]);
+    let serve = smollm2_with(&["--parallel", "4"]);
     let body = serde_json::json!({
         "messages": [{"role": "user", "content": QUESTION}],
         "temperature": 0,
@@ -105,7 +88,7 @@ fn eight_concurrent_greedy_chats_on_four_slots_all_answer() {
 
 #[test]
 fn metrics_parse_and_end_with_llama_servers_own_series() {
-    let serve = serve_smollm2();
+    let serve = smollm2();
     let (status, text) = get(&serve.url("/metrics"));
     assert_eq!(status, 200, "{text}");
     let samples = parse_prometheus(&text);

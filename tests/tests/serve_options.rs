@@ -309,24 +309,7 @@ fn thinking_controls_and_precise_reach_the_backend() {
 
 /// Serve SmolLM2 on the real llama-server with `extra` flags.
 fn smollm2(extra: &[&str]) -> Serve {
-    let server = installed_llama_server();
-    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
-    let mut args = vec![
-        "-m",
-        model.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--llama-server",
-        server.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let serve = Serve::start(&args, &[]);
-    assert!(
-        serve.wait_health(200, Duration::from_secs(120)),
-        "not ready:\n{}",
-        serve.output()
-    );
-    serve
+    serve_smollm2(extra)
 }
 
 #[test]
