@@ -70,6 +70,8 @@ pub struct App {
     pub body_limit: usize,
     /// Models served beside the main one, for `/v1/models`.
     pub side_models: Vec<onebit_plugin_api::SideModel>,
+    /// The plan asked that streamed events carry the served name (`Plan::rename_in_streams`).
+    pub rename_in_streams: bool,
     /// `--precise` (or `ONEBIT_PRECISE=1`): chats and completions go with `cache_prompt` false.
     pub precise: bool,
     /// The route asked that its forwards take turns (`Plan::serialize_forwards`).
@@ -335,7 +337,59 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     }
     // Streamed as it arrives: dropping this response (a client that went away) drops the
     // upstream body, which closes the backend connection, and the engine stops generating.
+    if app.rename_in_streams && rule.inference && streamed {
+        // The engine cannot be told the served name (ds4-server has no alias): name it in
+        // every event as it passes.
+        let mut events = SseRenamer::new(app.served_name.clone());
+        return Response::from_parts(
+            reply_parts,
+            Body::new(reply_body.map_frame(move |frame| match frame.into_data() {
+                Ok(data) => hyper::body::Frame::data(events.feed(&data)),
+                Err(frame) => frame,
+            })),
+        );
+    }
     Response::from_parts(reply_parts, Body::new(reply_body))
+}
+
+/// Rewrites the `model` field of each SSE `data:` event to the served name, event by event:
+/// complete lines go out as they arrive, a partial line waits for the rest of it.
+struct SseRenamer {
+    served: String,
+    partial: Vec<u8>,
+}
+
+impl SseRenamer {
+    fn new(served: String) -> Self {
+        SseRenamer {
+            served,
+            partial: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, data: &[u8]) -> Bytes {
+        self.partial.extend_from_slice(data);
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
+            return Bytes::new();
+        };
+        let rest = self.partial.split_off(end + 1);
+        let complete = std::mem::replace(&mut self.partial, rest);
+        let mut out = Vec::with_capacity(complete.len() + 16);
+        for line in complete.split_inclusive(|b| *b == b'\n') {
+            match line.strip_prefix(b"data: ") {
+                Some(json) if json.starts_with(b"{") => {
+                    let body = json.strip_suffix(b"\n").unwrap_or(json);
+                    let body = body.strip_suffix(b"\r").unwrap_or(body);
+                    let renamed = with_model_name(Bytes::copy_from_slice(body), &self.served);
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(&renamed);
+                    out.push(b'\n');
+                }
+                _ => out.extend_from_slice(line),
+            }
+        }
+        Bytes::from(out)
+    }
 }
 
 /// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
@@ -629,6 +683,18 @@ mod tests {
         ] {
             assert!(!json_content_type(no.as_bytes()), "{no}");
         }
+    }
+
+    #[test]
+    fn streamed_events_get_the_served_name_even_when_split_across_frames() {
+        let mut r = SseRenamer::new("smol".into());
+        let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
+        assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
+        let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            &second[..],
+            b"data: {\"model\":\"smol\"}\n\ndata: [DONE]\n\n"
+        );
     }
 
     #[test]

@@ -498,6 +498,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S").unwrap_or(proxy::DEFAULT_BODY_TIMEOUT),
         guard: Guard::for_bind(&args.host),
         side_models: plan.side_models.clone(),
+        rename_in_streams: plan.rename_in_streams,
         precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
         serialize_forwards: plan.serialize_forwards,
         forward_turn: Arc::new(tokio::sync::Mutex::new(())),

@@ -230,6 +230,9 @@ pub struct Plan {
     pub route_state: serde_json::Value,
     /// Models served beside the main one (`--embed`, `--rerank`), listed by `/v1/models`.
     pub side_models: Vec<SideModel>,
+    /// The engine cannot be told the served name: serve rewrites `model` in streamed events
+    /// too (non-streamed replies always get it).
+    pub rename_in_streams: bool,
 }
 
 /// A model served beside the main one by its own backend.

@@ -446,6 +446,21 @@ fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name
     assert_eq!(status, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["model"], "flash");
+    let events = sse(
+        &serve.url("/v1/chat/completions"),
+        r#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    let named: Vec<String> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .map(|v| v["model"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert!(named.len() > 2, "{events:?}");
+    assert!(
+        named.iter().all(|m| m == "flash"),
+        "every streamed event: {named:?}"
+    );
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     for (get_it, path) in [
         (false, "/tokenize"),
         (false, "/apply-template"),

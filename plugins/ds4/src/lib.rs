@@ -171,6 +171,8 @@ impl DeviceRoute for Ds4Route {
             warmups: Vec::new(),
             memory: None,
             notes: Vec::new(),
+            // ds4-server has no alias flag.
+            rename_in_streams: true,
             ..Default::default()
         })
     }
