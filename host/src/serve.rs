@@ -33,6 +33,8 @@ const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often serve asks a loading backend's health route (see `wait_ready`).
+const READY_POLL: Duration = Duration::from_millis(5);
 /// How often serve asks each backend's health route once it is ready.
 const HEALTH_EVERY: Duration = Duration::from_millis(1000);
 /// Ports Lemonade scans for its own servers; backends never take one.
@@ -609,15 +611,16 @@ async fn fail(
 
 /// Poll a backend's health route until it answers 200. Connection refused means it has not
 /// bound yet, 503 that it is loading.
+///
+/// Asked every `READY_POLL`: a backoff up to 250 ms made serve ready up to 250 ms after its
+/// backend was, and an answer from llama-server's HTTP thread while it loads costs it nothing.
 async fn wait_ready(client: &BackendClient, backend: &Backend) {
-    let mut delay = Duration::from_millis(10);
     loop {
         if let Ok(200) = backend_status(client, backend.spec.port, &backend.spec.health_path).await
         {
             return;
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(250));
+        tokio::time::sleep(READY_POLL).await;
     }
 }
 
