@@ -6,9 +6,9 @@ use std::process::{ExitCode, Stdio};
 use crate::{Failure, Workspace, bench, process, setup};
 
 /// Stops at the first failing check (fmt, clippy, setup, build); otherwise runs
-/// `cargo test --workspace --no-fail-fast [extra]`, then the hop regression check
-/// (`cargo xtask bench hop --quick`: serve's added p50 at most twice nginx's), counted as one
-/// more test, and fails if either failed. The `N passed, N failed, N skipped` line is the last.
+/// `cargo test --workspace --no-fail-fast [extra]`, then the hop regression check (`cargo
+/// xtask bench hop --quick`: serve's added keep-alive p50 at most twice nginx's), counted as
+/// one more test, and fails if either failed. The `N passed, N failed, N skipped` line is last.
 ///
 /// The tests find the installed llama-server and default model through
 /// `ONEBIT_TEST_LLAMA_SERVER` and `ONEBIT_TEST_MODEL`.
@@ -63,7 +63,7 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         .map_err(|e| Failure(format!("cannot wait for cargo test: {e}")))?;
     println!();
     println!(
-        "==> regression check: cargo xtask bench hop --quick (fails when serve's added p50 exceeds 2 × nginx's)"
+        "==> regression check: cargo xtask bench hop --quick (fails when serve's added keep-alive p50 exceeds 2 × nginx's)"
     );
     let check_passed = match bench::regression_check(ws) {
         Ok(breaches) if breaches.is_empty() => {

@@ -718,21 +718,21 @@ impl Report {
         ])
     }
 
-    /// The CI rule: serve's added p50 at most twice nginx's, in each mode. One line per breach.
+    /// The CI rule: serve's added p50 on the keep-alive hop at most twice nginx's. One line per
+    /// breach. Keep-alive only: with a new connection per request, nginx's added p50 is the
+    /// small difference of two large figures (its accept path is cheaper than llama-server's,
+    /// which it replaces), 10-30 µs from run to run, so twice it is no stable bound.
     fn gate_failures(&self) -> Vec<String> {
-        let Some(added) = self.added_p50() else {
+        let Some([[serve, nginx], _]) = self.added_p50() else {
             return Vec::new();
         };
-        ["keep-alive", "new connection"]
-            .iter()
-            .zip(added)
-            .filter(|(_, [serve, nginx])| serve > &(2.0 * nginx))
-            .map(|(mode, [serve, nginx])| {
-                format!(
-                    "hop ({mode}): serve adds {serve:.1} µs at p50, more than twice nginx's {nginx:.1} µs"
-                )
-            })
-            .collect()
+        if serve > 2.0 * nginx {
+            vec![format!(
+                "hop (keep-alive): serve adds {serve:.1} µs at p50, more than twice nginx's {nginx:.1} µs"
+            )]
+        } else {
+            Vec::new()
+        }
     }
 
     fn build_rows(&mut self) {
@@ -915,8 +915,10 @@ impl Report {
         }
         let gate = self.gate_failures();
         if self.hop.is_some() {
-            if gate.is_empty() {
-                println!("CI rule (serve's added p50 ≤ 2 × nginx's): passed");
+            if let (true, Some([[serve, nginx], _])) = (gate.is_empty(), self.added_p50()) {
+                println!(
+                    "CI rule (keep-alive: serve's added p50 ≤ 2 × nginx's): passed, {serve:.1} µs against {nginx:.1} µs"
+                );
             }
             for line in &gate {
                 println!("CI rule FAILED: {line}");
