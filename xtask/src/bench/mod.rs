@@ -232,7 +232,10 @@ fn proxied(
     report.rss_idle_kib = arms::vm_rss_kib(serve_pid);
 
     if options.parts.hop {
-        let (blocks, per_block) = if options.quick { (8, 100) } else { (20, 250) };
+        // Short blocks, rotating over the arms: a burst of load from elsewhere on the machine
+        // then falls on every arm alike instead of on one arm's block.
+        let per_block = 10;
+        let blocks = if options.quick { 100 } else { 500 };
         println!(
             "hop: POST /tokenize, 1 client, {} requests per arm and mode, in {blocks} alternating blocks",
             blocks * per_block
