@@ -885,7 +885,7 @@ impl Report {
         let load_after = loadavg();
         println!();
         println!(
-            "{:<44} {:>10} {:>10} {:>10}  {:<20} {:<20}",
+            "{:<54} {:>9} {:>9} {:>9}  {:<20} {:<20}",
             "figure", "direct", "serve", "nginx", "serve vs direct", "nginx vs direct"
         );
         for row in &self.rows {
@@ -898,7 +898,7 @@ impl Report {
                 _ => "-".to_string(),
             };
             println!(
-                "{:<44} {:>10} {:>10} {:>10}  {:<20} {:<20}",
+                "{:<54} {:>9} {:>9} {:>9}  {:<20} {:<20}",
                 format!("{} ({})", row.figure, row.unit),
                 cell(row.values[0]),
                 cell(row.values[1]),
