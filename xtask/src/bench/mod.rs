@@ -1048,10 +1048,7 @@ impl Report {
         if let Some(hop) = &self.hop {
             for (title, samples) in [
                 ("POST /tokenize, keep-alive", &hop.keep_alive),
-                (
-                    "POST /tokenize, new connection per request",
-                    &hop.new_connection,
-                ),
+                ("POST /tokenize, new connection", &hop.new_connection),
             ] {
                 panels.push(chart::Panel {
                     title: format!("{title} ({} requests per arm)", samples[0].len()),
