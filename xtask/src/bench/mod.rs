@@ -885,8 +885,8 @@ impl Report {
         let load_after = loadavg();
         println!();
         println!(
-            "{:<54} {:>9} {:>9} {:>9}  {:<20} {:<20}",
-            "figure", "direct", "serve", "nginx", "serve vs direct", "nginx vs direct"
+            "{:<54} {:>9} {:>9} {:>9}  {:<20} nginx vs direct",
+            "figure", "direct", "serve", "nginx", "serve vs direct"
         );
         for row in &self.rows {
             let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
@@ -898,7 +898,7 @@ impl Report {
                 _ => "-".to_string(),
             };
             println!(
-                "{:<54} {:>9} {:>9} {:>9}  {:<20} {:<20}",
+                "{:<54} {:>9} {:>9} {:>9}  {:<20} {}",
                 format!("{} ({})", row.figure, row.unit),
                 cell(row.values[0]),
                 cell(row.values[1]),
