@@ -191,11 +191,10 @@ struct RequestShape {
 
 async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let path = parts.uri.path().to_string();
-    let Some(rule) = app.rule(&parts.method, &path) else {
+    let Some(rule) = app.rule(&parts.method, parts.uri.path()) else {
         return ApiError::NotFound {
             method: parts.method.to_string(),
-            path,
+            path: parts.uri.path().to_string(),
         }
         .into_response();
     };
@@ -289,12 +288,16 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     // An inference request is watched from before it is sent: waiting for the reply's head
     // counts against it too.
     let ticket = match app.watchdog.get() {
-        Some(dog) if rule.inference => {
-            Some(dog.track(parts.method.as_str(), &path, streamed, backend, body.len()))
-        }
+        Some(dog) if rule.inference => Some(dog.track(
+            parts.method.as_str(),
+            parts.uri.path(),
+            streamed,
+            backend,
+            body.len(),
+        )),
         _ => None,
     };
-    let upstream = match upstream_request(&parts.method, &parts.uri, &parts.headers, port, body) {
+    let upstream = match upstream_request(parts, port, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -550,29 +553,30 @@ fn strip_cors_headers(headers: &mut HeaderMap) {
     }
 }
 
+/// The request to the backend on `port`: the client's method, path, query and headers (moved,
+/// not copied: the hot path builds no second header map), less Host, Content-Length (hyper sets
+/// both) and the hop-by-hop headers.
 fn upstream_request(
-    method: &Method,
-    uri: &Uri,
-    headers: &HeaderMap,
+    parts: axum::http::request::Parts,
     port: u16,
     body: Bytes,
 ) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
-    let path_and_query = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
     let target: Uri = format!("http://127.0.0.1:{port}{path_and_query}")
         .parse()
         .map_err(|e| ApiError::BadJson(format!("the request path is not valid: {e}")))?;
-    let mut request = hyper::Request::builder()
-        .method(method.clone())
-        .uri(target)
-        .body(Full::new(body))
-        .map_err(|e| ApiError::BadGateway(format!("the request could not be relayed: {e}")))?;
-    let out = request.headers_mut();
-    for (name, value) in headers {
-        if name != header::HOST && name != header::CONTENT_LENGTH {
-            out.append(name.clone(), value.clone());
-        }
-    }
-    strip_hop_headers(out);
+    let mut request = hyper::Request::new(Full::new(body));
+    *request.method_mut() = parts.method;
+    *request.uri_mut() = target;
+    let headers = request.headers_mut();
+    *headers = parts.headers;
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    strip_hop_headers(headers);
     Ok(request)
 }
 

@@ -34,6 +34,8 @@ const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often serve asks a loading backend's health route (see `wait_ready`).
+const READY_POLL: Duration = Duration::from_millis(5);
 /// The pause between two rounds of health questions once ready. With the timeout this puts a
 /// backend that stops answering in `/health` within 1.75 s (Lemonade's probe gives up at 2 s).
 const HEALTH_EVERY: Duration = Duration::from_millis(250);
@@ -51,6 +53,7 @@ pub fn run(args: ServeArgs) -> i32 {
         Ok(Prepared::Exit(code)) => code,
         Ok(Prepared::Serve(prepared)) => {
             let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(worker_threads())
                 .enable_all()
                 .thread_name("serve")
                 .build()
@@ -382,6 +385,17 @@ fn env_number(name: &str) -> Option<f64> {
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|n| n.is_finite())
+}
+
+/// The runtime's worker threads: one by default, as one nginx worker. A relayed request is two
+/// tasks (the client's connection, the pooled backend connection) handing off to each other;
+/// with a second worker, tokio wakes it to steal the other task, which costs two more context
+/// switches and about 45 µs a request on a 2-core machine (docs/performance.md). Blocking work
+/// (route calls) runs on tokio's blocking pool, not here. `TOKIO_WORKER_THREADS` overrides.
+fn worker_threads() -> usize {
+    env_number("TOKIO_WORKER_THREADS")
+        .filter(|n| *n >= 1.0 && *n <= 1024.0)
+        .map_or(1, |n| n as usize)
 }
 
 /// A positive number of seconds from the environment.
@@ -768,15 +782,16 @@ async fn hung(
 
 /// Poll a backend's health route until it answers 200. Connection refused means it has not
 /// bound yet, 503 that it is loading.
+///
+/// Asked every `READY_POLL`: a backoff up to 250 ms made serve ready up to 250 ms after its
+/// backend was, and an answer from llama-server's HTTP thread while it loads costs it nothing.
 async fn wait_ready(client: &BackendClient, backend: &Backend) {
-    let mut delay = Duration::from_millis(10);
     loop {
         if let Ok(200) = backend_status(client, backend.spec.port, &backend.spec.health_path).await
         {
             return;
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(250));
+        tokio::time::sleep(READY_POLL).await;
     }
 }
 

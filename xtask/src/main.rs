@@ -23,7 +23,8 @@ usage: cargo xtask <subcommand>
   setup             install the pinned llama-server and models into the cache (fast when done)
   serve [ARGS...]   setup, build 1bit in release mode, serve the default model on 127.0.0.1:8000
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
-  bench [mem-check] benchmarks that report figures (results/*.json)
+  bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
+                    sse, startup, rss, mem-check (all when none is named; results/)
   paths             print cache_dir, llama_server and model paths, one name=value per line";
 
 /// Why a subcommand stopped: one line saying what failed and what to do about it.

@@ -3,10 +3,12 @@
 use std::io::{BufRead, BufReader};
 use std::process::{ExitCode, Stdio};
 
-use crate::{Failure, Workspace, process, setup};
+use crate::{Failure, Workspace, bench, process, setup};
 
 /// Stops at the first failing check (fmt, clippy, setup, build); otherwise runs
-/// `cargo test --workspace --no-fail-fast [extra]` and returns its exit status.
+/// `cargo test --workspace --no-fail-fast [extra]`, then the hop regression check (`cargo
+/// xtask bench hop --quick`: serve's added keep-alive p50 at most twice nginx's), counted as
+/// one more test, and fails if either failed. The `N passed, N failed, N skipped` line is last.
 ///
 /// The tests find the installed llama-server and default model through
 /// `ONEBIT_TEST_LLAMA_SERVER` and `ONEBIT_TEST_MODEL`.
@@ -61,10 +63,37 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         .map_err(|e| Failure(format!("cannot wait for cargo test: {e}")))?;
     println!();
     println!(
+        "==> regression check: cargo xtask bench hop --quick (fails when serve's added keep-alive p50 exceeds 2 × nginx's)"
+    );
+    let check_passed = match bench::regression_check(ws) {
+        Ok(breaches) if breaches.is_empty() => {
+            println!("regression check: ok");
+            totals.passed += 1;
+            true
+        }
+        Ok(breaches) => {
+            for line in breaches {
+                println!("regression check FAILED: {line}");
+            }
+            totals.failed += 1;
+            false
+        }
+        Err(failure) => {
+            println!("regression check FAILED: could not run: {failure}");
+            totals.failed += 1;
+            false
+        }
+    };
+    println!();
+    println!(
         "{} passed, {} failed, {} skipped",
         totals.passed, totals.failed, totals.ignored
     );
-    Ok(process::exit_code(status))
+    Ok(if status.success() && !check_passed {
+        ExitCode::FAILURE
+    } else {
+        process::exit_code(status)
+    })
 }
 
 /// The sum of cargo test's `test result: ok. N passed; N failed; N ignored; ...` lines.

@@ -1,43 +1,29 @@
-//! `cargo xtask bench`: benchmarks that report figures (never timed unit tests).
-//!
-//! `mem-check`: the whole-process time of `1bit serve --mem-check` on the default model and on
+//! `cargo xtask bench mem-check`: the whole-process time of `1bit serve --mem-check` on the default model and on
 //! a sparse 4 TiB GGUF, against `1bit --version` (process start alone) in the same run, so the
 //! check's own work is the difference of medians.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use crate::{Failure, Workspace, process, setup};
+use crate::{Failure, Workspace};
 
 const RUNS: usize = 40;
 const WARMUP_RUNS: usize = 5;
 
-pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
-    match args.first().map(String::as_str) {
-        Some("mem-check") | None => mem_check(ws),
-        Some(other) => Err(Failure::new(
-            format!("unknown benchmark `{other}`"),
-            "use `cargo xtask bench mem-check`",
-        )),
-    }
+/// What `measure` found: process start alone, and each case's medians (ms).
+pub struct MemCheck {
+    #[allow(dead_code)] // in results/mem-check.json; the table shows the differences
+    pub start_median_ms: f64,
+    /// (case, median, p90, median minus process start)
+    pub cases: Vec<(&'static str, f64, f64, f64)>,
 }
 
-fn mem_check(ws: &Workspace) -> Result<ExitCode, Failure> {
-    setup::run(ws)?;
-    let mut build = process::cargo();
-    build.current_dir(&ws.root).args([
-        "build",
-        "--release",
-        "-p",
-        "onebit-host",
-        "-p",
-        "onebit-route-cpu",
-    ]);
-    process::run(&mut build, "the release build failed: fix the errors above")?;
-    let onebit = ws.root.join("target/release/1bit");
+/// Times `1bit serve --mem-check` on the default model and on a sparse 4 TiB GGUF, printing a
+/// small table and writing `results/mem-check.json`. Needs the release build of `onebit`.
+pub fn measure(ws: &Workspace, onebit: &Path) -> Result<MemCheck, Failure> {
     let model = ws.layout.model(ws.pins.default_model());
-    let scratch = std::env::temp_dir().join(format!("onebit-bench-{}", std::process::id()));
+    let scratch = std::env::temp_dir().join(format!("onebit-bench-mem-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).map_err(|e| {
         Failure::new(
             format!("cannot create {}: {e}", scratch.display()),
@@ -46,7 +32,7 @@ fn mem_check(ws: &Workspace) -> Result<ExitCode, Failure> {
     })?;
     let huge = sparse_4tib(&scratch)?;
 
-    let start_only = time_runs(&onebit, &["--version"], None)?;
+    let start_only = time_runs(onebit, &["--version"], None)?;
     let cases = [
         ("SmolLM2-135M (fits, exit 0)", &model, 0),
         ("sparse 4 TiB GGUF (refused, exit 3)", &huge, 3),
@@ -66,6 +52,7 @@ fn mem_check(ws: &Workspace) -> Result<ExitCode, Failure> {
         "-"
     );
     let mut results = Vec::new();
+    let mut found = Vec::new();
     for (name, path, code) in cases {
         let args = [
             "serve",
@@ -75,7 +62,7 @@ fn mem_check(ws: &Workspace) -> Result<ExitCode, Failure> {
             "cpu",
             "--mem-check",
         ];
-        let times = time_runs(&onebit, &args, Some(code))?;
+        let times = time_runs(onebit, &args, Some(code))?;
         let own = median(&times) - median(&start_only);
         println!(
             "{name:<38} {:>10.2} {:>10.2} {:>14.2}",
@@ -83,6 +70,7 @@ fn mem_check(ws: &Workspace) -> Result<ExitCode, Failure> {
             p90(&times),
             own
         );
+        found.push((name, median(&times), p90(&times), own));
         results.push(serde_json::json!({
             "case": name, "median_ms": median(&times), "p90_ms": p90(&times), "own_work_ms": own,
         }));
@@ -108,7 +96,10 @@ fn mem_check(ws: &Workspace) -> Result<ExitCode, Failure> {
     })?;
     println!("written to {}", out.display());
     let _ = std::fs::remove_dir_all(&scratch);
-    Ok(ExitCode::SUCCESS)
+    Ok(MemCheck {
+        start_median_ms: median(&start_only),
+        cases: found,
+    })
 }
 
 /// A valid llama-architecture header, then a hole up to 4 TiB (no disk used).
