@@ -36,6 +36,19 @@ impl Default for Builder {
 }
 
 impl Builder {
+    /// A llama-architecture header with SmolLM2-135M's shape (30 layers, 576 wide, 9 heads,
+    /// 3 KV heads, 8192 context) and no tensors: what the memory check needs to estimate a
+    /// model, for fixtures such as a sparse 4 TiB file (`.total_size(4 << 40)`).
+    pub fn smollm2_shaped() -> Builder {
+        Builder::new()
+            .kv("general.architecture", "llama")
+            .kv("llama.block_count", 30u32)
+            .kv("llama.context_length", 8192u32)
+            .kv("llama.embedding_length", 576u32)
+            .kv("llama.attention.head_count", 9u32)
+            .kv("llama.attention.head_count_kv", 3u32)
+    }
+
     pub fn new() -> Builder {
         Builder {
             version: 3,

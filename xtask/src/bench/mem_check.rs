@@ -105,13 +105,7 @@ pub fn measure(ws: &Workspace, onebit: &Path) -> Result<MemCheck, Failure> {
 /// A valid llama-architecture header, then a hole up to 4 TiB (no disk used).
 fn sparse_4tib(dir: &Path) -> Result<PathBuf, Failure> {
     let path = dir.join("huge-4TiB.gguf");
-    gguf::writer::Builder::new()
-        .kv("general.architecture", "llama")
-        .kv("llama.block_count", 30u32)
-        .kv("llama.context_length", 8192u32)
-        .kv("llama.embedding_length", 576u32)
-        .kv("llama.attention.head_count", 9u32)
-        .kv("llama.attention.head_count_kv", 3u32)
+    gguf::writer::Builder::smollm2_shaped()
         .total_size(4 << 40)
         .write(&path)
         .map_err(|e| {
