@@ -38,19 +38,36 @@ pub struct Invocation<'a> {
     pub grace: Duration,
 }
 
+/// Spawn, retrying briefly while the program file is "busy" (ETXTBSY): a provider that was
+/// just written can still be open for writing in a process another thread is forking.
+fn spawn_retrying_busy(command: &mut Command) -> std::io::Result<std::process::Child> {
+    const ETXTBSY: i32 = 26;
+    let mut tries = 0;
+    loop {
+        match command.spawn() {
+            Err(e) if e.raw_os_error() == Some(ETXTBSY) && tries < 20 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Run the provider and wait for it, at most `limit` (then SIGTERM to its process group, and
 /// SIGKILL after `grace`). Blocks; called on the forward thread. Its stderr is serve's.
 pub fn run(invocation: &Invocation) -> Result<Report, String> {
     let started = Instant::now();
-    let mut child = Command::new(invocation.program)
+    let mut command = Command::new(invocation.program);
+    command
         .args(&invocation.args)
         .envs(invocation.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         // Its own group, so the limit stops whatever it started too.
-        .process_group(0)
-        .spawn()
+        .process_group(0);
+    let mut child = spawn_retrying_busy(&mut command)
         .map_err(|e| format!("the provider {} could not start ({e})", invocation.program))?;
     let pid = Pid::from_raw(child.id() as i32);
     let mut stdout = child.stdout.take().expect("stdout is piped");
