@@ -42,22 +42,18 @@ enum Strictness {
 }
 
 fn strictness(request: &PlanRequest) -> Strictness {
-    let o = &request.options;
-    if o.strict_device {
-        return Strictness::Refusing;
-    }
-    if o.no_strict_device {
+    if !llama_server::hrx_strict(request) {
         return Strictness::Off;
     }
-    match request
-        .env
-        .get("ONEBIT_STRICT_DEVICE")
-        .map(|v| v.trim())
-        .unwrap_or("")
-    {
-        "0" => Strictness::Off,
-        "1" => Strictness::Refusing,
-        _ => Strictness::On,
+    let refusing = request.options.strict_device
+        || request
+            .env
+            .get("ONEBIT_STRICT_DEVICE")
+            .is_some_and(|v| v.trim() == "1");
+    if refusing {
+        Strictness::Refusing
+    } else {
+        Strictness::On
     }
 }
 

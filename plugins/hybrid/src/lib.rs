@@ -120,12 +120,7 @@ impl DeviceRoute for HybridRoute {
         let mut decoder = llama_server::backend(argv, port);
         if on_hrx {
             // Every hrx backend serve starts runs under strict placement (unless opted out).
-            let strict_off = request.options.no_strict_device
-                || request
-                    .env
-                    .get("ONEBIT_STRICT_DEVICE")
-                    .is_some_and(|v| v.trim() == "0");
-            if !strict_off {
+            if llama_server::hrx_strict(request) {
                 decoder
                     .env
                     .insert("GGML_HRX_STRICT".to_string(), "1".to_string());

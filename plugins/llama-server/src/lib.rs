@@ -252,6 +252,23 @@ pub fn amdgpu_card(drm: &Path) -> bool {
     })
 }
 
+/// Whether an hrx backend runs under strict placement (`GGML_HRX_STRICT=1`): the default, and
+/// with `--strict-device` or `ONEBIT_STRICT_DEVICE=1`; `--no-strict-device` or
+/// `ONEBIT_STRICT_DEVICE=0` turn it off. Every hrx backend serve starts follows this.
+pub fn hrx_strict(request: &PlanRequest) -> bool {
+    let o = &request.options;
+    if o.strict_device {
+        return true;
+    }
+    if o.no_strict_device {
+        return false;
+    }
+    request
+        .env
+        .get("ONEBIT_STRICT_DEVICE")
+        .is_none_or(|v| v.trim() != "0")
+}
+
 /// What llama-server's compute buffers take beyond weights and KV (HRX measured 20-505 MiB).
 pub const COMPUTE_BYTES: u64 = 512 * 1024 * 1024;
 
