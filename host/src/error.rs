@@ -129,14 +129,19 @@ impl ApiError {
     }
 }
 
-/// `{"error":{"message","type","code"}}` with the given status.
-pub fn openai_error(status: StatusCode, error_type: &str, message: &str) -> Response {
-    let body = serde_json::json!({"error": {
+/// The body of [`openai_error`].
+pub fn openai_error_body(status: StatusCode, error_type: &str, message: &str) -> String {
+    serde_json::json!({"error": {
         "message": message,
         "type": error_type,
         "code": status.as_u16(),
     }})
-    .to_string();
+    .to_string()
+}
+
+/// `{"error":{"message","type","code"}}` with the given status.
+pub fn openai_error(status: StatusCode, error_type: &str, message: &str) -> Response {
+    let body = openai_error_body(status, error_type, message);
     let mut response = (status, body).into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

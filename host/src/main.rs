@@ -5,8 +5,10 @@
 #![deny(unsafe_code)]
 
 mod admission;
+mod busy_poll;
 mod cli;
 mod error;
+mod fast_path;
 mod guard;
 mod metrics;
 mod model;

@@ -14,10 +14,11 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use onebit_plugin_api::{Action, Forward, ForwardRequest, Rule};
 use serde::Deserialize;
 
+use crate::busy_poll::{BusyPollStream, InFlight, Side};
 use crate::error::ApiError;
 use crate::guard::{self, Guard};
 use crate::metrics;
@@ -25,7 +26,7 @@ use crate::route_calls::RouteCalls;
 use crate::watchdog::{Ticket, Watchdog};
 
 /// The pooled client toward the backends.
-pub type BackendClient = Client<HttpConnector, Full<Bytes>>;
+pub type BackendClient = Client<BackendConnector, Full<Bytes>>;
 
 /// A request body larger than this is refused with 413 (base64 images make chats large);
 /// `ONEBIT_MAX_BODY_BYTES` changes it.
@@ -39,7 +40,36 @@ pub fn backend_client() -> BackendClient {
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
-        .build(connector)
+        .build(BackendConnector(connector))
+}
+
+/// hyper-util's TCP connector, handing out busy-polling streams (`busy_poll`).
+#[derive(Clone)]
+pub struct BackendConnector(HttpConnector);
+
+type ConnectError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower_service::Service<Uri> for BackendConnector {
+    type Response = TokioIo<BusyPollStream>;
+    type Error = ConnectError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, ConnectError>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), ConnectError>> {
+        self.0.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let connecting = self.0.call(uri);
+        Box::pin(async move {
+            let tcp = connecting.await?.into_inner();
+            Ok(TokioIo::new(BusyPollStream::new(tcp, Side::Backend)))
+        })
+    }
 }
 
 /// Whether the model can take requests, as `/health` reports it.
@@ -87,6 +117,8 @@ pub struct App {
     pub watchdog: OnceLock<Arc<Watchdog>>,
     /// What `/metrics` reads besides the status.
     pub metrics: metrics::Sources,
+    /// The fast path's idle backend connections (`fast_path`).
+    pub pool: crate::fast_path::BackendPool,
 }
 
 impl App {
@@ -104,8 +136,13 @@ impl App {
     }
 
     fn rule(&self, method: &Method, path: &str) -> Option<&Rule> {
+        self.rule_for(method.as_str(), path)
+    }
+
+    /// The route's rule for a request, the first that matches in the plan's order.
+    pub fn rule_for(&self, method: &str, path: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| {
-            r.method.eq_ignore_ascii_case(method.as_str())
+            r.method.eq_ignore_ascii_case(method)
                 && match r.path.strip_suffix('*') {
                     Some(prefix) => path.starts_with(prefix),
                     None => r.path == path,
@@ -184,12 +221,13 @@ fn json_response(status: StatusCode, body: String) -> Response {
 /// Only the one field serve needs from a request body; serde still checks the whole body is
 /// well-formed JSON and an object, without building it.
 #[derive(Deserialize)]
-struct RequestShape {
+pub struct RequestShape {
     #[serde(default)]
-    stream: Option<bool>,
+    pub stream: Option<bool>,
 }
 
 async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
+    let in_flight = InFlight::begin();
     let (parts, body) = request.into_parts();
     let Some(rule) = app.rule(&parts.method, parts.uri.path()) else {
         return ApiError::NotFound {
@@ -315,7 +353,7 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     let (mut reply_parts, reply_body) = reply.into_parts();
     strip_hop_headers(&mut reply_parts.headers);
     strip_cors_headers(&mut reply_parts.headers);
-    let reply_body = watched(reply_body, ticket, on_first_byte);
+    let reply_body = watched(reply_body, ticket, on_first_byte, in_flight);
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -413,21 +451,21 @@ impl FirstByte {
 }
 
 /// The backend's reply body, stamping the request's watchdog ticket with every frame (the
-/// reply's head counts as progress too). The ticket rides on the body, so the request stops
-/// being watched when the body is dropped: finished, or the client left.
+/// reply's head counts as progress too). The ticket and the in-flight count ride on the body,
+/// so the request stops being watched and counted when the body is dropped: finished, or the
+/// client left.
 fn watched(
     body: hyper::body::Incoming,
     ticket: Option<Ticket>,
     first_byte: Option<FirstByte>,
+    in_flight: InFlight,
 ) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
-    if ticket.is_none() && first_byte.is_none() {
-        return body.boxed_unsync();
-    }
     if let Some(ticket) = &ticket {
         ticket.progress(0);
     }
     let mut first_byte = first_byte;
     body.map_frame(move |frame| {
+        let _counted = &in_flight;
         if let Some(data) = frame.data_ref() {
             if let Some(ticket) = &ticket {
                 ticket.progress(data.len());
@@ -495,7 +533,7 @@ async fn read_json_body(app: &App, headers: &HeaderMap, body: Body) -> Result<By
 /// Content types serve reads as JSON: `application/json` and `+json` types (any parameters),
 /// and `application/x-www-form-urlencoded`, which `curl -d` sends for a JSON body. A browser
 /// form's other types (`text/plain`, `multipart/form-data`) are refused; see docs/security.md.
-fn json_content_type(value: &[u8]) -> bool {
+pub fn json_content_type(value: &[u8]) -> bool {
     let Ok(text) = std::str::from_utf8(value) else {
         return false;
     };

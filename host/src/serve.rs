@@ -20,8 +20,10 @@ use onebit_plugin_api::{
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
+use crate::busy_poll::{BusyPollStream, Side};
 use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
+use crate::fast_path;
 use crate::guard::Guard;
 use crate::proxy::{self, App, BackendClient, Status};
 use crate::route_calls::{RouteCalls, install_host_services};
@@ -411,11 +413,11 @@ fn env_secs(name: &str) -> Option<Duration> {
 /// dropped after `header_timeout`, holding nothing but its socket until then.
 async fn accept_loop(
     listener: tokio::net::TcpListener,
-    router: axum::Router,
+    app: Arc<App>,
     header_timeout: Duration,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    let service = TowerToHyperService::new(router);
+    let service = TowerToHyperService::new(proxy::router(app.clone()));
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
@@ -435,9 +437,11 @@ async fn accept_loop(
             () = stopped(&mut shutdown) => break,
         };
         let _ = tcp.set_nodelay(true);
-        let connection = http.serve_connection(TokioIo::new(tcp), service.clone());
-        let mut stop = shutdown.clone();
-        connections.spawn(async move {
+        let client = BusyPollStream::new(tcp, Side::Client);
+        let (http, service) = (http.clone(), service.clone());
+        // The fast path first; what it does not serve goes to hyper and axum.
+        let general = move |io, mut stop| async move {
+            let connection = http.serve_connection(TokioIo::new(io), service);
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
                 _ = connection.as_mut() => return,
@@ -445,14 +449,21 @@ async fn accept_loop(
             }
             connection.as_mut().graceful_shutdown();
             let _ = connection.await;
-        });
+        };
+        connections.spawn(fast_path::serve_connection(
+            client,
+            app.clone(),
+            header_timeout,
+            shutdown.clone(),
+            general,
+        ));
     }
     drop(listener);
     while connections.join_next().await.is_some() {}
 }
 
 /// Resolves once serve is told to stop (or the sender is gone).
-async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+pub async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
@@ -529,6 +540,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
                 .collect(),
             sysfs_root: metrics::sysfs_root(),
         },
+        pool: Default::default(),
     });
     install_host_services(
         tokio::runtime::Handle::current(),
@@ -539,7 +551,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let server = tokio::spawn(accept_loop(
         listener,
-        proxy::router(app.clone()),
+        app.clone(),
         env_secs("ONEBIT_HEADER_READ_TIMEOUT_S").unwrap_or(HEADER_READ_TIMEOUT),
         shutdown_rx,
     ));

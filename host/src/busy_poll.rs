@@ -1,0 +1,255 @@
+//! Busy polling: a socket that has just sent a message and waits for the answer keeps asking
+//! for it for a few microseconds before the runtime puts the thread to sleep.
+//!
+//! On a small or virtual machine a thread that sleeps in `epoll_wait` and is woken by the next
+//! packet pays 20-30 µs of wake-up, and a relayed request meets waits that a direct request does
+//! not: serve waiting for its backend's reply, and serve waiting for the client's next request
+//! on a kept-alive connection (or the first one on a new connection). Linux offers the remedy
+//! for network cards (`SO_BUSY_POLL`) but not for loopback, so serve does it itself: it asks
+//! the socket (a non-blocking `MSG_PEEK`) and yields the CPU (`sched_yield`) in turn. The yield
+//! matters: the thread that owes the answer was often just woken onto this very CPU (the kernel
+//! places a wakee near its waker), and a bare spin would keep it from running; measured on the
+//! 2-core VM, a bare spin made the backend's reply 20 µs later, the yielding one 25 µs sooner.
+//!
+//! Within strict limits:
+//! - once per message sent: after this socket wrote (hyper flushes a whole message, and the
+//!   spin runs there, or at the next read), and on a client's new connection; a socket that
+//!   just read keeps reading without spinning, so an idle pooled connection never spins, and a
+//!   streamed reply whose events are milliseconds apart spins once per request, not per event;
+//! - only when no other request is being relayed: a client's socket spins when no request is
+//!   in flight at all, a backend socket when its own request is the only one, so a spin never
+//!   delays another request's bytes on the one runtime thread;
+//! - one spinner at a time, for at most the budget (`ONEBIT_BUSY_POLL_US`, 50 µs by default;
+//!   0 turns it off), then the socket waits as usual.
+//!
+//! The figures this buys and what it costs are in docs/performance.md.
+
+use std::io::{self, Read};
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use hyper_util::client::legacy::connect::{Connected, Connection};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+/// The budget when `ONEBIT_BUSY_POLL_US` is unset.
+pub const DEFAULT_BUDGET: Duration = Duration::from_micros(50);
+
+/// Requests being relayed now (from reading the client's request to the end of the reply).
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+/// Whether a socket is spinning now.
+static SPINNING: AtomicBool = AtomicBool::new(false);
+static BUDGET: OnceLock<Duration> = OnceLock::new();
+
+/// The spin budget: `ONEBIT_BUSY_POLL_US` (whole microseconds, at most 10 ms), else the default.
+pub fn budget() -> Duration {
+    *BUDGET.get_or_init(|| {
+        std::env::var("ONEBIT_BUSY_POLL_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(DEFAULT_BUDGET, |us| Duration::from_micros(us.min(10_000)))
+    })
+}
+
+/// One relayed request, counted from reading the client's request until its reply body is
+/// finished or dropped.
+pub struct InFlight(());
+
+impl InFlight {
+    pub fn begin() -> Self {
+        IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+        InFlight(())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Which end of the hop a socket is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// A client's connection to serve: after serve answers, the client's next request is due.
+    Client,
+    /// serve's connection to a backend: after serve sends a request, the reply is due.
+    Backend,
+}
+
+/// A TCP stream that busy-polls for an answer it is owed (see the module's text).
+pub struct BusyPollStream {
+    tcp: TcpStream,
+    side: Side,
+    /// This socket sent a message since bytes last came in, and has not spun for its answer
+    /// yet: it may spin once.
+    may_spin_once: bool,
+    /// A spin saw bytes waiting that the runtime does not know of yet: read them directly.
+    bytes_waiting: bool,
+}
+
+impl BusyPollStream {
+    pub fn new(tcp: TcpStream, side: Side) -> Self {
+        BusyPollStream {
+            tcp,
+            side,
+            // A client that has just connected owes serve its first request.
+            may_spin_once: side == Side::Client,
+            bytes_waiting: false,
+        }
+    }
+
+    /// Whether an idle pooled connection is still open: nothing to read, no end of stream.
+    pub fn is_idle_open(&self) -> bool {
+        let mut byte = [MaybeUninit::<u8>::uninit(); 1];
+        matches!(
+            socket2::SockRef::from(&self.tcp).peek(&mut byte),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock
+        )
+    }
+
+    /// Spin (once per message sent, within the limits above) until bytes are waiting or the
+    /// budget is spent; true when they are.
+    fn spin(&mut self) -> bool {
+        if !std::mem::take(&mut self.may_spin_once) {
+            return false;
+        }
+        let budget = budget();
+        let own = usize::from(self.side == Side::Backend);
+        if budget.is_zero()
+            || IN_FLIGHT.load(Ordering::Relaxed) > own
+            || SPINNING.swap(true, Ordering::Acquire)
+        {
+            return false;
+        }
+        let deadline = Instant::now() + budget;
+        let socket = socket2::SockRef::from(&self.tcp);
+        let mut byte = [MaybeUninit::<u8>::uninit(); 1];
+        let waiting = loop {
+            match socket.peek(&mut byte) {
+                // Bytes, or the end of the stream: either way a read answers now.
+                Ok(_) => break true,
+                Err(e)
+                    if e.kind() == io::ErrorKind::WouldBlock
+                        || e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break true,
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            // Not a bare spin: the thread that owes the answer was often just woken onto
+            // this CPU (the kernel places a wakee near its waker), and must run here first.
+            std::thread::yield_now();
+        };
+        SPINNING.store(false, Ordering::Release);
+        self.bytes_waiting = waiting;
+        waiting
+    }
+
+    /// Read what a spin found, past the runtime's readiness (which says "not yet" until its
+    /// next `epoll_wait`); None when there was nothing after all.
+    fn read_waiting(&mut self, buf: &mut ReadBuf<'_>) -> Option<io::Result<()>> {
+        self.bytes_waiting = false;
+        let socket = socket2::SockRef::from(&self.tcp);
+        let mut reader: &socket2::Socket = &socket;
+        match reader.read(buf.initialize_unfilled()) {
+            Ok(n) => {
+                buf.advance(n);
+                Some(Ok(()))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+impl AsyncRead for BusyPollStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        if this.bytes_waiting
+            && let Some(read) = this.read_waiting(buf)
+        {
+            this.may_spin_once = false;
+            return Poll::Ready(read);
+        }
+        let polled = match Pin::new(&mut this.tcp).poll_read(cx, buf) {
+            // The read above registered the runtime's interest, so if the spin finds
+            // nothing the waker still fires when bytes come.
+            Poll::Pending if this.spin() => match this.read_waiting(buf) {
+                Some(read) => Poll::Ready(read),
+                None => Poll::Pending,
+            },
+            other => other,
+        };
+        if polled.is_ready() {
+            // Bytes, the end of the stream or an error: the answer came.
+            this.may_spin_once = false;
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for BusyPollStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.tcp).poll_write(cx, buf);
+        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
+            this.may_spin_once = true;
+        }
+        written
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.tcp).poll_write_vectored(cx, bufs);
+        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
+            this.may_spin_once = true;
+        }
+        written
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    /// hyper flushes once it has handed over a whole message (or as much as it has): the
+    /// answer is owed from here, and a spin here catches it even when hyper polled the read
+    /// before it wrote (its client connection does), waking the task to read it.
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let flushed = Pin::new(&mut this.tcp).poll_flush(cx);
+        if flushed.is_ready() && this.spin() {
+            cx.waker().wake_by_ref();
+        }
+        flushed
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+impl Connection for BusyPollStream {
+    fn connected(&self) -> Connected {
+        self.tcp.connected()
+    }
+}

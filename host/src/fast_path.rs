@@ -1,0 +1,902 @@
+//! The relay's fast path: a client connection is served here first, on the raw socket, and a
+//! plain proxied request (a `Proxy` rule, HTTP/1.1, the whole request already read, a JSON
+//! body that needs no rewriting) goes to its backend and back without hyper, axum or a task
+//! hand-off: one read, one write to the backend, one read, one write to the client. Anything
+//! else (serve's own routes, a refusal, an error to report, a route that must be asked, a reply
+//! serve must rewrite, a body still arriving) hands the connection, with every byte read so far,
+//! to the hyper/axum stack in `proxy`, which serves it from then on. So every rule and every
+//! error reply has one implementation, in `proxy`; this file only decides when it can step
+//! aside from it, and the tests of both paths are the same tests.
+//!
+//! What it keeps of the general path: the browser guard (the same `guard::check`), the route's
+//! rules, the status check, the JSON checks (a request that fails one is handed over and gets
+//! its refusal there), the hop-by-hop and CORS headers removed, the watchdog ticket of a
+//! streamed inference request, a client that leaves closing the backend connection, the header
+//! timeout, and a graceful stop between requests.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+
+use crate::busy_poll::{BusyPollStream, InFlight, Side};
+use crate::error::ApiError;
+use crate::guard::{self, Seen};
+use crate::proxy::{App, RequestShape, Status, json_content_type};
+use onebit_plugin_api::Action;
+
+/// Header lines a fast request may have; more go the general way.
+const MAX_HEADERS: usize = 64;
+/// A request head (or a backend's reply head) larger than this goes the general way (or is a
+/// bad gateway).
+const MAX_HEAD: usize = 64 * 1024;
+/// A body larger than this goes the general way: it takes several reads to arrive anyway.
+const MAX_FAST_BODY: usize = 256 * 1024;
+/// Idle backend connections kept for reuse, all backends together.
+const MAX_IDLE: usize = 128;
+
+/// Idle keep-alive connections to the backends, most recently used first.
+#[derive(Default)]
+pub struct BackendPool {
+    idle: Mutex<Vec<(u16, BusyPollStream)>>,
+}
+
+impl BackendPool {
+    /// An idle connection to `port` that the backend has not closed, else a new one; whether
+    /// it was reused.
+    async fn checkout(&self, port: u16) -> std::io::Result<(BusyPollStream, bool)> {
+        loop {
+            let found = {
+                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                idle.iter()
+                    .rposition(|(p, _)| *p == port)
+                    .map(|i| idle.remove(i).1)
+            };
+            match found {
+                Some(conn) if conn.is_idle_open() => return Ok((conn, true)),
+                Some(_) => continue,
+                None => break,
+            }
+        }
+        let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+        tcp.set_nodelay(true)?;
+        Ok((BusyPollStream::new(tcp, Side::Backend), false))
+    }
+
+    fn checkin(&self, port: u16, conn: BusyPollStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() >= MAX_IDLE {
+            idle.remove(0);
+        }
+        idle.push((port, conn));
+    }
+}
+
+/// What became of one request on the fast path.
+enum Outcome {
+    /// Answered; the connection stays open for the next request.
+    KeepAlive,
+    /// Answered (or the client left, or the reply broke off); close the connection.
+    Close,
+    /// Not a fast request: the general path takes the connection, and the bytes read so far.
+    HandOver,
+}
+
+/// How a reply's body ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Framing {
+    None,
+    Length(u64),
+    Chunked,
+    UntilClose,
+}
+
+/// Serve one client connection: fast requests here, until one is not; then hand the
+/// connection to `general`.
+pub async fn serve_connection<F, Fut>(
+    mut client: BusyPollStream,
+    app: Arc<App>,
+    header_timeout: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    general: F,
+) where
+    F: FnOnce(Prefixed, tokio::sync::watch::Receiver<bool>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut buf = BytesMut::with_capacity(8 * 1024);
+    let deadline = tokio::time::sleep(header_timeout);
+    tokio::pin!(deadline);
+    loop {
+        deadline
+            .as_mut()
+            .reset(tokio::time::Instant::now() + header_timeout);
+        // A whole head in the buffer, or the connection's end.
+        loop {
+            match head_length(&buf) {
+                Ok(Some(_)) => break,
+                Ok(None) if buf.len() < MAX_HEAD => {}
+                // Too large or malformed: the general path answers it.
+                _ => return general(Prefixed::new(client, buf), stop).await,
+            }
+            let idle = buf.is_empty();
+            tokio::select! {
+                read = client.read_buf(&mut buf) => match read {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                },
+                // Headers too slow (or an idle connection past the timeout): drop it, as
+                // hyper's header timeout does.
+                () = deadline.as_mut() => return,
+                () = crate::serve::stopped(&mut stop), if idle => return,
+            }
+        }
+        match exchange(&app, &mut client, &mut buf).await {
+            Outcome::KeepAlive => {}
+            Outcome::Close => {
+                let _ = client.shutdown().await;
+                return;
+            }
+            Outcome::HandOver => return general(Prefixed::new(client, buf), stop).await,
+        }
+    }
+}
+
+/// The length of the request head at the start of `buf`, None while it is incomplete.
+fn head_length(buf: &[u8]) -> Result<Option<usize>, ()> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    match httparse::Request::new(&mut headers).parse(buf) {
+        Ok(httparse::Status::Complete(n)) => Ok(Some(n)),
+        Ok(httparse::Status::Partial) => Ok(None),
+        Err(_) => Err(()),
+    }
+}
+
+/// A request that qualified: what to send where.
+struct Fast {
+    backend: usize,
+    port: u16,
+    /// The backend request, head and body.
+    upstream: Vec<u8>,
+    /// Bytes of the client's buffer the request took.
+    consumed: usize,
+    /// The client asked to close after this reply.
+    close: bool,
+    /// For the watchdog: an inference request, streamed.
+    watched: Option<(String, String, usize)>,
+}
+
+/// Decide whether the request at the start of `buf` is a fast one; None hands it over.
+fn qualify(app: &App, buf: &[u8]) -> Option<Fast> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut headers);
+    let head_len = match request.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        _ => return None,
+    };
+    if request.version != Some(1) {
+        return None;
+    }
+    let method = request.method?;
+    let target = request.path?;
+    if !target.starts_with('/') {
+        return None;
+    }
+    let path = target.split('?').next().unwrap_or(target);
+
+    let mut hosts: [&[u8]; 4] = [b""; 4];
+    let mut n_hosts = 0;
+    let mut origins: [&[u8]; 4] = [b""; 4];
+    let mut n_origins = 0;
+    let mut content_length: Option<usize> = None;
+    let mut content_type: Option<&[u8]> = None;
+    let mut close = false;
+    for header in request.headers.iter() {
+        let name = header.name;
+        let value = header.value;
+        if name.eq_ignore_ascii_case("host") {
+            *hosts.get_mut(n_hosts)? = value;
+            n_hosts += 1;
+        } else if name.eq_ignore_ascii_case("origin") {
+            *origins.get_mut(n_origins)? = value;
+            n_origins += 1;
+        } else if name.eq_ignore_ascii_case("content-length") {
+            if content_length.is_some() || value.is_empty() || !value.iter().all(u8::is_ascii_digit)
+            {
+                return None;
+            }
+            content_length = Some(std::str::from_utf8(value).ok()?.parse().ok()?);
+        } else if name.eq_ignore_ascii_case("content-type") {
+            content_type = Some(value);
+        } else if name.eq_ignore_ascii_case("connection") {
+            for token in value.split(|b| *b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if token.eq_ignore_ascii_case(b"upgrade") {
+                    return None;
+                }
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding")
+            || name.eq_ignore_ascii_case("expect")
+            || name.eq_ignore_ascii_case("upgrade")
+        {
+            return None;
+        }
+    }
+    let seen = Seen {
+        method: method.as_bytes(),
+        hosts: &hosts[..n_hosts],
+        origins: &origins[..n_origins],
+    };
+    if guard::check(app.guard, &seen).is_err() {
+        return None;
+    }
+    let rule = app.rule_for(method, path)?;
+    let Action::Proxy { backend } = rule.action else {
+        return None;
+    };
+    if app.status() != Status::Ready {
+        return None;
+    }
+    let port = *app.ports.get(backend)?;
+
+    let has_body = method != "GET" && method != "HEAD";
+    let body_len = content_length.unwrap_or(0);
+    if (!has_body && body_len > 0) || body_len > app.body_limit.min(MAX_FAST_BODY) {
+        return None;
+    }
+    let body = buf.get(head_len..head_len + body_len)?;
+    let mut streamed = false;
+    if has_body {
+        if content_type.is_some_and(|ct| !json_content_type(ct)) {
+            return None;
+        }
+        std::str::from_utf8(body).ok()?;
+        streamed = serde_json::from_slice::<RequestShape>(body)
+            .ok()?
+            .stream
+            .unwrap_or(false);
+    }
+    if rule.inference && (!streamed || app.precise || app.rename_in_streams) {
+        // The general path renames the reply's model or rewrites the body.
+        return None;
+    }
+
+    let mut upstream = Vec::with_capacity(head_len + body_len + 32);
+    upstream.extend_from_slice(method.as_bytes());
+    upstream.push(b' ');
+    upstream.extend_from_slice(target.as_bytes());
+    upstream.extend_from_slice(b" HTTP/1.1\r\nHost: 127.0.0.1:");
+    upstream.extend_from_slice(port.to_string().as_bytes());
+    upstream.extend_from_slice(b"\r\n");
+    for header in request.headers.iter() {
+        let name = header.name;
+        if name.eq_ignore_ascii_case("host")
+            || name.eq_ignore_ascii_case("content-length")
+            || is_hop_header(name)
+        {
+            continue;
+        }
+        upstream.extend_from_slice(name.as_bytes());
+        upstream.extend_from_slice(b": ");
+        upstream.extend_from_slice(header.value);
+        upstream.extend_from_slice(b"\r\n");
+    }
+    if has_body {
+        upstream.extend_from_slice(b"Content-Length: ");
+        upstream.extend_from_slice(body_len.to_string().as_bytes());
+        upstream.extend_from_slice(b"\r\n");
+    }
+    upstream.extend_from_slice(b"\r\n");
+    upstream.extend_from_slice(body);
+    Some(Fast {
+        backend,
+        port,
+        upstream,
+        consumed: head_len + body_len,
+        close,
+        watched: rule
+            .inference
+            .then(|| (method.to_string(), path.to_string(), body_len)),
+    })
+}
+
+/// Headers that belong to one connection, not to the message (as `proxy` strips them).
+fn is_hop_header(name: &str) -> bool {
+    [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ]
+    .iter()
+    .any(|h| name.eq_ignore_ascii_case(h))
+}
+
+/// One request: qualify it, send it, relay the reply.
+async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMut) -> Outcome {
+    let Some(fast) = qualify(app, buf) else {
+        return Outcome::HandOver;
+    };
+    let in_flight = InFlight::begin();
+    buf.advance(fast.consumed);
+    let ticket = match (&fast.watched, app.watchdog.get()) {
+        (Some((method, path, bytes)), Some(dog)) => {
+            Some(dog.track(method, path, true, fast.backend, *bytes))
+        }
+        _ => None,
+    };
+
+    // Send, and read the reply's head; a reused connection that the backend closed before
+    // answering is retried once on a new one, as hyper's pool does.
+    let mut reply = BytesMut::with_capacity(8 * 1024);
+    let mut fresh_tries = 0;
+    let (mut backend, head) = loop {
+        reply.clear();
+        let (mut conn, reused) = match app.pool.checkout(fast.port).await {
+            Ok(c) => c,
+            Err(e) => return bad_gateway(app, client, fast.close, &e.to_string()).await,
+        };
+        let sent = async {
+            conn.write_all(&fast.upstream).await?;
+            conn.flush().await
+        }
+        .await;
+        let head = match sent {
+            Ok(()) => read_reply_head(&mut conn, &mut reply).await,
+            // The backend closed the connection before it took the request.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                Err(ReplyError::ClosedEarly)
+            }
+            Err(e) => Err(ReplyError::Io(e)),
+        };
+        match head {
+            Ok(head) => break (conn, head),
+            Err(ReplyError::ClosedEarly) if reused && fresh_tries == 0 => fresh_tries += 1,
+            Err(e) => return bad_gateway(app, client, fast.close, &e.to_string()).await,
+        }
+    };
+    if let Some(ticket) = &ticket {
+        ticket.progress(0);
+    }
+
+    let close = fast.close || head.framing == Framing::UntilClose;
+    let mut out = Vec::with_capacity(head.lines.len() + 64);
+    out.extend_from_slice(&head.lines);
+    match head.framing {
+        Framing::Chunked => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
+        Framing::Length(n) => {
+            out.extend_from_slice(b"Content-Length: ");
+            out.extend_from_slice(n.to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        Framing::None | Framing::UntilClose => {}
+    }
+    if close {
+        out.extend_from_slice(b"Connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+
+    // The body: what came with the head, then as it arrives, each read written at once.
+    let mut body = Body::new(head.framing);
+    let mut watch_client = true;
+    loop {
+        let end = body.feed(&reply);
+        let Some(end) = end else {
+            return Outcome::Close; // a chunk size that is not one
+        };
+        let done = end.is_some();
+        let take = end.unwrap_or(reply.len());
+        out.extend_from_slice(&reply[..take]);
+        let leftover = reply.len() > take;
+        reply.clear();
+        if !out.is_empty() {
+            if client.write_all(&out).await.is_err() {
+                return Outcome::Close;
+            }
+            out.clear();
+        }
+        if done {
+            if !head.backend_close && !leftover {
+                app.pool.checkin(fast.port, backend);
+            }
+            drop(ticket);
+            drop(in_flight);
+            return if close {
+                Outcome::Close
+            } else {
+                Outcome::KeepAlive
+            };
+        }
+        // More to come: wait for it, and for a client that leaves meanwhile (its backend
+        // connection is then dropped, which stops the engine).
+        loop {
+            tokio::select! {
+                biased;
+                read = backend.read_buf(&mut reply) => match read {
+                    Ok(0) if body.framing == Framing::UntilClose => {
+                        drop(ticket);
+                        drop(in_flight);
+                        return Outcome::Close;
+                    }
+                    // The reply broke off: the client sees its connection close.
+                    Ok(0) | Err(_) => return Outcome::Close,
+                    Ok(n) => {
+                        if let Some(ticket) = &ticket {
+                            ticket.progress(n);
+                        }
+                        break;
+                    }
+                },
+                read = client.read_buf(buf), if watch_client => match read {
+                    Ok(0) | Err(_) => return Outcome::Close,
+                    // The client's next request, early: keep it for later.
+                    Ok(_) => watch_client = buf.len() < MAX_HEAD,
+                },
+            }
+        }
+    }
+}
+
+/// The reply's status line and the headers the client gets (hop-by-hop, CORS and framing
+/// headers left out), and how its body ends.
+struct ReplyHead {
+    lines: Vec<u8>,
+    framing: Framing,
+    backend_close: bool,
+}
+
+enum ReplyError {
+    /// The connection closed before a byte of the reply.
+    ClosedEarly,
+    Io(std::io::Error),
+    Malformed(String),
+}
+
+impl std::fmt::Display for ReplyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplyError::ClosedEarly => f.write_str("connection closed before the reply"),
+            ReplyError::Io(e) => write!(f, "{e}"),
+            ReplyError::Malformed(why) => write!(f, "malformed reply: {why}"),
+        }
+    }
+}
+
+/// Read until the reply's head is whole; it is removed from `reply`, which keeps the body bytes
+/// that came with it.
+async fn read_reply_head(
+    conn: &mut BusyPollStream,
+    reply: &mut BytesMut,
+) -> Result<ReplyHead, ReplyError> {
+    loop {
+        if !reply.is_empty() {
+            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut response = httparse::Response::new(&mut headers);
+            match response.parse(reply) {
+                Ok(httparse::Status::Complete(n)) => {
+                    let head = reply_head(&response)?;
+                    reply.advance(n);
+                    return Ok(head);
+                }
+                Ok(httparse::Status::Partial) if reply.len() < MAX_HEAD => {}
+                Ok(httparse::Status::Partial) => {
+                    return Err(ReplyError::Malformed("head too large".into()));
+                }
+                Err(e) => return Err(ReplyError::Malformed(e.to_string())),
+            }
+        }
+        match conn.read_buf(reply).await {
+            Ok(0) if reply.is_empty() => return Err(ReplyError::ClosedEarly),
+            Ok(0) => return Err(ReplyError::Malformed("it ended inside the head".into())),
+            Ok(_) => {}
+            Err(e) if reply.is_empty() && e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Err(ReplyError::ClosedEarly);
+            }
+            Err(e) => return Err(ReplyError::Io(e)),
+        }
+    }
+}
+
+fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyError> {
+    let code = response.code.unwrap_or(502);
+    if response.version != Some(1) || code < 200 {
+        // HTTP/1.0 framing rules or an interim reply: not what a llama-server sends.
+        return Err(ReplyError::Malformed(format!(
+            "HTTP/1.{} status {code}",
+            response.version.unwrap_or(0)
+        )));
+    }
+    let mut lines = Vec::with_capacity(256);
+    lines.extend_from_slice(b"HTTP/1.1 ");
+    lines.extend_from_slice(code.to_string().as_bytes());
+    lines.push(b' ');
+    lines.extend_from_slice(response.reason.unwrap_or("").as_bytes());
+    lines.extend_from_slice(b"\r\n");
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    let mut backend_close = false;
+    for header in response.headers.iter() {
+        let name = header.name;
+        let value = header.value;
+        if name.eq_ignore_ascii_case("content-length") {
+            let n = std::str::from_utf8(value)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| ReplyError::Malformed("bad Content-Length".into()))?;
+            if length.is_some_and(|m| m != n) {
+                return Err(ReplyError::Malformed("two Content-Lengths".into()));
+            }
+            length = Some(n);
+            continue;
+        }
+        if name.eq_ignore_ascii_case("transfer-encoding") {
+            if !value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+                return Err(ReplyError::Malformed(
+                    "a transfer coding other than chunked".into(),
+                ));
+            }
+            chunked = true;
+            continue;
+        }
+        if name.eq_ignore_ascii_case("connection") {
+            backend_close |= value
+                .split(|b| *b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+            continue;
+        }
+        if is_hop_header(name)
+            || name
+                .get(..15)
+                .is_some_and(|p| p.eq_ignore_ascii_case("access-control-"))
+        {
+            continue;
+        }
+        lines.extend_from_slice(name.as_bytes());
+        lines.extend_from_slice(b": ");
+        lines.extend_from_slice(value);
+        lines.extend_from_slice(b"\r\n");
+    }
+    let framing = if code == 204 || code == 304 {
+        Framing::None
+    } else if chunked {
+        Framing::Chunked
+    } else if let Some(n) = length {
+        Framing::Length(n)
+    } else {
+        Framing::UntilClose
+    };
+    Ok(ReplyHead {
+        lines,
+        framing,
+        backend_close: backend_close || framing == Framing::UntilClose,
+    })
+}
+
+/// Where a reply body ends, fed its bytes as they come (the bytes are passed on unchanged,
+/// chunked coding included).
+struct Body {
+    framing: Framing,
+    remaining: u64,
+    chunk: ChunkState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ChunkState {
+    /// Reading a chunk-size line (hex digits, then extensions up to CRLF); the size so far and
+    /// whether a digit was seen and the extension started.
+    Size {
+        size: u64,
+        digits: bool,
+        ext: bool,
+    },
+    /// The LF after the size line's CR.
+    SizeLf {
+        size: u64,
+    },
+    /// Chunk data left.
+    Data,
+    /// The CRLF after chunk data.
+    DataCr,
+    DataLf,
+    /// After the last chunk: trailer lines until an empty one; whether the line is empty so far.
+    Trailer {
+        line_empty: bool,
+        cr: bool,
+    },
+}
+
+impl Body {
+    fn new(framing: Framing) -> Self {
+        Body {
+            framing,
+            remaining: match framing {
+                Framing::Length(n) => n,
+                _ => 0,
+            },
+            chunk: ChunkState::Size {
+                size: 0,
+                digits: false,
+                ext: false,
+            },
+        }
+    }
+
+    /// Feed the next bytes: Some(Some(n)) when the body ends after `n` of them, Some(None) when
+    /// it goes on past them, None when the chunked coding is broken.
+    fn feed(&mut self, bytes: &[u8]) -> Option<Option<usize>> {
+        match self.framing {
+            Framing::None => Some(Some(0)),
+            Framing::UntilClose => Some(None),
+            Framing::Length(_) => {
+                let take = (bytes.len() as u64).min(self.remaining);
+                self.remaining -= take;
+                Some((self.remaining == 0).then_some(take as usize))
+            }
+            Framing::Chunked => self.feed_chunked(bytes),
+        }
+    }
+
+    fn feed_chunked(&mut self, bytes: &[u8]) -> Option<Option<usize>> {
+        let mut i = 0;
+        while i < bytes.len() {
+            let b = bytes[i];
+            match self.chunk {
+                ChunkState::Size { size, digits, ext } => {
+                    if b == b'\r' {
+                        if !digits {
+                            return None;
+                        }
+                        self.chunk = ChunkState::SizeLf { size };
+                    } else if ext {
+                        // Extensions are passed on, not read.
+                    } else if let Some(d) = (b as char).to_digit(16) {
+                        let size = size.checked_mul(16)?.checked_add(u64::from(d))?;
+                        self.chunk = ChunkState::Size {
+                            size,
+                            digits: true,
+                            ext: false,
+                        };
+                    } else if b == b';' || b == b' ' || b == b'\t' {
+                        self.chunk = ChunkState::Size {
+                            size,
+                            digits,
+                            ext: true,
+                        };
+                    } else {
+                        return None;
+                    }
+                    i += 1;
+                }
+                ChunkState::SizeLf { size } => {
+                    if b != b'\n' {
+                        return None;
+                    }
+                    i += 1;
+                    if size == 0 {
+                        self.chunk = ChunkState::Trailer {
+                            line_empty: true,
+                            cr: false,
+                        };
+                    } else {
+                        self.remaining = size;
+                        self.chunk = ChunkState::Data;
+                    }
+                }
+                ChunkState::Data => {
+                    let take = ((bytes.len() - i) as u64).min(self.remaining);
+                    self.remaining -= take;
+                    i += take as usize;
+                    if self.remaining == 0 {
+                        self.chunk = ChunkState::DataCr;
+                    }
+                }
+                ChunkState::DataCr => {
+                    if b != b'\r' {
+                        return None;
+                    }
+                    i += 1;
+                    self.chunk = ChunkState::DataLf;
+                }
+                ChunkState::DataLf => {
+                    if b != b'\n' {
+                        return None;
+                    }
+                    i += 1;
+                    self.chunk = ChunkState::Size {
+                        size: 0,
+                        digits: false,
+                        ext: false,
+                    };
+                }
+                ChunkState::Trailer { line_empty, cr } => {
+                    i += 1;
+                    if b == b'\n' && cr {
+                        if line_empty {
+                            return Some(Some(i));
+                        }
+                        self.chunk = ChunkState::Trailer {
+                            line_empty: true,
+                            cr: false,
+                        };
+                    } else if b == b'\r' {
+                        self.chunk = ChunkState::Trailer {
+                            line_empty,
+                            cr: true,
+                        };
+                    } else {
+                        self.chunk = ChunkState::Trailer {
+                            line_empty: false,
+                            cr: false,
+                        };
+                    }
+                }
+            }
+        }
+        Some(None)
+    }
+}
+
+/// Answer 502 as the general path would, after the request was committed to a backend.
+async fn bad_gateway(app: &App, client: &mut BusyPollStream, close: bool, why: &str) -> Outcome {
+    let error = ApiError::BadGateway(format!(
+        "the {} backend did not answer ({why}); see serve's log",
+        app.device
+    ));
+    let body =
+        crate::error::openai_error_body(error.status(), error.error_type(), &error.message());
+    let head = format!(
+        "HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n",
+        body.len(),
+        if close { "Connection: close\r\n" } else { "" }
+    );
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body.as_bytes());
+    match client.write_all(&out).await {
+        Ok(()) if !close => Outcome::KeepAlive,
+        _ => Outcome::Close,
+    }
+}
+
+/// A client connection handed to the general path: the bytes already read come first.
+pub struct Prefixed {
+    read: BytesMut,
+    stream: BusyPollStream,
+}
+
+impl Prefixed {
+    fn new(stream: BusyPollStream, read: BytesMut) -> Self {
+        Prefixed { read, stream }
+    }
+}
+
+impl AsyncRead for Prefixed {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.read.is_empty() {
+            let n = this.read.len().min(out.remaining());
+            out.put_slice(&this.read[..n]);
+            this.read.advance(n);
+            return std::task::Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut this.stream).poll_read(cx, out)
+    }
+}
+
+impl AsyncWrite for Prefixed {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ends(framing: Framing, parts: &[&[u8]]) -> Vec<Option<Option<usize>>> {
+        let mut body = Body::new(framing);
+        parts.iter().map(|p| body.feed(p)).collect()
+    }
+
+    #[test]
+    fn a_length_body_ends_after_its_bytes() {
+        assert_eq!(
+            ends(Framing::Length(5), &[b"abc", b"defgh"]),
+            [Some(None), Some(Some(2))]
+        );
+        assert_eq!(ends(Framing::Length(0), &[b""]), [Some(Some(0))]);
+        assert_eq!(ends(Framing::None, &[b"x"]), [Some(Some(0))]);
+        assert_eq!(ends(Framing::UntilClose, &[b"x"]), [Some(None)]);
+    }
+
+    #[test]
+    fn a_chunked_body_ends_after_its_last_chunk_and_trailers() {
+        let whole = b"5\r\nhello\r\n1a;ext=1\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\n\r\nNEXT";
+        assert_eq!(
+            ends(Framing::Chunked, &[whole]),
+            [Some(Some(whole.len() - 4))]
+        );
+        // Byte by byte, the end is found at the same place.
+        let mut body = Body::new(Framing::Chunked);
+        let at = whole
+            .iter()
+            .position(|b| body.feed(std::slice::from_ref(b)) == Some(Some(1)))
+            .unwrap();
+        assert_eq!(at, whole.len() - 5);
+        let trailers = b"0\r\nX-T: 1\r\n\r\n";
+        assert_eq!(
+            ends(Framing::Chunked, &[&trailers[..6], &trailers[6..]]),
+            [Some(None), Some(Some(trailers.len() - 6))]
+        );
+        // An SSE stream, event by event.
+        assert_eq!(
+            ends(
+                Framing::Chunked,
+                &[
+                    b"a\r\ndata: {}\n\n\r\n",
+                    b"e\r\ndata: [DONE]\n\n\r\n",
+                    b"0\r\n\r\n"
+                ]
+            ),
+            [Some(None), Some(None), Some(Some(5))]
+        );
+    }
+
+    #[test]
+    fn a_broken_chunked_body_is_refused() {
+        for bad in [
+            &b"zz\r\n"[..],
+            b"\r\n",
+            b"5\r\nhelloXX",
+            b"5\rX",
+            b"fffffffffffffffff\r\n",
+        ] {
+            assert_eq!(ends(Framing::Chunked, &[bad]), [None], "{bad:?}");
+        }
+    }
+}
