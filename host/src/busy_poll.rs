@@ -45,14 +45,17 @@ static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 static SPINNING: AtomicBool = AtomicBool::new(false);
 static BUDGET: OnceLock<Duration> = OnceLock::new();
 
-/// The spin budget: `ONEBIT_BUSY_POLL_US` (whole microseconds, at most 10 ms), else the default.
+/// The spin budget: `ONEBIT_BUSY_POLL_US`, read once.
 pub fn budget() -> Duration {
-    *BUDGET.get_or_init(|| {
-        std::env::var("ONEBIT_BUSY_POLL_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map_or(DEFAULT_BUDGET, |us| Duration::from_micros(us.min(10_000)))
-    })
+    *BUDGET.get_or_init(|| parse_budget(std::env::var("ONEBIT_BUSY_POLL_US").ok().as_deref()))
+}
+
+/// Whole microseconds, at most 10 ms; unset or not a whole number: the default (as serve's
+/// other numeric variables).
+fn parse_budget(value: Option<&str>) -> Duration {
+    value
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_BUDGET, |us| Duration::from_micros(us.min(10_000)))
 }
 
 /// One relayed request, counted from reading the client's request until its reply body is
@@ -251,5 +254,48 @@ impl AsyncWrite for BusyPollStream {
 impl Connection for BusyPollStream {
     fn connected(&self) -> Connected {
         self.tcp.connected()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_is_whole_microseconds_capped_at_10_ms() {
+        assert_eq!(parse_budget(None), DEFAULT_BUDGET);
+        assert_eq!(parse_budget(Some("0")), Duration::ZERO);
+        assert_eq!(parse_budget(Some(" 120 ")), Duration::from_micros(120));
+        assert_eq!(parse_budget(Some("99999999")), Duration::from_millis(10));
+        assert_eq!(parse_budget(Some("-1")), DEFAULT_BUDGET);
+        assert_eq!(parse_budget(Some("fast")), DEFAULT_BUDGET);
+    }
+
+    /// A client socket spins once for the request it is owed, reads it past the runtime's
+    /// readiness, and does not spin again until it has written.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_socket_reads_the_bytes_its_spin_found() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut peer = std::net::TcpStream::connect(addr).unwrap();
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut stream = BusyPollStream::new(tcp, Side::Client);
+        std::io::Write::write_all(&mut peer, b"ping").unwrap();
+        let mut buf = [0u8; 16];
+        let n = stream.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], b"ping");
+        assert!(!stream.may_spin_once, "the answer came: no spin is owed");
+        stream.write_all(b"pong").await.unwrap();
+        assert!(
+            stream.may_spin_once,
+            "a message went out: its answer is owed"
+        );
+        let mut back = [0u8; 4];
+        std::io::Read::read_exact(&mut peer, &mut back).unwrap();
+        assert_eq!(&back, b"pong");
+        drop(peer);
+        let n = stream.read(&mut buf).await.unwrap();
+        assert_eq!(n, 0, "the end of the stream is read, spin or not");
     }
 }

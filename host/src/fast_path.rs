@@ -122,6 +122,7 @@ pub async fn serve_connection<F, Fut>(
             }
             let idle = buf.is_empty();
             tokio::select! {
+                biased;
                 read = client.read_buf(&mut buf) => match read {
                     Ok(0) | Err(_) => return,
                     Ok(_) => {}
@@ -527,6 +528,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut backend_close = false;
+    let mut dated = false;
     for header in response.headers.iter() {
         let name = header.name;
         let value = header.value;
@@ -563,10 +565,16 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
         {
             continue;
         }
+        dated |= name.eq_ignore_ascii_case("date");
         lines.extend_from_slice(name.as_bytes());
         lines.extend_from_slice(b": ");
         lines.extend_from_slice(value);
         lines.extend_from_slice(b"\r\n");
+    }
+    if !dated {
+        // A proxy with a clock dates a reply that came without a date (RFC 9110, 6.6.1), as
+        // the general path's replies are dated.
+        append_date(&mut lines);
     }
     let framing = if code == 204 || code == 304 {
         Framing::None
@@ -582,6 +590,28 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
         framing,
         backend_close: backend_close || framing == Framing::UntilClose,
     })
+}
+
+/// `Date: <now>`, formatted once a second.
+fn append_date(out: &mut Vec<u8>) {
+    thread_local! {
+        static CACHED: std::cell::RefCell<(u64, String)> = const {
+            std::cell::RefCell::new((0, String::new()))
+        };
+    }
+    let now = std::time::SystemTime::now();
+    let second = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    CACHED.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        if cached.0 != second || cached.1.is_empty() {
+            *cached = (second, httpdate::fmt_http_date(now));
+        }
+        out.extend_from_slice(b"Date: ");
+        out.extend_from_slice(cached.1.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    });
 }
 
 /// Where a reply body ends, fed its bytes as they come (the bytes are passed on unchanged,
@@ -885,6 +915,80 @@ mod tests {
             ),
             [Some(None), Some(None), Some(Some(5))]
         );
+    }
+
+    fn head_of(raw: &[u8]) -> Result<ReplyHead, ReplyError> {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut response = httparse::Response::new(&mut headers);
+        assert!(response.parse(raw).is_ok());
+        reply_head(&response)
+    }
+
+    #[test]
+    fn a_reply_head_loses_hop_and_cors_headers_and_gains_a_date() {
+        let Ok(head) = head_of(
+            b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: *\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\n{}",
+        ) else {
+            panic!("a good head");
+        };
+        let text = String::from_utf8(head.lines).unwrap();
+        assert!(
+            text.starts_with("HTTP/1.1 200 OK\r\nServer: llama.cpp\r\n"),
+            "{text}"
+        );
+        assert!(
+            !text.to_ascii_lowercase().contains("access-control"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("Keep-Alive") && !text.contains("Connection"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("Content-Length"),
+            "the framing is written apart: {text}"
+        );
+        assert!(text.contains("\r\nDate: "), "{text}");
+        assert_eq!(head.framing, Framing::Length(2));
+        assert!(!head.backend_close);
+        // A dated reply keeps its own date.
+        let Ok(head) = head_of(
+            b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 00:00:00 GMT\r\nContent-Length: 0\r\n\r\n",
+        ) else {
+            panic!("a good head");
+        };
+        let text = String::from_utf8(head.lines).unwrap();
+        assert_eq!(text.matches("ate: ").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn a_reply_head_says_how_its_body_ends() {
+        let framing = |raw: &[u8]| head_of(raw).ok().map(|h| (h.framing, h.backend_close));
+        assert_eq!(
+            framing(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            Some((Framing::Chunked, false))
+        );
+        assert_eq!(
+            framing(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\n"),
+            Some((Framing::Length(5), true))
+        );
+        assert_eq!(
+            framing(b"HTTP/1.1 204 No Content\r\n\r\n"),
+            Some((Framing::None, false))
+        );
+        assert_eq!(
+            framing(b"HTTP/1.1 200 OK\r\n\r\n"),
+            Some((Framing::UntilClose, true))
+        );
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: five\r\n\r\n",
+            b"HTTP/1.0 200 OK\r\n\r\n",
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+        ] {
+            assert!(head_of(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]

@@ -84,6 +84,8 @@ fn eight_concurrent_greedy_chats_on_four_slots_all_answer() {
         .unwrap_or("")
         .to_ascii_lowercase();
     assert!(!head.contains("access-control-"), "{head}");
+    // llama-server sends no Date; serve, relaying, dates the reply.
+    assert!(head.contains("\r\ndate: "), "{head}");
 }
 
 #[test]

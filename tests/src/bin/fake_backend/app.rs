@@ -46,6 +46,8 @@ pub struct State {
     pub counters: Counters,
     record: Option<Mutex<File>>,
     next_id: AtomicU64,
+    /// Requests answered, for `FAKE_CLOSE_EVERY`.
+    answered: AtomicU64,
     pub started_unix: u64,
 }
 
@@ -84,6 +86,7 @@ impl State {
             counters: Counters::default(),
             record,
             next_id: AtomicU64::new(1),
+            answered: AtomicU64::new(0),
             started_unix: unix_now().as_secs(),
         })
     }
@@ -298,6 +301,19 @@ pub fn app(state: Arc<State>) -> Router {
 }
 
 async fn dispatch(AxumState(st): AxumState<Arc<State>>, req: Request) -> Response {
+    let mut response = answer(&st, req).await;
+    let every = st.cfg.close_every;
+    if every > 0 && (st.answered.fetch_add(1, Ordering::AcqRel) + 1) % every == 0 {
+        // hyper closes the connection after a reply that says so.
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+async fn answer(st: &Arc<State>, req: Request) -> Response {
+    let st = st.clone();
     let (parts, body) = req.into_parts();
     let body = match axum::body::to_bytes(body, MAX_BODY).await {
         Ok(b) => b,

@@ -66,6 +66,9 @@ pub struct Config {
     pub sse_interval: Duration,
     /// `FAKE_DS4`: the ds4-server route set (health on `GET /v1/models`, no llama.cpp extras).
     pub ds4: bool,
+    /// `FAKE_CLOSE_EVERY`: every Nth reply closes its connection (0: never), as llama-server
+    /// closes a kept-alive connection after its 100th request.
+    pub close_every: u64,
 }
 
 /// Parses llama-server's argument list and the environment (`env` looks a variable up).
@@ -191,6 +194,7 @@ pub fn parse(
         sse_events: number(&env, "FAKE_SSE_EVENTS")?.unwrap_or(8),
         sse_interval: millis(&env, "FAKE_SSE_INTERVAL_MS")?.unwrap_or(Duration::from_millis(5)),
         ds4: flag(&env, "FAKE_DS4")?,
+        close_every: number(&env, "FAKE_CLOSE_EVERY")?.unwrap_or(0),
     })))
 }
 

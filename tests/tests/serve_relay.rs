@@ -1,0 +1,304 @@
+//! The relay's two paths on one connection: plain proxied requests on the fast path
+//! (host/src/fast_path.rs), everything else handed to the general one, with keep-alive,
+//! pipelining, a backend that closes its connections, streams and a backend that dies.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use onebit_tests::*;
+
+const SECS: fn(u64) -> Duration = Duration::from_secs;
+const TOKENIZE: &str = r#"{"content":"hello world"}"#;
+
+fn tokenize_request(extra_headers: &str) -> String {
+    format!(
+        "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{extra_headers}Content-Length: {}\r\n\r\n{TOKENIZE}",
+        TOKENIZE.len()
+    )
+}
+
+/// One reply from a kept-alive connection: (status, lowercase head, body). Reads exactly the
+/// reply's bytes (Content-Length or chunked), so the next reply stays in `pending`.
+fn read_reply(tcp: &mut TcpStream, pending: &mut Vec<u8>) -> (u16, String, Vec<u8>) {
+    let mut chunk = [0u8; 4096];
+    let mut fill = |pending: &mut Vec<u8>| {
+        let n = tcp.read(&mut chunk).expect("a reply");
+        assert!(n > 0, "the connection closed mid-reply");
+        pending.extend_from_slice(&chunk[..n]);
+    };
+    let head_end = loop {
+        if let Some(p) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+            break p + 4;
+        }
+        fill(pending);
+    };
+    let head = String::from_utf8_lossy(&pending[..head_end]).to_ascii_lowercase();
+    let status = status_of(&head);
+    pending.drain(..head_end);
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map(|v| v.trim().parse::<usize>().unwrap());
+    let body = if let Some(n) = length {
+        while pending.len() < n {
+            fill(pending);
+        }
+        pending.drain(..n).collect()
+    } else {
+        assert!(head.contains("transfer-encoding: chunked"), "{head}");
+        let mut body = Vec::new();
+        loop {
+            let line_end = loop {
+                if let Some(p) = pending.windows(2).position(|w| w == b"\r\n") {
+                    break p;
+                }
+                fill(pending);
+            };
+            let size_text = String::from_utf8_lossy(&pending[..line_end]).to_string();
+            let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16)
+                .expect("a chunk size");
+            while pending.len() < line_end + 2 + size + 2 {
+                fill(pending);
+            }
+            body.extend_from_slice(&pending[line_end + 2..line_end + 2 + size]);
+            pending.drain(..line_end + 2 + size + 2);
+            if size == 0 {
+                break body;
+            }
+        }
+    };
+    (status, head, body)
+}
+
+fn connect(port: u16) -> TcpStream {
+    let tcp = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    tcp.set_read_timeout(Some(SECS(10))).unwrap();
+    tcp
+}
+
+#[test]
+fn kept_alive_requests_go_on_when_the_backend_closes_its_connections() {
+    let dir = temp_dir("relay-close");
+    let model = dummy_model(&dir, "m.gguf");
+    let record = dir.join("record.jsonl");
+    // Every third reply closes the backend's connection, as llama-server does after 100.
+    let serve = Serve::with_fake(
+        &model,
+        &[],
+        &[
+            ("FAKE_CLOSE_EVERY", "3"),
+            ("FAKE_RECORD", record.to_str().unwrap()),
+        ],
+    );
+    serve.ready();
+    let mut tcp = connect(serve.port);
+    let mut pending = Vec::new();
+    for i in 0..12 {
+        tcp.write_all(tokenize_request("").as_bytes()).unwrap();
+        let (status, head, body) = read_reply(&mut tcp, &mut pending);
+        assert_eq!(status, 200, "request {i}: {head}");
+        assert!(!head.contains("connection: close"), "request {i}: {head}");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["tokens"].as_array().map(Vec::len), Some(2), "request {i}");
+    }
+    // Each request reached the backend once: none was lost, none was sent twice.
+    let tokenized = json_lines(&record)
+        .into_iter()
+        .filter(|l| l["path"] == "/tokenize")
+        .count();
+    assert_eq!(tokenized, 12);
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order_across_both_paths() {
+    let dir = temp_dir("relay-pipeline");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let mut tcp = connect(serve.port);
+    // A relayed request, one serve answers itself (so the connection changes paths), and a
+    // relayed one again, in one write.
+    let mut burst = tokenize_request("");
+    burst.push_str("GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n");
+    burst.push_str(&tokenize_request("Connection: close\r\n"));
+    tcp.write_all(burst.as_bytes()).unwrap();
+    let mut pending = Vec::new();
+    let (s1, _, b1) = read_reply(&mut tcp, &mut pending);
+    let (s2, _, b2) = read_reply(&mut tcp, &mut pending);
+    let (s3, h3, b3) = read_reply(&mut tcp, &mut pending);
+    assert_eq!((s1, s2, s3), (200, 200, 200));
+    assert!(String::from_utf8_lossy(&b1).contains("tokens"));
+    assert_eq!(String::from_utf8_lossy(&b2), r#"{"status":"ok"}"#);
+    assert!(String::from_utf8_lossy(&b3).contains("tokens"));
+    assert!(h3.contains("connection: close"), "{h3}");
+    let mut rest = Vec::new();
+    let _ = tcp.read_to_end(&mut rest);
+    assert!(
+        rest.is_empty(),
+        "nothing after the last reply, then the end"
+    );
+}
+
+#[test]
+fn a_client_that_asks_to_close_gets_its_reply_then_the_end() {
+    let dir = temp_dir("relay-close-client");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    // `raw` reads to the end of the connection: it returns only because serve closes it.
+    let (status, reply) = raw(
+        serve.port,
+        tokenize_request("Connection: close\r\n").as_bytes(),
+        SECS(10),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert!(
+        reply.to_ascii_lowercase().contains("connection: close"),
+        "{reply}"
+    );
+    assert!(reply.ends_with("]}"), "{reply}");
+}
+
+#[test]
+fn hop_by_hop_headers_stay_on_the_client_hop() {
+    let dir = temp_dir("relay-hop");
+    let model = dummy_model(&dir, "m.gguf");
+    let record = dir.join("record.jsonl");
+    let serve = Serve::with_fake(&model, &[], &[("FAKE_RECORD", record.to_str().unwrap())]);
+    serve.ready();
+    let (status, reply) = raw(
+        serve.port,
+        tokenize_request(
+            "Connection: close, X-Secret\r\nKeep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nTE: trailers\r\nX-Trace: 7\r\n",
+        )
+        .as_bytes(),
+        SECS(10),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let seen = json_lines(&record)
+        .into_iter()
+        .find(|l| l["path"] == "/tokenize")
+        .expect("the request reached the backend");
+    let headers = &seen["headers"];
+    for gone in ["connection", "keep-alive", "proxy-authorization", "te"] {
+        assert!(
+            headers.get(gone).is_none(),
+            "{gone} was forwarded: {headers}"
+        );
+    }
+    assert_eq!(headers["x-trace"], "7", "{headers}");
+    assert_eq!(headers["content-length"], TOKENIZE.len().to_string());
+    assert!(
+        headers["host"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("127.0.0.1:"),
+        "{headers}"
+    );
+}
+
+#[test]
+fn streamed_events_arrive_one_by_one_as_the_backend_sends_them() {
+    let dir = temp_dir("relay-events");
+    let model = dummy_model(&dir, "m.gguf");
+    // Events 150 ms apart: each must reach the client long before the next is sent.
+    let serve = Serve::with_fake(
+        &model,
+        &[],
+        &[("FAKE_SSE_EVENTS", "6"), ("FAKE_SSE_INTERVAL_MS", "150")],
+    );
+    serve.ready();
+    let body = r#"{"stream":true,"messages":[{"role":"user","content":"count"}]}"#;
+    let mut tcp = connect(serve.port);
+    write!(
+        tcp,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // (sent by the fake, received here), in ns since the epoch, per content event.
+    let mut events: Vec<(u64, u64)> = Vec::new();
+    let mut text = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = tcp.read(&mut chunk).unwrap();
+        if n == 0 {
+            break;
+        }
+        let received = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        text.extend_from_slice(&chunk[..n]);
+        let seen = String::from_utf8_lossy(&text);
+        let mut sent_so_far = Vec::new();
+        for rest in seen.split("\"fake_sent_ns\":").skip(1) {
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if digits.len() == rest.len() {
+                break; // the read ended inside the number
+            }
+            sent_so_far.push(digits.parse::<u64>().unwrap());
+        }
+        for &sent in &sent_so_far[events.len()..] {
+            events.push((sent, received));
+        }
+    }
+    // The content events come first (the closing events carry the stamp too).
+    assert!(events.len() >= 6, "{}", String::from_utf8_lossy(&text));
+    events.truncate(6);
+    for (i, pair) in events.windows(2).enumerate() {
+        assert!(
+            pair[0].1 < pair[1].0,
+            "event {i} arrived {} ms after event {} was sent: held back",
+            (pair[0].1 as f64 - pair[1].0 as f64) / 1e6,
+            i + 1
+        );
+    }
+}
+
+#[test]
+fn a_client_that_expects_100_continue_gets_it_then_the_reply() {
+    let dir = temp_dir("relay-expect");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let mut tcp = connect(serve.port);
+    // As curl sends a larger body: the head, then the body only after 100 Continue.
+    write!(
+        tcp,
+        "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+        TOKENIZE.len()
+    )
+    .unwrap();
+    let mut pending = Vec::new();
+    let mut chunk = [0u8; 256];
+    while !String::from_utf8_lossy(&pending).contains("\r\n\r\n") {
+        let n = tcp.read(&mut chunk).expect("100 Continue");
+        assert!(n > 0, "closed before 100 Continue");
+        pending.extend_from_slice(&chunk[..n]);
+    }
+    let interim = String::from_utf8_lossy(&pending).to_string();
+    assert!(interim.starts_with("HTTP/1.1 100 Continue"), "{interim}");
+    let end = interim.find("\r\n\r\n").unwrap() + 4;
+    pending.drain(..end);
+    tcp.write_all(TOKENIZE.as_bytes()).unwrap();
+    let (status, head, body) = read_reply(&mut tcp, &mut pending);
+    assert_eq!(status, 200, "{head}");
+    assert!(String::from_utf8_lossy(&body).contains("tokens"));
+}
+
+#[test]
+fn a_backend_that_dies_before_a_plain_reply_gets_502() {
+    let dir = temp_dir("relay-502");
+    let model = dummy_model(&dir, "m.gguf");
+    let mut serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let (status, body) = post(&serve.url("/tokenize"), r#"{"content":"fake_exit"}"#);
+    assert_eq!(status, 502, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["type"], "server_error", "{body}");
+    assert!(body.contains("did not answer"), "{body}");
+    let exit = serve.wait_exit(SECS(10)).expect("serve exits");
+    assert_eq!(exit.code(), Some(1), "{}", serve.output());
+}
