@@ -37,10 +37,21 @@ const MAX_FAST_BODY: usize = 256 * 1024;
 /// Idle backend connections kept for reuse, all backends together.
 const MAX_IDLE: usize = 128;
 
-/// Idle keep-alive connections to the backends, most recently used first.
+/// An idle pooled connection this much younger is reused without asking the socket whether
+/// the backend closed it: llama-server closes an idle connection after 5 s, and says so in
+/// the reply when it closes one after its 100th request. A rare miss is retried.
+const TRUST_IDLE_FOR: Duration = Duration::from_secs(1);
+
+/// Idle keep-alive connections to the backends, the most recently used last.
 #[derive(Default)]
 pub struct BackendPool {
-    idle: Mutex<Vec<(u16, BusyPollStream)>>,
+    idle: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    port: u16,
+    since: std::time::Instant,
+    conn: BusyPollStream,
 }
 
 impl BackendPool {
@@ -51,11 +62,15 @@ impl BackendPool {
             let found = {
                 let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
                 idle.iter()
-                    .rposition(|(p, _)| *p == port)
-                    .map(|i| idle.remove(i).1)
+                    .rposition(|i| i.port == port)
+                    .map(|i| idle.remove(i))
             };
             match found {
-                Some(conn) if conn.is_idle_open() => return Ok((conn, true)),
+                Some(idle)
+                    if idle.since.elapsed() < TRUST_IDLE_FOR || idle.conn.is_idle_open() =>
+                {
+                    return Ok((idle.conn, true));
+                }
                 Some(_) => continue,
                 None => break,
             }
@@ -70,7 +85,11 @@ impl BackendPool {
         if idle.len() >= MAX_IDLE {
             idle.remove(0);
         }
-        idle.push((port, conn));
+        idle.push(Idle {
+            port,
+            since: std::time::Instant::now(),
+            conn,
+        });
     }
 }
 
