@@ -54,8 +54,10 @@ pub fn run(args: ServeArgs) -> i32 {
     match prepare(&args) {
         Ok(Prepared::Exit(code)) => code,
         Ok(Prepared::Serve(prepared)) => {
+            // One worker per core (tokio's default; `TOKIO_WORKER_THREADS` sets another
+            // count): a fast-path request is one task, so a second worker adds no hand-off,
+            // and under load the workers relay in parallel (docs/performance.md).
             let runtime = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(worker_threads())
                 .enable_all()
                 .thread_name("serve")
                 .build()
@@ -387,17 +389,6 @@ fn env_number(name: &str) -> Option<f64> {
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|n| n.is_finite())
-}
-
-/// The runtime's worker threads: one by default, as one nginx worker. A relayed request is two
-/// tasks (the client's connection, the pooled backend connection) handing off to each other;
-/// with a second worker, tokio wakes it to steal the other task, which costs two more context
-/// switches and about 45 µs a request on a 2-core machine (docs/performance.md). Blocking work
-/// (route calls) runs on tokio's blocking pool, not here. `TOKIO_WORKER_THREADS` overrides.
-fn worker_threads() -> usize {
-    env_number("TOKIO_WORKER_THREADS")
-        .filter(|n| *n >= 1.0 && *n <= 1024.0)
-        .map_or(1, |n| n as usize)
 }
 
 /// A positive number of seconds from the environment.
