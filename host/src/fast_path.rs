@@ -66,9 +66,7 @@ impl BackendPool {
                     .map(|i| idle.remove(i))
             };
             match found {
-                Some(idle)
-                    if idle.since.elapsed() < TRUST_IDLE_FOR || idle.conn.is_idle_open() =>
-                {
+                Some(idle) if idle.since.elapsed() < TRUST_IDLE_FOR || idle.conn.is_idle_open() => {
                     return Ok((idle.conn, true));
                 }
                 Some(_) => continue,
