@@ -52,10 +52,14 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     // Pass cargo test's report through and add up its `test result:` lines, so the run ends
     // with one total rather than the last crate's (often empty) doc-test line.
     let mut totals = Totals::default();
+    let mut failed_tests = Vec::new();
     if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             println!("{line}");
             totals.add(&line);
+            if let Some(name) = failed_test(&line) {
+                failed_tests.push(name.to_string());
+            }
         }
     }
     let status = child
@@ -85,6 +89,10 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         }
     };
     println!();
+    // Named again next to the total, where a CI log's tail shows them.
+    for name in &failed_tests {
+        println!("FAILED: {name}");
+    }
     println!(
         "{} passed, {} failed, {} skipped",
         totals.passed, totals.failed, totals.ignored
@@ -94,6 +102,11 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     } else {
         process::exit_code(status)
     })
+}
+
+/// The test a `test NAME ... FAILED` line of cargo test's report names.
+fn failed_test(line: &str) -> Option<&str> {
+    line.strip_prefix("test ")?.strip_suffix(" ... FAILED")
 }
 
 /// The sum of cargo test's `test result: ok. N passed; N failed; N ignored; ...` lines.
@@ -135,6 +148,16 @@ fn cargo_step(ws: &Workspace, args: &[&str], todo: &str) -> Result<(), Failure> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_tests_are_named() {
+        assert_eq!(
+            failed_test("test relay::streams ... FAILED"),
+            Some("relay::streams")
+        );
+        assert_eq!(failed_test("test relay::streams ... ok"), None);
+        assert_eq!(failed_test("test result: FAILED. 1 passed; 1 failed"), None);
+    }
 
     #[test]
     fn totals_add_up_every_result_line() {
