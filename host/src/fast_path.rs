@@ -34,6 +34,9 @@ const MAX_HEADERS: usize = 64;
 const MAX_HEAD: usize = 64 * 1024;
 /// A body larger than this goes the general way: it takes several reads to arrive anyway.
 const MAX_FAST_BODY: usize = 256 * 1024;
+/// How long the rest of a fast request's body may take to follow its head before the general
+/// path takes the request (and times the body itself).
+const BODY_GRACE: Duration = Duration::from_millis(100);
 /// Idle backend connections kept for reuse, all backends together.
 const MAX_IDLE: usize = 128;
 
@@ -99,6 +102,8 @@ enum Outcome {
     Close,
     /// Not a fast request: the general path takes the connection, and the bytes read so far.
     HandOver,
+    /// A fast request whose body has not all arrived yet.
+    BodyDue,
 }
 
 /// How a reply's body ends.
@@ -150,13 +155,24 @@ pub async fn serve_connection<F, Fut>(
                 () = crate::serve::stopped(&mut stop), if idle => return,
             }
         }
-        match exchange(&app, &mut client, &mut buf).await {
-            Outcome::KeepAlive => {}
-            Outcome::Close => {
-                let _ = client.shutdown().await;
-                return;
+        loop {
+            match exchange(&app, &mut client, &mut buf).await {
+                Outcome::KeepAlive => break,
+                Outcome::Close => {
+                    let _ = client.shutdown().await;
+                    return;
+                }
+                Outcome::HandOver => return general(Prefixed::new(client, buf), stop).await,
+                // Many clients write the body apart from the head; it follows at once. A body
+                // that does not is the general path's to time.
+                Outcome::BodyDue => {
+                    match tokio::time::timeout(BODY_GRACE, client.read_buf(&mut buf)).await {
+                        Ok(Ok(n)) if n > 0 => {}
+                        Ok(_) => return,
+                        Err(_) => return general(Prefixed::new(client, buf), stop).await,
+                    }
+                }
             }
-            Outcome::HandOver => return general(Prefixed::new(client, buf), stop).await,
         }
     }
 }
@@ -169,6 +185,14 @@ fn head_length(buf: &[u8]) -> Result<Option<usize>, ()> {
         Ok(httparse::Status::Partial) => Ok(None),
         Err(_) => Err(()),
     }
+}
+
+/// What [`qualify`] found.
+enum Verdict {
+    Fast(Fast),
+    /// All but the body is known to qualify; the body has not all arrived.
+    BodyDue,
+    HandOver,
 }
 
 /// A request that qualified: what to send where.
@@ -185,8 +209,19 @@ struct Fast {
     watched: Option<(String, String, usize)>,
 }
 
-/// Decide whether the request at the start of `buf` is a fast one; None hands it over.
-fn qualify(app: &App, buf: &[u8]) -> Option<Fast> {
+/// Decide whether the request at the start of `buf` is a fast one.
+fn qualify(app: &App, buf: &[u8]) -> Verdict {
+    let mut body_due = false;
+    match fast_request(app, buf, &mut body_due) {
+        Some(fast) => Verdict::Fast(fast),
+        None if body_due => Verdict::BodyDue,
+        None => Verdict::HandOver,
+    }
+}
+
+/// The fast request at the start of `buf`; None when there is none, with `body_due` set when
+/// only the rest of its body is missing.
+fn fast_request(app: &App, buf: &[u8], body_due: &mut bool) -> Option<Fast> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut request = httparse::Request::new(&mut headers);
     let head_len = match request.parse(buf) {
@@ -265,7 +300,10 @@ fn qualify(app: &App, buf: &[u8]) -> Option<Fast> {
     if (!has_body && body_len > 0) || body_len > app.body_limit.min(MAX_FAST_BODY) {
         return None;
     }
-    let body = buf.get(head_len..head_len + body_len)?;
+    let Some(body) = buf.get(head_len..head_len + body_len) else {
+        *body_due = true;
+        return None;
+    };
     let mut streamed = false;
     if has_body {
         if content_type.is_some_and(|ct| !json_content_type(ct)) {
@@ -339,8 +377,10 @@ fn is_hop_header(name: &str) -> bool {
 
 /// One request: qualify it, send it, relay the reply.
 async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMut) -> Outcome {
-    let Some(fast) = qualify(app, buf) else {
-        return Outcome::HandOver;
+    let fast = match qualify(app, buf) {
+        Verdict::Fast(fast) => fast,
+        Verdict::BodyDue => return Outcome::BodyDue,
+        Verdict::HandOver => return Outcome::HandOver,
     };
     let in_flight = InFlight::begin();
     buf.advance(fast.consumed);

@@ -258,6 +258,38 @@ fn streamed_events_arrive_one_by_one_as_the_backend_sends_them() {
 }
 
 #[test]
+fn a_body_written_apart_from_its_head_is_relayed() {
+    let dir = temp_dir("relay-split");
+    let model = dummy_model(&dir, "m.gguf");
+    let record = dir.join("record.jsonl");
+    let serve = Serve::with_fake(&model, &[], &[("FAKE_RECORD", record.to_str().unwrap())]);
+    serve.ready();
+    let mut tcp = connect(serve.port);
+    let mut pending = Vec::new();
+    // At once after the head (as many clients write it), and after a pause longer than the
+    // fast path waits for it (the general path then takes the request).
+    for pause in [0, 20, 300] {
+        let request = tokenize_request("");
+        let (head, body) = request.split_at(request.len() - TOKENIZE.len());
+        tcp.write_all(head.as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(pause));
+        tcp.write_all(body.as_bytes()).unwrap();
+        let (status, head, body) = read_reply(&mut tcp, &mut pending);
+        assert_eq!(status, 200, "after {pause} ms: {head}");
+        assert!(
+            String::from_utf8_lossy(&body).contains("tokens"),
+            "after {pause} ms"
+        );
+    }
+    let bodies: Vec<String> = json_lines(&record)
+        .into_iter()
+        .filter(|l| l["path"] == "/tokenize")
+        .map(|l| l["body"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(bodies, vec![TOKENIZE.to_string(); 3]);
+}
+
+#[test]
 fn a_client_that_expects_100_continue_gets_it_then_the_reply() {
     let dir = temp_dir("relay-expect");
     let model = dummy_model(&dir, "m.gguf");
