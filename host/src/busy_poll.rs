@@ -19,6 +19,8 @@
 //! - only when no other request is being relayed: a client's socket spins when no request is
 //!   in flight at all, a backend socket when its own request is the only one, so a spin never
 //!   delays another request's bytes on the one runtime thread;
+//! - only on relayed requests' sockets: serve's own calls to a backend (health, metrics, the
+//!   route's host services) use streams that never spin (`BusyPollStream::plain`);
 //! - one spinner at a time, for at most the budget (`ONEBIT_BUSY_POLL_US`, 50 µs by default;
 //!   0 turns it off), then the socket waits as usual.
 //!
@@ -88,6 +90,9 @@ pub enum Side {
 pub struct BusyPollStream {
     tcp: TcpStream,
     side: Side,
+    /// False for serve's own calls to a backend (health probes, metrics, route services),
+    /// which are not relayed requests and must not spin beside one.
+    polls: bool,
     /// This socket sent a message since bytes last came in, and has not spun for its answer
     /// yet: it may spin once.
     may_spin_once: bool,
@@ -100,9 +105,18 @@ impl BusyPollStream {
         BusyPollStream {
             tcp,
             side,
+            polls: true,
             // A client that has just connected owes serve its first request.
             may_spin_once: side == Side::Client,
             bytes_waiting: false,
+        }
+    }
+
+    /// A stream that never spins.
+    pub fn plain(tcp: TcpStream, side: Side) -> Self {
+        BusyPollStream {
+            polls: false,
+            ..BusyPollStream::new(tcp, side)
         }
     }
 
@@ -118,7 +132,7 @@ impl BusyPollStream {
     /// Spin (once per message sent, within the limits above) until bytes are waiting or the
     /// budget is spent; true when they are.
     fn spin(&mut self) -> bool {
-        if !std::mem::take(&mut self.may_spin_once) {
+        if !std::mem::take(&mut self.may_spin_once) || !self.polls {
             return false;
         }
         let budget = budget();

@@ -314,7 +314,7 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
     let mut backend_texts = Vec::new();
     for (port, path) in &sources.backends {
         if let Some(path) = path {
-            backend_texts.push(backend_text(&app.client, *port, path).await);
+            backend_texts.push(backend_text(&app.probes, *port, path).await);
         }
     }
     let (counts, machine) = own.await.unwrap_or_default();

@@ -35,17 +35,34 @@ pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024 * 1024;
 /// changes it. At the default limit this asks for about 0.5 MiB/s.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The general path's client toward the backends: its sockets busy-poll for replies.
 pub fn backend_client() -> BackendClient {
+    client(true)
+}
+
+/// The client of serve's own calls to its backends (health, metrics, the route's host
+/// services): these are not relayed requests, and never busy-poll.
+pub fn probe_client() -> BackendClient {
+    client(false)
+}
+
+fn client(polls: bool) -> BackendClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
-        .build(BackendConnector(connector))
+        .build(BackendConnector {
+            http: connector,
+            polls,
+        })
 }
 
-/// hyper-util's TCP connector, handing out busy-polling streams (`busy_poll`).
+/// hyper-util's TCP connector, handing out [`BusyPollStream`]s (`busy_poll`).
 #[derive(Clone)]
-pub struct BackendConnector(HttpConnector);
+pub struct BackendConnector {
+    http: HttpConnector,
+    polls: bool,
+}
 
 type ConnectError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -60,14 +77,19 @@ impl tower_service::Service<Uri> for BackendConnector {
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Result<(), ConnectError>> {
-        self.0.poll_ready(cx).map_err(Into::into)
+        self.http.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let connecting = self.0.call(uri);
+        let connecting = self.http.call(uri);
+        let polls = self.polls;
         Box::pin(async move {
             let tcp = connecting.await?.into_inner();
-            Ok(TokioIo::new(BusyPollStream::new(tcp, Side::Backend)))
+            Ok(TokioIo::new(if polls {
+                BusyPollStream::new(tcp, Side::Backend)
+            } else {
+                BusyPollStream::plain(tcp, Side::Backend)
+            }))
         })
     }
 }
@@ -96,7 +118,11 @@ pub struct App {
     /// The loopback port of each backend, in the plan's order.
     pub ports: Vec<u16>,
     pub status: RwLock<Status>,
+    /// The general path's client (busy-polling).
     pub client: BackendClient,
+    /// serve's own calls to the backends: metrics scrapes (and, in `serve`, health and the
+    /// route's host services).
+    pub probes: BackendClient,
     pub body_limit: usize,
     /// Models served beside the main one, for `/v1/models`.
     pub side_models: Vec<onebit_plugin_api::SideModel>,

@@ -481,7 +481,9 @@ async fn serve_plan(p: ServePlan) -> i32 {
             run_dir.display()
         )));
     }
-    let client = proxy::backend_client();
+    // serve's own calls (readiness, health, warm-ups, the watchdog's questions, the route's
+    // host services, metrics) go on a client that never busy-polls; relayed requests do.
+    let client = proxy::probe_client();
     let state = if plan.backends.is_empty() {
         None
     } else {
@@ -506,7 +508,8 @@ async fn serve_plan(p: ServePlan) -> i32 {
         rules: plan.rules.clone(),
         ports: plan.backends.iter().map(|b| b.port).collect(),
         status: RwLock::new(Status::Loading),
-        client: client.clone(),
+        client: proxy::backend_client(),
+        probes: client.clone(),
         body_limit: env_number("ONEBIT_MAX_BODY_BYTES")
             .filter(|n| *n >= 1.0)
             .map(|n| n as usize)
