@@ -1048,6 +1048,48 @@ mod tests {
         }
     }
 
+    /// Random chunked bodies, fed in random pieces: the end is found exactly where the body
+    /// ends, whatever the split (a small LCG keeps the test deterministic without a crate).
+    #[test]
+    fn the_chunked_end_does_not_depend_on_how_the_bytes_are_split() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % n
+        };
+        for _ in 0..300 {
+            let mut body = Vec::new();
+            for _ in 0..next(6) {
+                let size = 1 + next(300) as usize;
+                let ext = if next(4) == 0 { ";name=value" } else { "" };
+                body.extend_from_slice(format!("{size:x}{ext}\r\n").as_bytes());
+                body.extend(std::iter::repeat_n(b'\r', size));
+                body.extend_from_slice(b"\r\n");
+            }
+            body.extend_from_slice(b"0\r\n");
+            if next(3) == 0 {
+                body.extend_from_slice(b"X-Trailer: 1\r\n");
+            }
+            body.extend_from_slice(b"\r\n");
+            let whole = body.len();
+            body.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+            let mut tracker = Body::new(Framing::Chunked);
+            let mut at = 0;
+            let end = loop {
+                let piece = (1 + next(64) as usize).min(body.len() - at);
+                match tracker.feed(&body[at..at + piece]) {
+                    Some(Some(n)) => break at + n,
+                    Some(None) => at += piece,
+                    None => panic!("refused a valid body at {at}"),
+                }
+                assert!(at < body.len(), "no end found");
+            };
+            assert_eq!(end, whole);
+        }
+    }
+
     #[test]
     fn a_broken_chunked_body_is_refused() {
         for bad in [
