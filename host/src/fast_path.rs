@@ -34,7 +34,7 @@ const MAX_HEADERS: usize = 64;
 const MAX_HEAD: usize = 64 * 1024;
 /// A body larger than this goes the general way: it takes several reads to arrive anyway.
 const MAX_FAST_BODY: usize = 256 * 1024;
-/// How long the rest of a fast request's body may take to follow its head before the general
+/// How long the rest of a fast request's body may take, from its head, before the general
 /// path takes the request (and times the body itself).
 const BODY_GRACE: Duration = Duration::from_millis(100);
 /// Idle backend connections kept for reuse, all backends together.
@@ -155,6 +155,9 @@ pub async fn serve_connection<F, Fut>(
                 () = crate::serve::stopped(&mut stop), if idle => return,
             }
         }
+        // Many clients write the body apart from the head; it follows at once. A body that
+        // is not all there within the grace is the general path's to time.
+        let body_deadline = tokio::time::Instant::now() + BODY_GRACE;
         loop {
             match exchange(&app, &mut client, &mut buf).await {
                 Outcome::KeepAlive => break,
@@ -163,10 +166,9 @@ pub async fn serve_connection<F, Fut>(
                     return;
                 }
                 Outcome::HandOver => return general(Prefixed::new(client, buf), stop).await,
-                // Many clients write the body apart from the head; it follows at once. A body
-                // that does not is the general path's to time.
                 Outcome::BodyDue => {
-                    match tokio::time::timeout(BODY_GRACE, client.read_buf(&mut buf)).await {
+                    let more = client.read_buf(&mut buf);
+                    match tokio::time::timeout_at(body_deadline, more).await {
                         Ok(Ok(n)) if n > 0 => {}
                         Ok(_) => return,
                         Err(_) => return general(Prefixed::new(client, buf), stop).await,

@@ -290,6 +290,42 @@ fn a_body_written_apart_from_its_head_is_relayed() {
 }
 
 #[test]
+fn a_trickled_body_is_timed_as_a_whole() {
+    let dir = temp_dir("relay-trickle");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[("ONEBIT_BODY_READ_TIMEOUT_S", "1")]);
+    serve.ready();
+    // 64 bytes, one every 50 ms: each comes soon after the last, the whole takes 3.2 s.
+    let body = format!(r#"{{"content":"{}"}}"#, "x".repeat(50));
+    let mut tcp = connect(serve.port);
+    write!(
+        tcp,
+        "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    for byte in body.bytes() {
+        if tcp.write_all(&[byte]).is_err() {
+            break; // refused and closed
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        if started.elapsed() > SECS(2) {
+            break;
+        }
+    }
+    let mut reply = String::new();
+    let _ = tcp.read_to_string(&mut reply);
+    assert_eq!(status_of(&reply), 408, "{reply}");
+    // The body timeout counts from the head (plus the fast path's 100 ms), not per byte.
+    assert!(
+        started.elapsed() < Duration::from_millis(1900),
+        "refused after {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
 fn a_client_that_expects_100_continue_gets_it_then_the_reply() {
     let dir = temp_dir("relay-expect");
     let model = dummy_model(&dir, "m.gguf");
