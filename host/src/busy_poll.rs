@@ -24,7 +24,9 @@
 //! - one spinner at a time, for at most the budget (`ONEBIT_BUSY_POLL_US`, 50 µs by default;
 //!   0 turns it off), then the socket waits as usual.
 //!
-//! The figures this buys and what it costs are in docs/performance.md.
+//! The figures this buys and what it costs are in docs/performance.md. On a virtual machine
+//! whose host is overcommitted a spinning vCPU competes with the VM's other vCPUs for the
+//! host's time; there `ONEBIT_BUSY_POLL_US=0` is the safer setting.
 
 use std::io::{self, Read};
 use std::mem::MaybeUninit;
