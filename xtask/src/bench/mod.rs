@@ -702,10 +702,15 @@ fn startup(
             }
         }
     }
+    // What serve adds: the median of each round's two starts' difference, which drift between
+    // rounds (llama-server's own start varies by ±50 ms here) cancels out of.
+    let mut added: Vec<f64> = times[1].iter().zip(&times[0]).map(|(s, d)| s - d).collect();
+    added.sort_by(f64::total_cmp);
     for t in &mut times {
         t.sort_by(f64::total_cmp);
     }
     report.startup_ms = Some([percentile(&times[0], 0.5), percentile(&times[1], 0.5)]);
+    report.startup_added_ms = Some(percentile(&added, 0.5));
     Ok(())
 }
 
@@ -747,6 +752,8 @@ struct Report {
     throughput: Option<[f64; 3]>,
     sse: Option<Sse>,
     startup_ms: Option<[f64; 2]>,
+    /// The median of the paired differences, serve minus direct.
+    startup_added_ms: Option<f64>,
     rss_idle_kib: Option<u64>,
     rss_load_kib: Option<u64>,
     mem_check: Option<(f64, f64)>,
@@ -763,6 +770,7 @@ impl Report {
             throughput: None,
             sse: None,
             startup_ms: None,
+            startup_added_ms: None,
             rss_idle_kib: None,
             rss_load_kib: None,
             mem_check: None,
@@ -891,10 +899,11 @@ impl Report {
                 values: [Some(direct), Some(serve), None],
                 compare: Compare::Difference,
             });
+            let added = self.startup_added_ms.unwrap_or(serve - direct);
             targets.push(Target {
                 text: "start-up ≤ llama-server's own + 50 ms",
-                measured: format!("{:+.1} ms", serve - direct),
-                met: serve <= direct + 50.0,
+                measured: format!("{added:+.1} ms (median of the paired differences)"),
+                met: added <= 50.0,
             });
         }
         let mib = |kib: u64| kib as f64 / 1024.0;
