@@ -22,9 +22,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::busy_poll::{BusyPollStream, InFlight, Side};
-use crate::error::ApiError;
 use crate::guard::{self, Seen};
-use crate::proxy::{App, RequestShape, Status, json_content_type};
+use crate::proxy::{
+    App, RequestShape, Status, is_cors_header, is_hop_header, json_content_type, no_answer,
+};
 use onebit_plugin_api::Action;
 
 /// Header lines a fast request may have; more go the general way.
@@ -361,22 +362,6 @@ fn fast_request(app: &App, buf: &[u8], body_due: &mut bool) -> Option<Fast> {
     })
 }
 
-/// Headers that belong to one connection, not to the message (as `proxy` strips them).
-fn is_hop_header(name: &str) -> bool {
-    [
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    ]
-    .iter()
-    .any(|h| name.eq_ignore_ascii_case(h))
-}
-
 /// One request: qualify it, send it, relay the reply.
 async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMut) -> Outcome {
     let fast = match qualify(app, buf) {
@@ -617,11 +602,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
                 .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
             continue;
         }
-        if is_hop_header(name)
-            || name
-                .get(..15)
-                .is_some_and(|p| p.eq_ignore_ascii_case("access-control-"))
-        {
+        if is_hop_header(name) || is_cors_header(name) {
             continue;
         }
         dated |= name.eq_ignore_ascii_case("date");
@@ -839,10 +820,7 @@ impl Body {
 
 /// Answer 502 as the general path would, after the request was committed to a backend.
 async fn bad_gateway(app: &App, client: &mut BusyPollStream, close: bool, why: &str) -> Outcome {
-    let error = ApiError::BadGateway(format!(
-        "the {} backend did not answer ({why}); see serve's log",
-        app.device
-    ));
+    let error = no_answer(&app.device, why);
     let body =
         crate::error::openai_error_body(error.status(), error.error_type(), &error.message());
     let head = format!(

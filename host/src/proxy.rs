@@ -367,14 +367,7 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     };
     let reply = match app.client.request(upstream).await {
         Ok(reply) => reply,
-        Err(e) => {
-            return ApiError::BadGateway(format!(
-                "the {} backend did not answer ({}); see serve's log",
-                app.device,
-                error_chain(&e)
-            ))
-            .into_response();
-        }
+        Err(e) => return no_answer(&app.device, &error_chain(&e)).into_response(),
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
     strip_hop_headers(&mut reply_parts.headers);
@@ -585,31 +578,50 @@ fn body_error(e: axum::Error, limit: usize) -> ApiError {
     }
 }
 
-/// Headers that belong to one connection, not to the message.
-const HOP_HEADERS: [header::HeaderName; 7] = [
-    header::CONNECTION,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
+/// Headers that belong to one connection, not to the message (lowercase, as `http` keeps
+/// names); both relay paths drop them.
+const HOP_HEADERS: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
 ];
 
-fn strip_hop_headers(headers: &mut HeaderMap) {
-    for name in &HOP_HEADERS {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
+/// Whether a header (any case) belongs to one connection, not to the message.
+pub fn is_hop_header(name: &str) -> bool {
+    HOP_HEADERS.iter().any(|h| name.eq_ignore_ascii_case(h))
 }
 
-/// llama-server answers any Origin with `Access-Control-Allow-Origin` (and credentials), which
-/// would let any web page read the replies it can make a browser request; serve sends no CORS
-/// headers at all (docs/security.md).
+/// Whether a header (any case) is a CORS header. llama-server answers any Origin with
+/// `Access-Control-Allow-Origin` (and credentials), which would let any web page read the
+/// replies it can make a browser request; serve sends no CORS headers at all
+/// (docs/security.md).
+pub fn is_cors_header(name: &str) -> bool {
+    name.get(..15)
+        .is_some_and(|p| p.eq_ignore_ascii_case("access-control-"))
+}
+
+/// The error of a request that reached no answer from the backend.
+pub fn no_answer(device: &str, why: &str) -> ApiError {
+    ApiError::BadGateway(format!(
+        "the {device} backend did not answer ({why}); see serve's log"
+    ))
+}
+
+fn strip_hop_headers(headers: &mut HeaderMap) {
+    for name in HOP_HEADERS {
+        headers.remove(name);
+    }
+}
+
 fn strip_cors_headers(headers: &mut HeaderMap) {
     let cors: Vec<header::HeaderName> = headers
         .keys()
-        .filter(|name| name.as_str().starts_with("access-control-"))
+        .filter(|name| is_cors_header(name.as_str()))
         .cloned()
         .collect();
     for name in cors {
