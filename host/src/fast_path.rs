@@ -103,6 +103,8 @@ enum Outcome {
     Close,
     /// Not a fast request: the general path takes the connection, and the bytes read so far.
     HandOver,
+    /// The request's head has not all arrived yet.
+    HeadDue,
     /// A fast request whose body has not all arrived yet.
     BodyDue,
 }
@@ -132,33 +134,12 @@ pub async fn serve_connection<F, Fut>(
     let deadline = tokio::time::sleep(header_timeout);
     tokio::pin!(deadline);
     loop {
+        // Per request: its head within the header timeout (hyper's rule; an idle kept-alive
+        // connection too), its body within the grace after the head.
         deadline
             .as_mut()
             .reset(tokio::time::Instant::now() + header_timeout);
-        // A whole head in the buffer, or the connection's end.
-        loop {
-            match head_length(&buf) {
-                Ok(Some(_)) => break,
-                Ok(None) if buf.len() < MAX_HEAD => {}
-                // Too large or malformed: the general path answers it.
-                _ => return general(Prefixed::new(client, buf), stop).await,
-            }
-            let idle = buf.is_empty();
-            tokio::select! {
-                biased;
-                read = client.read_buf(&mut buf) => match read {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
-                },
-                // Headers too slow (or an idle connection past the timeout): drop it, as
-                // hyper's header timeout does.
-                () = deadline.as_mut() => return,
-                () = crate::serve::stopped(&mut stop), if idle => return,
-            }
-        }
-        // Many clients write the body apart from the head; it follows at once. A body that
-        // is not all there within the grace is the general path's to time.
-        let body_deadline = tokio::time::Instant::now() + BODY_GRACE;
+        let mut body_deadline = None;
         loop {
             match exchange(&app, &mut client, &mut buf).await {
                 Outcome::KeepAlive => break,
@@ -167,9 +148,26 @@ pub async fn serve_connection<F, Fut>(
                     return;
                 }
                 Outcome::HandOver => return general(Prefixed::new(client, buf), stop).await,
+                Outcome::HeadDue => {
+                    let idle = buf.is_empty();
+                    tokio::select! {
+                        biased;
+                        read = client.read_buf(&mut buf) => match read {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        },
+                        // Headers too slow (or an idle connection past the timeout): drop it,
+                        // as hyper's header timeout does.
+                        () = deadline.as_mut() => return,
+                        () = crate::serve::stopped(&mut stop), if idle => return,
+                    }
+                }
+                // Many clients write the body apart from the head; it follows at once. A body
+                // that is not all there within the grace is the general path's to time.
                 Outcome::BodyDue => {
-                    let more = client.read_buf(&mut buf);
-                    match tokio::time::timeout_at(body_deadline, more).await {
+                    let until = *body_deadline
+                        .get_or_insert_with(|| tokio::time::Instant::now() + BODY_GRACE);
+                    match tokio::time::timeout_at(until, client.read_buf(&mut buf)).await {
                         Ok(Ok(n)) if n > 0 => {}
                         Ok(_) => return,
                         Err(_) => return general(Prefixed::new(client, buf), stop).await,
@@ -180,22 +178,24 @@ pub async fn serve_connection<F, Fut>(
     }
 }
 
-/// The length of the request head at the start of `buf`, None while it is incomplete.
-fn head_length(buf: &[u8]) -> Result<Option<usize>, ()> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    match httparse::Request::new(&mut headers).parse(buf) {
-        Ok(httparse::Status::Complete(n)) => Ok(Some(n)),
-        Ok(httparse::Status::Partial) => Ok(None),
-        Err(_) => Err(()),
-    }
-}
-
 /// What [`qualify`] found.
 enum Verdict {
     Fast(Fast),
+    /// The head has not all arrived (and is not yet too large).
+    HeadDue,
     /// All but the body is known to qualify; the body has not all arrived.
     BodyDue,
+    /// Not a fast request (malformed and too large heads included: the general path answers
+    /// them).
     HandOver,
+}
+
+/// What a request still lacks, when that is why it is not (yet) a fast one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Missing {
+    Nothing,
+    Head,
+    Body,
 }
 
 /// A request that qualified: what to send where.
@@ -214,21 +214,28 @@ struct Fast {
 
 /// Decide whether the request at the start of `buf` is a fast one.
 fn qualify(app: &App, buf: &[u8]) -> Verdict {
-    let mut body_due = false;
-    match fast_request(app, buf, &mut body_due) {
+    let mut missing = Missing::Nothing;
+    match fast_request(app, buf, &mut missing) {
         Some(fast) => Verdict::Fast(fast),
-        None if body_due => Verdict::BodyDue,
-        None => Verdict::HandOver,
+        None => match missing {
+            Missing::Head => Verdict::HeadDue,
+            Missing::Body => Verdict::BodyDue,
+            Missing::Nothing => Verdict::HandOver,
+        },
     }
 }
 
-/// The fast request at the start of `buf`; None when there is none, with `body_due` set when
-/// only the rest of its body is missing.
-fn fast_request(app: &App, buf: &[u8], body_due: &mut bool) -> Option<Fast> {
+/// The fast request at the start of `buf`; None when there is none, with `missing` set when
+/// only the rest of its head, or of its body, is missing.
+fn fast_request(app: &App, buf: &[u8], missing: &mut Missing) -> Option<Fast> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut request = httparse::Request::new(&mut headers);
     let head_len = match request.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {
+            *missing = Missing::Head;
+            return None;
+        }
         _ => return None,
     };
     if request.version != Some(1) {
@@ -304,7 +311,7 @@ fn fast_request(app: &App, buf: &[u8], body_due: &mut bool) -> Option<Fast> {
         return None;
     }
     let Some(body) = buf.get(head_len..head_len + body_len) else {
-        *body_due = true;
+        *missing = Missing::Body;
         return None;
     };
     let mut streamed = false;
@@ -366,6 +373,7 @@ fn fast_request(app: &App, buf: &[u8], body_due: &mut bool) -> Option<Fast> {
 async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMut) -> Outcome {
     let fast = match qualify(app, buf) {
         Verdict::Fast(fast) => fast,
+        Verdict::HeadDue => return Outcome::HeadDue,
         Verdict::BodyDue => return Outcome::BodyDue,
         Verdict::HandOver => return Outcome::HandOver,
     };
