@@ -1,9 +1,9 @@
 //! The relay's fast path: a client connection is served here first, on the raw socket, and a
-//! plain proxied request (a `Proxy` rule, HTTP/1.1, the whole request already read, a JSON
-//! body that needs no rewriting) goes to its backend and back without hyper, axum or a task
-//! hand-off: one read, one write to the backend, one read, one write to the client. Anything
-//! else (serve's own routes, a refusal, an error to report, a route that must be asked, a reply
-//! serve must rewrite, a body still arriving) hands the connection, with every byte read so far,
+//! plain proxied request (a `Proxy` rule, HTTP/1.1, all of it read within 100 ms of its head,
+//! a JSON body that needs no rewriting) goes to its backend and back without hyper, axum or a
+//! task hand-off: one read, one write to the backend, one read, one write to the client.
+//! Anything else (serve's own routes, a refusal, an error to report, a route that must be
+//! asked, a reply serve must rewrite, a body slower than that) hands the connection, with every byte read so far,
 //! to the hyper/axum stack in `proxy`, which serves it from then on. So every rule and every
 //! error reply has one implementation, in `proxy`; this file only decides when it can step
 //! aside from it, and the tests of both paths are the same tests.
