@@ -3,10 +3,10 @@
 //! a JSON body that needs no rewriting) goes to its backend and back without hyper, axum or a
 //! task hand-off: one read, one write to the backend, one read, one write to the client.
 //! Anything else (serve's own routes, a refusal, an error to report, a route that must be
-//! asked, a reply serve must rewrite, a body slower than that) hands the connection, with every byte read so far,
-//! to the hyper/axum stack in `proxy`, which serves it from then on. So every rule and every
-//! error reply has one implementation, in `proxy`; this file only decides when it can step
-//! aside from it, and the tests of both paths are the same tests.
+//! asked, a reply serve must rewrite, a body slower than that) hands the connection, with
+//! every byte read so far, to the hyper/axum stack in `proxy`, which serves it from then on. So
+//! every rule and every error reply has one implementation, in `proxy`; this file only decides
+//! when it can step aside from it, and the tests of both paths are the same tests.
 //!
 //! What it keeps of the general path: the browser guard (the same `guard::check`), the route's
 //! rules, the status check, the JSON checks (a request that fails one is handed over and gets
