@@ -95,13 +95,14 @@ pub struct ServeArgs {
     /// A route policy file.
     #[arg(long, value_name = "FILE")]
     pub route_policy: Option<String>,
-    /// Pick experts per request (--pm).
+    /// The served model is a Project Manager that delegates tasks to expert models through
+    /// Lemonade (docs/pm.md).
     #[arg(long)]
     pub pm: bool,
-    /// --pm's experts file.
+    /// --pm's experts file (replaces the built-in config/pm-experts.json).
     #[arg(long, value_name = "FILE")]
     pub pm_experts: Option<String>,
-    /// --pm's Lemonade.
+    /// The Lemonade --pm delegates to (default http://127.0.0.1:8000).
     #[arg(long, value_name = "URL")]
     pub lemonade_url: Option<String>,
     /// Expert streaming (refused in this build).
@@ -226,9 +227,6 @@ impl ServeArgs {
         check(self.laya, "--laya");
         check(self.laya_model.is_some(), "--laya-model");
         check(self.route_policy.is_some(), "--route-policy");
-        check(self.pm, "--pm");
-        check(self.pm_experts.is_some(), "--pm-experts");
-        check(self.lemonade_url.is_some(), "--lemonade-url");
         check(!self.npu_opt.is_empty(), "--npu-opt");
         flags
     }

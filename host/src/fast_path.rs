@@ -297,6 +297,9 @@ fn fast_request(app: &App, buf: &[u8], missing: &mut Missing) -> Option<Fast> {
         return None;
     }
     let rule = app.rule_for(method, path)?;
+    if app.answers_in_host(method, path) {
+        return None;
+    }
     let Action::Proxy { backend } = rule.action else {
         return None;
     };

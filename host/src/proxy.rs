@@ -145,6 +145,8 @@ pub struct App {
     pub metrics: metrics::Sources,
     /// The fast path's idle backend connections (`fast_path`).
     pub pool: crate::fast_path::BackendPool,
+    /// `--pm`: chats go through the Project Manager's tool loop (`pm`).
+    pub pm: Option<Arc<crate::pm::Pm>>,
 }
 
 impl App {
@@ -163,6 +165,12 @@ impl App {
 
     fn rule(&self, method: &Method, path: &str) -> Option<&Rule> {
         self.rule_for(method.as_str(), path)
+    }
+
+    /// Whether serve itself answers this request's body (the PM's tool loop), so the fast path
+    /// must leave it to `relay`.
+    pub fn answers_in_host(&self, method: &str, path: &str) -> bool {
+        self.pm.is_some() && method == "POST" && path == crate::pm::CHAT_PATH
     }
 
     /// The route's rule for a request, the first that matches in the plan's order.
@@ -298,6 +306,14 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
             Ok(shape) => streamed = shape.stream.unwrap_or(false),
             Err(e) => return ApiError::BadJson(e.to_string()).into_response(),
         }
+    }
+
+    // --pm: a chat is the Project Manager's tool loop, on the backend the rule names.
+    if let (Some(pm), Action::Proxy { backend }) = (&app.pm, &rule.action)
+        && crate::pm::Pm::takes(&parts.method, parts.uri.path())
+        && let Some(port) = app.ports.get(*backend)
+    {
+        return pm.answer(&app.client, *port, body).await;
     }
 
     // --precise: every chat and completion is prefilled whole, as a cold run is.
@@ -704,7 +720,7 @@ async fn ask_route(
         .map_err(|e| ApiError::BadGateway(format!("the route could not forward the request: {e}")))
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

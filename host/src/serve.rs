@@ -91,6 +91,8 @@ struct ServePlan {
     plan: Plan,
     served_name: String,
     run_dir: PathBuf,
+    /// `--pm`: the checked experts file and Lemonade's address.
+    pm: Option<(crate::pm::Experts, crate::pm::LemonadeUrl)>,
 }
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
@@ -120,6 +122,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             return Err(needs_serve(format!("--device {}", args.device)));
         }
     }
+    let pm = pm_settings(args)?;
     let facts = model::facts(&args.model)?;
     if facts.hadamard_q4_0 {
         return Err(Fatal::usage(format!(
@@ -229,6 +232,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(refused) = refused_flag {
         return Err(refused);
     }
+    if pm.is_some() {
+        pm_fits(&plan)?;
+    }
 
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
@@ -248,7 +254,70 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         plan,
         served_name,
         run_dir,
+        pm,
     })))
+}
+
+/// `--pm`, `--pm-experts`, `--lemonade-url`: the experts file and Lemonade's address checked,
+/// and the combinations refused, before anything starts.
+fn pm_settings(
+    args: &ServeArgs,
+) -> Result<Option<(crate::pm::Experts, crate::pm::LemonadeUrl)>, Fatal> {
+    if !args.pm {
+        if let Some(flag) = [
+            (args.pm_experts.is_some(), "--pm-experts"),
+            (args.lemonade_url.is_some(), "--lemonade-url"),
+        ]
+        .iter()
+        .find(|(set, _)| *set)
+        .map(|(_, f)| f)
+        {
+            return Err(Fatal::usage(format!(
+                "{flag} only applies with --pm; add --pm or remove {flag}"
+            )));
+        }
+        return Ok(None);
+    }
+    if args.laya || args.laya_model.is_some() {
+        return Err(Fatal::usage(
+            "--pm does not combine with --laya: the PM routes among models, Laya among devices; pick one",
+        ));
+    }
+    if args.embedding || args.reranking {
+        return Err(Fatal::usage(
+            "--pm does not combine with --embedding/--reranking: the PM needs a chat model; remove one",
+        ));
+    }
+    if args.device == "hybrid" {
+        return Err(Fatal::usage(
+            "--pm does not run on --device hybrid: its chats go through the prefill handoff, not a plain backend; use --device hrx or cpu",
+        ));
+    }
+    let experts = crate::pm::Experts::load(args.pm_experts.as_deref()).map_err(Fatal::usage)?;
+    let url = crate::pm::LemonadeUrl::parse(
+        args.lemonade_url
+            .as_deref()
+            .unwrap_or(crate::pm::DEFAULT_URL),
+    )
+    .map_err(Fatal::usage)?;
+    Ok(Some((experts, url)))
+}
+
+/// The PM's rounds go to the backend the route relays chats to; a route that answers chats
+/// otherwise (in process, or through its own forward) cannot carry them.
+fn pm_fits(plan: &Plan) -> Result<(), Fatal> {
+    let relayed = plan.rules.iter().any(|r| {
+        r.method.eq_ignore_ascii_case("POST")
+            && r.path == crate::pm::CHAT_PATH
+            && matches!(r.action, onebit_plugin_api::Action::Proxy { .. })
+    });
+    if plan.device == "hybrid" || !relayed {
+        return Err(Fatal::usage(format!(
+            "--pm does not run on --device {}: its chats are not relayed to a plain backend; use --device hrx or cpu",
+            plan.device
+        )));
+    }
+    Ok(())
 }
 
 /// A flag this build parses but refuses on every route, as the one line serve exits 2 with.
@@ -465,6 +534,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         plan,
         served_name,
         run_dir,
+        pm,
     } = p;
     let addr = format!("{}:{}", args.host, args.port);
     let listener = match tokio::net::TcpListener::bind(&addr).await {
@@ -535,6 +605,11 @@ async fn serve_plan(p: ServePlan) -> i32 {
             sysfs_root: metrics::sysfs_root(),
         },
         pool: Default::default(),
+        pm: pm.map(|(experts, url)| {
+            let pm = crate::pm::Pm::new(experts, url, served_name.clone(), client.clone());
+            eprintln!("1bit serve: {}", pm.summary());
+            Arc::new(pm)
+        }),
     });
     install_host_services(
         tokio::runtime::Handle::current(),

@@ -24,6 +24,8 @@ mod generate;
 mod slots;
 #[path = "fake_backend/text.rs"]
 mod text;
+#[path = "fake_backend/tools.rs"]
+mod tools;
 
 use std::io::Write as _;
 use std::process::ExitCode;

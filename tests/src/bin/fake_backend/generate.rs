@@ -317,6 +317,20 @@ pub async fn handle(st: &Arc<State>, api: Api, body: &Bytes, triggers: Triggers)
     if st.hung.load(Ordering::Acquire) && !triggers.hang {
         return hang().await;
     }
+    if api == Api::Chat
+        && !ask.stream
+        && let Some((message, finish)) = crate::tools::call_for(&json)
+    {
+        let id = st.next_id();
+        return axum::Json(json!({
+            "choices": [{"finish_reason": finish, "index": 0, "message": message}],
+            "created": unix_now().as_secs(),
+            "id": format!("chatcmpl-fake{id}"),
+            "model": st.cfg.model_name,
+            "object": "chat.completion",
+        }))
+        .into_response();
+    }
     let busy = st.busy();
     let started = Instant::now();
 

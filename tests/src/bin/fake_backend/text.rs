@@ -125,8 +125,12 @@ pub fn render(turns: &[Turn]) -> String {
     out
 }
 
-/// The text the reply quotes: the last user turn, else the last turn, else nothing.
+/// The text the reply quotes: a tool result that ends the conversation, else the last user
+/// turn, else the last turn, else nothing.
 pub fn last_user_text(turns: &[Turn]) -> &str {
+    if let Some(last) = turns.last().filter(|t| t.role == "tool") {
+        return &last.text;
+    }
     turns
         .iter()
         .rev()
