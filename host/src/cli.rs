@@ -86,13 +86,14 @@ pub struct ServeArgs {
     /// A multimodal projector.
     #[arg(long, value_name = "MMPROJ.gguf")]
     pub mmproj: Option<String>,
-    /// Laya.
+    /// Classify each conversation and run it on the device the route policy names for its
+    /// class (docs/laya.md); needs --device auto.
     #[arg(long)]
     pub laya: bool,
-    /// Laya's model directory.
+    /// The Laya model's checkpoint directory (its scorer is not part of this build).
     #[arg(long, value_name = "DIR")]
     pub laya_model: Option<String>,
-    /// A route policy file.
+    /// A route policy file (replaces the built-in config/route-policy.json).
     #[arg(long, value_name = "FILE")]
     pub route_policy: Option<String>,
     /// The served model is a Project Manager that delegates tasks to expert models through
@@ -224,9 +225,6 @@ impl ServeArgs {
             }
         };
         check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
-        check(self.laya, "--laya");
-        check(self.laya_model.is_some(), "--laya-model");
-        check(self.route_policy.is_some(), "--route-policy");
         check(!self.npu_opt.is_empty(), "--npu-opt");
         flags
     }

@@ -297,7 +297,7 @@ fn fast_request(app: &App, buf: &[u8], missing: &mut Missing) -> Option<Fast> {
         return None;
     }
     let rule = app.rule_for(method, path)?;
-    if app.answers_in_host(method, path) {
+    if app.decides_in_host(rule, method, path) {
         return None;
     }
     let Action::Proxy { backend } = rule.action else {

@@ -10,6 +10,7 @@ mod cli;
 mod error;
 mod fast_path;
 mod guard;
+mod laya;
 mod metrics;
 mod model;
 mod pm;

@@ -147,6 +147,8 @@ pub struct App {
     pub pool: crate::fast_path::BackendPool,
     /// `--pm`: chats go through the Project Manager's tool loop (`pm`).
     pub pm: Option<Arc<crate::pm::Pm>>,
+    /// `--laya`: inference requests go to their conversation's device (`laya`).
+    pub laya: Option<Arc<crate::laya::Laya>>,
 }
 
 impl App {
@@ -167,10 +169,11 @@ impl App {
         self.rule_for(method.as_str(), path)
     }
 
-    /// Whether serve itself answers this request's body (the PM's tool loop), so the fast path
-    /// must leave it to `relay`.
-    pub fn answers_in_host(&self, method: &str, path: &str) -> bool {
-        self.pm.is_some() && method == "POST" && path == crate::pm::CHAT_PATH
+    /// Whether serve must read this request's body to decide (the PM's tool loop answers it,
+    /// or Laya picks its device), so the fast path must leave it to `relay`.
+    pub fn decides_in_host(&self, rule: &Rule, method: &str, path: &str) -> bool {
+        (self.pm.is_some() && method == "POST" && path == crate::pm::CHAT_PATH)
+            || (self.laya.is_some() && rule.inference)
     }
 
     /// The route's rule for a request, the first that matches in the plan's order.
@@ -316,6 +319,12 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         return pm.answer(&app.client, *port, body).await;
     }
 
+    // --laya: an inference request goes to its conversation's device, and says so.
+    let routed = match (&app.laya, &rule.action) {
+        (Some(laya), Action::Proxy { .. }) if rule.inference => laya.route(&body),
+        _ => None,
+    };
+
     // --precise: every chat and completion is prefilled whole, as a cold run is.
     let body = if app.precise && rule.inference {
         without_prompt_cache(body)
@@ -327,7 +336,7 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
     let mut on_first_byte: Option<FirstByte> = None;
     let (backend, body) = match &rule.action {
-        Action::Proxy { backend } => (*backend, body),
+        Action::Proxy { backend } => (routed.as_ref().map_or(*backend, |r| r.backend), body),
         Action::AskRoute => {
             let turn = if app.serialize_forwards {
                 Some(app.forward_turn.clone().lock_owned().await)
@@ -388,6 +397,9 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     let (mut reply_parts, reply_body) = reply.into_parts();
     strip_hop_headers(&mut reply_parts.headers);
     strip_cors_headers(&mut reply_parts.headers);
+    if let Some(routed) = routed {
+        reply_parts.headers.insert("x-1bit-route", routed.header);
+    }
     let reply_body = watched(reply_body, ticket, on_first_byte, in_flight);
     let json_reply = reply_parts
         .headers

@@ -93,7 +93,13 @@ struct ServePlan {
     run_dir: PathBuf,
     /// `--pm`: the checked experts file and Lemonade's address.
     pm: Option<(crate::pm::Experts, crate::pm::LemonadeUrl)>,
+    /// `--laya`: the policy, and the plans of the other devices it can pick (their backends
+    /// follow `plan`'s in serve's order).
+    laya: Option<(crate::laya::Policy, Vec<Placed>)>,
 }
+
+/// One route's plan. serve runs one, or with `--laya` one per device the policy can pick.
+type Placed = (LoadedRoute, Plan);
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
 fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
@@ -123,6 +129,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
     }
     let pm = pm_settings(args)?;
+    let policy = laya_settings(args)?;
     let facts = model::facts(&args.model)?;
     if facts.hadamard_q4_0 {
         return Err(Fatal::usage(format!(
@@ -235,12 +242,30 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if pm.is_some() {
         pm_fits(&plan)?;
     }
+    // --laya: the device --device auto chose is one candidate; every other device the policy
+    // names is planned too, and the memory check counts them together.
+    let (route, mut plan, laya) = match policy {
+        Some(policy) => {
+            let (first, more) = laya_plans(&policy, &loaded, &request, (route.clone(), plan))?;
+            (first.0, first.1, Some((policy, more)))
+        }
+        None => (route.clone(), plan, None),
+    };
+    let checked = match &laya {
+        Some((_, more)) => with_needs_together(&plan, more),
+        None => plan.clone(),
+    };
 
     if args.mem_check {
-        return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
+        return Ok(Prepared::Exit(mem_check(args, &served_name, &checked)?));
     }
     if !admission::skipped(args.no_mem_check) {
-        admit(args, &served_name, &plan)?;
+        admit(args, &served_name, &checked)?;
+    }
+    if let Some((_, more)) = &laya {
+        for (_, other) in more {
+            plan.notes.extend(other.notes.iter().cloned());
+        }
     }
     for note in &plan.notes {
         eprintln!("1bit serve: {note}");
@@ -250,12 +275,130 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     }
     Ok(Prepared::Serve(Box::new(ServePlan {
         args: args.clone(),
-        route: route.clone(),
+        route,
         plan,
         served_name,
         run_dir,
         pm,
+        laya,
     })))
+}
+
+/// `--laya`, `--laya-model`, `--route-policy`: the policy read and checked, and the
+/// combinations refused, before anything starts.
+fn laya_settings(args: &ServeArgs) -> Result<Option<crate::laya::Policy>, Fatal> {
+    if args.laya_model.is_some() {
+        // The Laya model (a ModernBERT checkpoint run by a scorer daemon) is not part of this
+        // engine; only the rule-based classifier is.
+        return Err(Fatal::usage(
+            "--laya-model is not part of this build (docs/laya.md): the Laya model's scorer is not ported to this engine; use --laya alone for the rule-based classifier",
+        ));
+    }
+    if !args.laya {
+        if args.route_policy.is_some() {
+            return Err(Fatal::usage(
+                "--route-policy only applies with --laya; add --laya or remove --route-policy",
+            ));
+        }
+        return Ok(None);
+    }
+    if args.device != "auto" {
+        return Err(Fatal::usage(format!(
+            "--laya routes among devices; leave --device at auto (not {})",
+            args.device
+        )));
+    }
+    if args.embedding || args.reranking || args.embed.is_some() || args.rerank.is_some() {
+        return Err(Fatal::usage(
+            "--laya does not combine with --embedding/--reranking or --embed/--rerank",
+        ));
+    }
+    crate::laya::Policy::load(args.route_policy.as_deref())
+        .map(Some)
+        .map_err(Fatal::usage)
+}
+
+/// The plans of the devices the policy can pick that run this model, the one to fall back to
+/// first: the policy's default when it runs, else the device `--device auto` chose (`auto`,
+/// already planned). A device without a route, whose route does not claim the model, or that
+/// refuses to plan it is said and left out.
+fn laya_plans(
+    policy: &crate::laya::Policy,
+    loaded: &[LoadedRoute],
+    request: &PlanRequest,
+    auto: Placed,
+) -> Result<(Placed, Vec<Placed>), Fatal> {
+    let names = policy.devices();
+    let mut ports = reserve_ports(4 * (names.len() + 1))?;
+    ports.retain(|p| !request.ports.contains(p));
+    let mut running: Vec<Placed> = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        if *name == auto.0.info.name {
+            running.push(auto.clone());
+            continue;
+        }
+        let not = |why: String| eprintln!("1bit serve: laya: {name} is not a candidate: {why}");
+        let Some(route) = loaded.iter().find(|r| r.info.name == *name) else {
+            not("no route of that name was found".into());
+            continue;
+        };
+        match route.claim(request) {
+            Ok(claim) if claim.strength > 0 => {}
+            Ok(_) => {
+                not(format!("the route does not run {}", request.options.model));
+                continue;
+            }
+            Err(e) => {
+                not(e.to_string());
+                continue;
+            }
+        }
+        let mut asked = request.clone();
+        asked.ports = ports.iter().skip(4 * i).take(4).copied().collect();
+        match route.plan(&asked) {
+            Ok(PlanOutcome::Plan(plan)) => running.push((route.clone(), plan)),
+            Ok(PlanOutcome::Refused(r)) => not(r.message),
+            Err(e) => not(e.to_string()),
+        }
+    }
+    let default_runs = running.iter().any(|(r, _)| r.info.name == policy.default);
+    let first_name = if default_runs {
+        policy.default.clone()
+    } else {
+        eprintln!(
+            "1bit serve: laya: the default device {} does not run this model; falling back to {}",
+            policy.default, auto.0.info.name
+        );
+        if !running.iter().any(|(r, _)| r.info.name == auto.0.info.name) {
+            running.push(auto.clone());
+        }
+        auto.0.info.name.clone()
+    };
+    let at = running
+        .iter()
+        .position(|(r, _)| r.info.name == first_name)
+        .expect("the fallback is among the running devices");
+    let first = running.remove(at);
+    Ok((first, running))
+}
+
+/// The plan whose memory the check judges: the first device's, with every other device's
+/// weights, KV and compute added (their backends load together). Judged against the first
+/// device's pool: on an APU the GPU's GTT and the CPU's RAM are the same memory.
+fn with_needs_together(first: &Plan, more: &[Placed]) -> Plan {
+    let mut plan = first.clone();
+    for (_, other) in more {
+        let Some(extra) = &other.memory else { continue };
+        match &mut plan.memory {
+            Some(need) => {
+                need.weights_bytes += extra.weights_bytes;
+                need.kv_bytes += extra.kv_bytes;
+                need.compute_bytes += extra.compute_bytes;
+            }
+            None => plan.memory = Some(extra.clone()),
+        }
+    }
+    plan
 }
 
 /// `--pm`, `--pm-experts`, `--lemonade-url`: the experts file and Lemonade's address checked,
@@ -288,11 +431,6 @@ fn pm_settings(
             "--pm does not combine with --embedding/--reranking: the PM needs a chat model; remove one",
         ));
     }
-    if args.device == "hybrid" {
-        return Err(Fatal::usage(
-            "--pm does not run on --device hybrid: its chats go through the prefill handoff, not a plain backend; use --device hrx or cpu",
-        ));
-    }
     let experts = crate::pm::Experts::load(args.pm_experts.as_deref()).map_err(Fatal::usage)?;
     let url = crate::pm::LemonadeUrl::parse(
         args.lemonade_url
@@ -304,7 +442,8 @@ fn pm_settings(
 }
 
 /// The PM's rounds go to the backend the route relays chats to; a route that answers chats
-/// otherwise (in process, or through its own forward) cannot carry them.
+/// otherwise (in process, or through its own forward) cannot carry them. (The hybrid route
+/// refuses `--pm` itself, in its plan.)
 fn pm_fits(plan: &Plan) -> Result<(), Fatal> {
     let relayed = plan.rules.iter().any(|r| {
         r.method.eq_ignore_ascii_case("POST")
@@ -535,7 +674,17 @@ async fn serve_plan(p: ServePlan) -> i32 {
         served_name,
         run_dir,
         pm,
+        laya,
     } = p;
+    let (policy, more) = match laya {
+        Some((policy, more)) => (Some(policy), more),
+        None => (None, Vec::new()),
+    };
+    let placed: Vec<Placed> = std::iter::once((route.clone(), plan.clone()))
+        .chain(more)
+        .collect();
+    let all_backends: Vec<&onebit_plugin_api::BackendSpec> =
+        placed.iter().flat_map(|(_, p)| &p.backends).collect();
     let addr = format!("{}:{}", args.host, args.port);
     let listener = match tokio::net::TcpListener::bind(&addr).await {
         Ok(l) => l,
@@ -576,7 +725,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .map(|d| d.as_secs())
             .unwrap_or(0),
         rules: plan.rules.clone(),
-        ports: plan.backends.iter().map(|b| b.port).collect(),
+        ports: all_backends.iter().map(|b| b.port).collect(),
         status: RwLock::new(Status::Loading),
         client: proxy::backend_client(),
         probes: client.clone(),
@@ -597,8 +746,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         watchdog: OnceLock::new(),
         metrics: metrics::Sources {
             state,
-            backends: plan
-                .backends
+            backends: all_backends
                 .iter()
                 .map(|b| (b.port, b.metrics_path.clone()))
                 .collect(),
@@ -610,6 +758,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
             eprintln!("1bit serve: {}", pm.summary());
             Arc::new(pm)
         }),
+        laya: policy.map(|policy| Arc::new(laya_router(policy, &placed, &args))),
     });
     install_host_services(
         tokio::runtime::Handle::current(),
@@ -625,7 +774,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         shutdown_rx,
     ));
 
-    let code = supervise(&args, &route, &plan, &app, &client).await;
+    let code = supervise(&args, &placed, &app, &client).await;
 
     let _ = shutdown_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
@@ -633,14 +782,43 @@ async fn serve_plan(p: ServePlan) -> i32 {
     code
 }
 
-/// Start the backends, wait for them, serve until a signal or a failure, then stop them.
+/// `--laya`'s router over the devices that run, each with its first backend's index in
+/// serve's order; says at start what classifies and where each device runs.
+fn laya_router(
+    policy: crate::laya::Policy,
+    placed: &[Placed],
+    args: &ServeArgs,
+) -> crate::laya::Laya {
+    let mut devices = Vec::new();
+    let mut index = 0;
+    for (_, plan) in placed {
+        devices.push((plan.device.clone(), index));
+        index += plan.backends.len();
+    }
+    let names: Vec<&str> = devices.iter().map(|(d, _)| d.as_str()).collect();
+    eprintln!(
+        "1bit serve: laya: {}, policy {}, devices {} (default first)",
+        crate::laya::CLASSIFIER,
+        args.route_policy.as_deref().unwrap_or("built in"),
+        names.join(", ")
+    );
+    crate::laya::Laya::new(policy, devices)
+}
+
+/// Start the backends of every plan, wait for them, serve until a signal or a failure, then
+/// stop them. `placed[0]` is the main plan (its rules are serve's).
 async fn supervise(
     args: &ServeArgs,
-    route: &LoadedRoute,
-    plan: &Plan,
+    placed: &[Placed],
     app: &Arc<App>,
     client: &BackendClient,
 ) -> i32 {
+    let plan = &placed[0].1;
+    // Each backend's device, in serve's order, for what is said about it.
+    let devices: Vec<String> = placed
+        .iter()
+        .flat_map(|(_, p)| p.backends.iter().map(|_| p.device.clone()))
+        .collect();
     let (Ok(mut sigterm), Ok(mut sigint)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -649,11 +827,14 @@ async fn supervise(
     };
     let (events_tx, mut events) = unbounded_channel();
     let mut backends: Vec<Backend> = Vec::new();
-    for (index, spec) in plan.backends.iter().enumerate() {
+    let specs = placed
+        .iter()
+        .flat_map(|(route, plan)| plan.backends.iter().map(move |spec| (route, spec)));
+    for (index, (route, spec)) in specs.enumerate() {
         eprintln!(
             "1bit serve: starting {} on the {} route (port {}): {}",
             spec.engine,
-            plan.device,
+            devices[index],
             spec.port,
             spec.argv.join(" ")
         );
@@ -702,36 +883,41 @@ async fn supervise(
     tokio::select! {
         _ = ready => {}
         event = events.recv() => {
-            return fail(event, &backends, app, plan, grace).await;
+            return fail(event, &backends, app, &devices, grace).await;
         }
         _ = sigterm.recv() => return stop(&backends, grace, "SIGTERM").await,
         _ = sigint.recv() => return stop(&backends, grace, "SIGINT").await,
     }
 
-    let started = Started {
-        plan: plan.clone(),
-        pids: backends.iter().map(|b| b.pid).collect(),
-    };
-    let route_start = {
-        let route = route.clone();
-        tokio::task::spawn_blocking(move || route.start(&started))
-    };
-    let start_error = match route_start.await {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e),
-        Err(e) => Some(e.to_string()),
-    };
-    if let Some(e) = start_error {
-        supervisor::stop_all(&backends, grace).await;
-        return say_fatal(&Fatal::backend(format!(
-            "the {} route failed to start: {e}",
-            plan.device
-        )));
-    }
-    for warmup in &plan.warmups {
-        if let Err(e) = backend_post(client, &backends[0], &warmup.path, &warmup.body).await {
-            eprintln!("1bit serve: warm-up {} failed: {e}", warmup.path);
+    let mut first = 0;
+    for (route, plan) in placed {
+        let mine = &backends[first..first + plan.backends.len()];
+        let started = Started {
+            plan: plan.clone(),
+            pids: mine.iter().map(|b| b.pid).collect(),
+        };
+        let route_start = {
+            let route = route.clone();
+            tokio::task::spawn_blocking(move || route.start(&started))
+        };
+        let start_error = match route_start.await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(e) = start_error {
+            supervisor::stop_all(&backends, grace).await;
+            return say_fatal(&Fatal::backend(format!(
+                "the {} route failed to start: {e}",
+                plan.device
+            )));
         }
+        for warmup in &plan.warmups {
+            if let Err(e) = backend_post(client, &mine[0], &warmup.path, &warmup.body).await {
+                eprintln!("1bit serve: warm-up {} failed: {e}", warmup.path);
+            }
+        }
+        first += plan.backends.len();
     }
     app.set_status(Status::Ready);
     eprintln!(
@@ -740,21 +926,23 @@ async fn supervise(
         args.port
     );
 
-    let monitor = tokio::spawn(monitor_health(
-        app.clone(),
-        client.clone(),
-        route.clone(),
-        backends
+    let mut watched = Vec::new();
+    let mut first = 0;
+    for (route, plan) in placed {
+        let ports = backends[first..first + plan.backends.len()]
             .iter()
             .map(|b| (b.spec.port, b.spec.health_path.clone()))
-            .collect(),
-    ));
+            .collect();
+        watched.push((route.clone(), ports));
+        first += plan.backends.len();
+    }
+    let monitor = tokio::spawn(monitor_health(app.clone(), client.clone(), watched));
     let dog = app
         .watchdog
         .get()
         .map(|dog| tokio::spawn(dog.clone().run(client.clone(), events_tx.clone())));
     let code = tokio::select! {
-        event = events.recv() => fail(event, &backends, app, plan, grace).await,
+        event = events.recv() => fail(event, &backends, app, &devices, grace).await,
         _ = sigterm.recv() => stop(&backends, grace, "SIGTERM").await,
         _ = sigint.recv() => stop(&backends, grace, "SIGINT").await,
     };
@@ -787,9 +975,10 @@ async fn fail(
     event: Option<Event>,
     backends: &[Backend],
     app: &Arc<App>,
-    plan: &Plan,
+    devices: &[String],
     grace: Duration,
 ) -> i32 {
+    let device = |index: usize| devices.get(index).map(String::as_str).unwrap_or("");
     let message = match event {
         Some(Event::Exited { index, how }) => {
             let b = &backends[index];
@@ -801,7 +990,10 @@ async fn fail(
             metrics::bump(&app.metrics.state, |c| c.backend_exits += 1).await;
             format!(
                 "the {} backend ({}, port {}, pid {}) {how}{last}; exiting",
-                plan.device, b.spec.engine, b.spec.port, b.pid
+                device(index),
+                b.spec.engine,
+                b.spec.port,
+                b.pid
             )
         }
         Some(Event::Hung { index, line }) => {
@@ -811,7 +1003,10 @@ async fn fail(
             if let Some(b) = backends.get(index) {
                 b.signal(Signal::SIGKILL);
             }
-            format!("{reason}; killing the {} backend and exiting", plan.device)
+            format!(
+                "{reason}; killing the {} backend and exiting",
+                device(index)
+            )
         }
         None => "the backends' event channel closed; exiting".to_string(),
     };
@@ -917,45 +1112,21 @@ async fn backend_post(
 async fn monitor_health(
     app: Arc<App>,
     client: BackendClient,
-    route: LoadedRoute,
-    backends: Vec<(u16, String)>,
+    routes: Vec<(LoadedRoute, Vec<(u16, String)>)>,
 ) {
     loop {
         tokio::time::sleep(HEALTH_EVERY).await;
-        let mut probe = HealthProbe::default();
-        for (port, path) in &backends {
-            probe
-                .backends
-                .push(match backend_status(&client, *port, path).await {
-                    Ok(200) => BackendHealth {
-                        ok: true,
-                        reason: String::new(),
-                    },
-                    Ok(status) => BackendHealth {
-                        ok: false,
-                        reason: format!("the backend on port {port} answered {path} with {status}"),
-                    },
-                    Err(e) => BackendHealth {
-                        ok: false,
-                        reason: format!("the backend on port {port} {e} on {path}"),
-                    },
-                });
+        let mut health = onebit_plugin_api::Health {
+            ok: true,
+            reason: String::new(),
+        };
+        for (route, backends) in &routes {
+            let verdict = route_health(&client, route, backends).await;
+            if !verdict.ok {
+                health = verdict;
+                break;
+            }
         }
-        let verdict = {
-            let route = route.clone();
-            tokio::task::spawn_blocking(move || route.health(&probe)).await
-        };
-        let health = match verdict {
-            Ok(Ok(h)) => h,
-            Ok(Err(e)) => onebit_plugin_api::Health {
-                ok: false,
-                reason: format!("the route's health check failed: {e}"),
-            },
-            Err(e) => onebit_plugin_api::Health {
-                ok: false,
-                reason: format!("the route's health check failed: {e}"),
-            },
-        };
         if matches!(app.status(), Status::Down(_) | Status::Ready) {
             app.set_status(if health.ok {
                 Status::Ready
@@ -963,5 +1134,47 @@ async fn monitor_health(
                 Status::Down(health.reason)
             });
         }
+    }
+}
+
+/// One route's verdict on its backends' health answers.
+async fn route_health(
+    client: &BackendClient,
+    route: &LoadedRoute,
+    backends: &[(u16, String)],
+) -> onebit_plugin_api::Health {
+    let mut probe = HealthProbe::default();
+    for (port, path) in backends {
+        probe
+            .backends
+            .push(match backend_status(client, *port, path).await {
+                Ok(200) => BackendHealth {
+                    ok: true,
+                    reason: String::new(),
+                },
+                Ok(status) => BackendHealth {
+                    ok: false,
+                    reason: format!("the backend on port {port} answered {path} with {status}"),
+                },
+                Err(e) => BackendHealth {
+                    ok: false,
+                    reason: format!("the backend on port {port} {e} on {path}"),
+                },
+            });
+    }
+    let verdict = {
+        let route = route.clone();
+        tokio::task::spawn_blocking(move || route.health(&probe)).await
+    };
+    match verdict {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => onebit_plugin_api::Health {
+            ok: false,
+            reason: format!("the route's health check failed: {e}"),
+        },
+        Err(e) => onebit_plugin_api::Health {
+            ok: false,
+            reason: format!("the route's health check failed: {e}"),
+        },
     }
 }

@@ -340,7 +340,10 @@ fn usage_errors_exit_2_with_one_line_saying_what_to_do() {
             &["-m", m, "--device", "warp-drive"],
             "--device warp-drive: no such route",
         ),
-        (&["-m", m, "--laya"], "--laya is not available"),
+        (
+            &["-m", m, "--hrx-cwsr-placement", "on"],
+            "--hrx-cwsr-placement is not available",
+        ),
         (
             &["-m", m, "--moe-slots", "4"],
             "--moe-slots is not available in this build",

@@ -358,7 +358,7 @@ fn refusals_are_one_line() {
         ),
         (
             vec!["--device", "hybrid", "--pm"],
-            "1bit serve: --pm does not run on --device hybrid",
+            "1bit serve: --pm cannot be used with --device hybrid",
         ),
         (
             vec!["--device", "cpu", "--pm", "--pm-experts", bad],

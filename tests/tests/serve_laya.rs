@@ -1,0 +1,238 @@
+//! `1bit serve --laya` on fake backends, one per device the policy picks (cpu, and hrx with
+//! `ONEBIT_HRX_PRESENT=1`): each class reaches its device, the `X-1bit-Route` header, the
+//! decision reused on a later turn, the fallbacks, and the refusals (docs/laya.md).
+
+use std::path::Path;
+use std::process::Command;
+
+use onebit_tests::*;
+use serde_json::{Value, json};
+
+/// The port serve started `device`'s backend on, from its start line.
+fn port_of(output: &str, device: &str) -> String {
+    let marker = format!(" on the {device} route (port ");
+    let line = output
+        .lines()
+        .find(|l| l.starts_with("1bit serve: starting ") && l.contains(&marker))
+        .unwrap_or_else(|| panic!("no {device} backend started:\n{output}"));
+    let rest = &line[line.find(&marker).unwrap() + marker.len()..];
+    rest[..rest.find(')').unwrap()].to_string()
+}
+
+/// POST a chat: (status, X-1bit-Route, the port of the backend that got it).
+fn ask(serve: &Serve, record: &Path, messages: Value, stream: bool) -> (u16, String, String) {
+    let body = json!({"messages": messages, "stream": stream}).to_string();
+    let (status, route, _) =
+        post_with_header(&serve.url("/v1/chat/completions"), &body, "x-1bit-route");
+    let last = json_lines(record)
+        .into_iter()
+        .rev()
+        .find(|r| r["path"] == "/v1/chat/completions")
+        .expect("a chat reached a backend");
+    let host = last["headers"]["host"].as_str().unwrap_or("").to_string();
+    let port = host.rsplit(':').next().unwrap_or("").to_string();
+    (status, route, port)
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+#[test]
+fn each_class_reaches_the_device_its_policy_names_and_says_so() {
+    let dir = temp_dir("laya-route");
+    let model = dummy_model(&dir, "Qwen3-4B-Q4_K_M.gguf");
+    let policy = dir.join("policy.json");
+    std::fs::write(
+        &policy,
+        json!({"min_confidence": 0.0, "default": "cpu", "classes": {
+            "code": {"device": "hrx", "why": "test"},
+            "prose": {"device": "cpu", "why": "test"},
+            "short": {"device": "hrx", "why": "test"},
+            "long_doc": {"device": "npu", "why": "no such device for a .gguf: falls back"}}})
+        .to_string(),
+    )
+    .unwrap();
+    let record = dir.join("backends.jsonl");
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--llama-server",
+            fake_backend().to_str().unwrap(),
+            "--laya",
+            "--route-policy",
+            policy.to_str().unwrap(),
+        ],
+        &[
+            ("ONEBIT_HRX_PRESENT", "1"),
+            ("FAKE_RECORD", record.to_str().unwrap()),
+        ],
+    );
+    serve.ready();
+    let out = serve.output();
+    assert!(
+        out.contains("1bit serve: laya: the rule-based classifier (keyword and length rules, not the Laya model; docs/laya.md), policy ")
+            && out.contains("devices cpu, hrx (default first)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("1bit serve: laya: npu is not a candidate: "),
+        "{out}"
+    );
+    let (cpu, hrx) = (port_of(&out, "cpu"), port_of(&out, "hrx"));
+    assert_ne!(cpu, hrx);
+
+    let long = "A pasted report. ".repeat(70);
+    for (text, class, device) in [
+        ("Write a Rust function that sums a slice.", "code", &hrx),
+        ("Write a poem about the sea at night.", "prose", &cpu),
+        ("What is the capital of France?", "short", &hrx),
+        (long.as_str(), "long_doc", &cpu),
+    ] {
+        let (status, route, port) = ask(&serve, &record, user(text), false);
+        assert_eq!(status, 200, "{class}");
+        let parts: Vec<&str> = route.split(' ').collect();
+        assert_eq!(parts.len(), 3, "{class}: {route:?}");
+        assert_eq!(parts[0], class, "{route}");
+        let confidence: f64 = parts[1].parse().unwrap();
+        assert!((0.0..=1.0).contains(&confidence), "{route}");
+        let want = if device == &hrx { "hrx" } else { "cpu" };
+        assert_eq!(parts[2], want, "{route}");
+        assert_eq!(&port, device, "{class} reached port {port}");
+    }
+    assert!(
+        serve
+            .output()
+            .contains("1bit serve: laya: long_doc 1.00 cpu"),
+        "{}",
+        serve.output()
+    );
+
+    // A later turn of the code conversation asks something short: it stays on hrx, under the
+    // first decision, and no new decision is logged.
+    let later = json!([
+        {"role": "user", "content": "Write a Rust function that sums a slice."},
+        {"role": "assistant", "content": "fn sum(v: &[i32]) -> i32 { v.iter().sum() }"},
+        {"role": "user", "content": "Thanks!"}]);
+    let first_route = ask(
+        &serve,
+        &record,
+        user("Write a Rust function that sums a slice."),
+        false,
+    )
+    .1;
+    let (status, route, port) = ask(&serve, &record, later, true);
+    assert_eq!(
+        (status, route.as_str(), port.as_str()),
+        (200, first_route.as_str(), hrx.as_str())
+    );
+    assert_eq!(
+        serve.output().matches("1bit serve: laya: code ").count(),
+        1,
+        "{}",
+        serve.output()
+    );
+    assert_eq!(
+        serve.output().matches("1bit serve: laya: short ").count(),
+        1
+    );
+
+    // Requests that open no conversation go where the rule says (the default device), unrouted.
+    let (status, route, _) = post_with_header(
+        &serve.url("/tokenize"),
+        r#"{"content": "hi"}"#,
+        "x-1bit-route",
+    );
+    assert_eq!((status, route.as_str()), (200, ""));
+}
+
+#[test]
+fn a_default_that_cannot_run_falls_back_to_the_auto_device() {
+    // The built-in policy names hrx for everything; without HRX, the cpu route runs it all.
+    let dir = temp_dir("laya-builtin");
+    let model = dummy_model(&dir, "Qwen3-4B-Q4_K_M.gguf");
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--llama-server",
+            fake_backend().to_str().unwrap(),
+            "--laya",
+        ],
+        &[("ONEBIT_HRX_PRESENT", "0")],
+    );
+    serve.ready();
+    let out = serve.output();
+    assert!(
+        out.contains("1bit serve: laya: hrx is not a candidate: the route does not run"),
+        "{out}"
+    );
+    assert!(
+        out.contains("the default device hrx does not run this model; falling back to cpu"),
+        "{out}"
+    );
+    let body = json!({"messages": user("Write a poem about the sea at night.")}).to_string();
+    let (status, route, _) =
+        post_with_header(&serve.url("/v1/chat/completions"), &body, "x-1bit-route");
+    assert_eq!(status, 200);
+    assert!(
+        route.starts_with("prose ") && route.ends_with(" cpu"),
+        "{route}"
+    );
+}
+
+fn refused(args: &[&str]) -> (i32, String) {
+    let dir = temp_dir("laya-refused");
+    let model = dummy_model(&dir, "m.gguf");
+    let out = Command::new(onebit())
+        .args(["serve", "-m", model.to_str().unwrap(), "--llama-server"])
+        .arg(fake_backend())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn refusals_are_one_line() {
+    let dir = temp_dir("laya-bad-policy");
+    let bad = dir.join("policy.json");
+    std::fs::write(&bad, r#"{"classes": {"poetry": {"device": "cpu"}}}"#).unwrap();
+    let bad = bad.to_str().unwrap().to_string();
+    let no_device = dir.join("no-device.json");
+    std::fs::write(&no_device, r#"{"classes": {"code": {"why": "fast"}}}"#).unwrap();
+    let no_device = no_device.to_str().unwrap().to_string();
+    for (args, says) in [
+        (
+            vec!["--laya", "--route-policy", bad.as_str()],
+            format!(
+                "1bit serve: route policy: unknown class \"poetry\" (the classes are code, prose, short, long_doc) in {bad}"
+            ),
+        ),
+        (
+            vec!["--laya", "--route-policy", no_device.as_str()],
+            format!("1bit serve: route policy: class \"code\" needs a \"device\" in {no_device}"),
+        ),
+        (
+            vec!["--laya-model", "/nonexistent/laya"],
+            "1bit serve: --laya-model is not part of this build".to_string(),
+        ),
+        (
+            vec!["--laya", "--device", "cpu"],
+            "1bit serve: --laya routes among devices; leave --device at auto (not cpu)".to_string(),
+        ),
+        (
+            vec!["--route-policy", bad.as_str()],
+            "1bit serve: --route-policy only applies with --laya".to_string(),
+        ),
+    ] {
+        let (code, stderr) = refused(&args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains(&says), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+    }
+}
