@@ -3,6 +3,7 @@
 
 mod bench;
 mod cache;
+mod laya_eval;
 mod paths;
 mod pins;
 mod process;
@@ -25,6 +26,7 @@ usage: cargo xtask <subcommand>
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
   bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/)
+  laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
   paths             print cache_dir, llama_server and model paths, one name=value per line";
 
 /// Why a subcommand stopped: one line saying what failed and what to do about it.
@@ -77,6 +79,9 @@ fn main() -> ExitCode {
         Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
         Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
+        Some("laya-eval") => no_arguments("laya-eval", &rest)
+            .and_then(|()| Workspace::load())
+            .and_then(|ws| laya_eval::run(&ws)),
         Some("paths") => no_arguments("paths", &rest)
             .and_then(|()| Workspace::load())
             .map(|ws| paths::run(&ws)),
@@ -86,7 +91,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, paths (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, laya-eval, paths (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

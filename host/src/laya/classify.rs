@@ -336,7 +336,7 @@ mod tests {
     /// slipping.
     #[test]
     fn the_labelled_set_is_at_least_ninety_percent_right() {
-        let (right, total, _) = super::super::eval::accuracy();
+        let (right, total, _) = super::super::eval::accuracy("laya_cases.json");
         assert_eq!(total, 100);
         assert!(right >= 90, "{right}/{total}");
     }
