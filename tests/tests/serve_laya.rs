@@ -236,3 +236,59 @@ fn refusals_are_one_line() {
         assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
     }
 }
+
+/// The number after `key` in a memory line ("need 1.23 GiB", "KV/state 0.50").
+fn gib_after(line: &str, key: &str) -> f64 {
+    let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
+    rest.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_memory_check_counts_every_device_together() {
+    let dir = temp_dir("laya-mem");
+    let model = dir.join("big.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "llama")
+        .kv("llama.block_count", 32u32)
+        .kv("llama.context_length", 32768u32)
+        .kv("llama.embedding_length", 4096u32)
+        .kv("llama.attention.head_count", 32u32)
+        .write(&model)
+        .unwrap();
+    let policy = dir.join("policy.json");
+    std::fs::write(
+        &policy,
+        r#"{"default": "cpu", "classes": {"code": {"device": "hrx"}}}"#,
+    )
+    .unwrap();
+    let check = |extra: &[&str]| -> String {
+        let out = Command::new(onebit())
+            .args([
+                "serve",
+                "-m",
+                model.to_str().unwrap(),
+                "--ctx-size",
+                "4096",
+                "--mem-check",
+            ])
+            .args(["--llama-server", fake_backend().to_str().unwrap()])
+            .args(extra)
+            .env("ONEBIT_HRX_PRESENT", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        stdout
+            .lines()
+            .find(|l| l.contains(" need "))
+            .unwrap_or_else(|| panic!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
+            .to_string()
+    };
+    let one = check(&["--device", "cpu"]);
+    let both = check(&["--laya", "--route-policy", policy.to_str().unwrap()]);
+    let (kv_one, kv_both) = (gib_after(&one, "KV/state "), gib_after(&both, "KV/state "));
+    assert!(kv_one > 0.1, "{one}");
+    assert!(
+        (kv_both - 2.0 * kv_one).abs() < 0.02,
+        "cpu and hrx together: {one} / {both}"
+    );
+}
