@@ -379,3 +379,23 @@ fn refusals_are_one_line() {
         assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
     }
 }
+
+/// The real llama-server takes the PM's rounds (tools, stops, `chat_template_kwargs`). The
+/// pinned SmolLM2 does not call tools (docs/pm.md), so it answers alone in one round.
+#[test]
+fn the_real_llama_server_takes_the_pm_rounds() {
+    let lemonade = FakeLemonade::start(LemonadeAnswer::Text(EXPERT_ANSWER.into()));
+    let serve = serve_smollm2(&["--pm", "--lemonade-url", &lemonade.url()]);
+    let body = json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16});
+    let (status, header, reply) = post_with_header(
+        &serve.url("/v1/chat/completions"),
+        &body.to_string(),
+        "x-1bit-pm",
+    );
+    assert_eq!(status, 200, "{reply}\n{}", serve.output());
+    assert_eq!(header, "1 rounds, 0 delegations");
+    let reply: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(reply["model"], "SmolLM2-135M-Instruct-Q4_1");
+    assert!(!content(&reply).is_empty(), "{reply}");
+    assert_eq!(reply["pm"]["rounds"], 1);
+}
