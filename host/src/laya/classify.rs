@@ -45,8 +45,8 @@ const CODE_SYMBOLS: [&str; 16] = [
     "```", "`", "#include", "=>", "();", "::", "!=", "==", "->", "{", "}", "def ", "fn ",
     "import ", "println", "console.",
 ];
-/// Languages, tools and formats (weight 2 each, whole words).
-const CODE_NAMES: [&str; 38] = [
+/// Languages, tools and formats (weight 3 each, whole words).
+const CODE_NAMES: [&str; 58] = [
     "rust",
     "python",
     "javascript",
@@ -55,39 +55,59 @@ const CODE_NAMES: [&str; 38] = [
     "kotlin",
     "golang",
     "go",
+    "c",
     "c++",
     "c#",
     "sql",
+    "postgresql",
+    "mysql",
+    "sqlite",
     "bash",
     "shell",
     "dockerfile",
     "docker",
     "makefile",
+    "cmake",
     "regex",
     "react",
+    "vue",
+    "angular",
     "node.js",
     "pandas",
+    "numpy",
+    "flask",
+    "django",
+    "jest",
     "html",
     "css",
     "json",
     "yaml",
+    "xml",
+    "csv",
     "git",
+    "github",
     "cargo",
     "npm",
+    "pip",
     "pytest",
     "api",
     "compiler",
+    "gcc",
+    "clang",
     "valgrind",
     "curl",
     "linux",
+    "kubernetes",
     "powershell",
     "swift",
     "php",
     "ruby",
     "haskell",
+    "lua",
+    "perl",
 ];
-/// Programming words (weight 1.5 each, whole words).
-const CODE_WORDS: [&str; 44] = [
+/// Programming words (weight 2 each, whole words).
+const CODE_WORDS: [&str; 77] = [
     "function",
     "functions",
     "class",
@@ -108,6 +128,8 @@ const CODE_WORDS: [&str; 44] = [
     "algorithm",
     "complexity",
     "unit test",
+    "test",
+    "tests",
     "endpoint",
     "http",
     "thread",
@@ -116,6 +138,7 @@ const CODE_WORDS: [&str; 44] = [
     "interface",
     "data class",
     "struct",
+    "structs",
     "binary search",
     "linked list",
     "syntax",
@@ -129,9 +152,39 @@ const CODE_WORDS: [&str; 44] = [
     "commit",
     "commits",
     "repository",
+    "repo",
     "parse",
     "parses",
     "typeerror",
+    "vector",
+    "string",
+    "strings",
+    "integer",
+    "integers",
+    "program",
+    "div",
+    "queue",
+    "queues",
+    "stack",
+    "closure",
+    "recursion",
+    "recursive",
+    "linking",
+    "linker",
+    "mock",
+    "undefined",
+    "runtime",
+    "database",
+    "schema",
+    "server",
+    "library",
+    "package",
+    "module",
+    "dependency",
+    "terminal",
+    "command line",
+    "deploy",
+    "null",
 ];
 /// Asking for writing (weight 2 each, whole words).
 const PROSE_VERBS: [&str; 11] = [
@@ -150,7 +203,7 @@ const PROSE_VERBS: [&str; 11] = [
 /// Asking for an account (weight 2.5 each, whole words).
 const PROSE_ACCOUNTS: [&str; 4] = ["explain", "describe", "discuss", "what life was like"];
 /// Kinds of writing (weight 2.5 each, whole words).
-const PROSE_KINDS: [&str; 27] = [
+const PROSE_KINDS: [&str; 38] = [
     "story",
     "poem",
     "essay",
@@ -178,6 +231,32 @@ const PROSE_KINDS: [&str; 27] = [
     "haiku",
     "persuasive",
     "announcement",
+    "limerick",
+    "message",
+    "diary",
+    "biography",
+    "fairy tale",
+    "op-ed",
+    "apology",
+    "farewell",
+    "tribute",
+    "anecdote",
+    "slogan",
+];
+/// Asking to make something: not a short question (takes 2 from short, whole words).
+const MAKING: [&str; 12] = [
+    "write",
+    "generate",
+    "implement",
+    "create",
+    "show me",
+    "build",
+    "make",
+    "compose",
+    "draft",
+    "give me a heartfelt",
+    "give me an example",
+    "rewrite",
 ];
 /// How a short question starts (weight 2, at the start).
 const SHORT_OPENINGS: [&str; 21] = [
@@ -230,8 +309,8 @@ pub fn classify(text: &str) -> Decision {
 
     let mut code = 0.0;
     code += 3.0 * CODE_SYMBOLS.iter().filter(|s| lower.contains(*s)).count() as f64;
-    code += 2.0 * count_words(&lower, &CODE_NAMES);
-    code += 1.5 * count_words(&lower, &CODE_WORDS);
+    code += 3.0 * count_words(&lower, &CODE_NAMES);
+    code += 2.0 * count_words(&lower, &CODE_WORDS);
 
     let mut prose = 0.0;
     prose += 2.0 * count_words(&lower, &PROSE_VERBS);
@@ -250,6 +329,9 @@ pub fn classify(text: &str) -> Decision {
     }
     if trimmed.ends_with('?') {
         short += 1.0;
+    }
+    if count_words(&lower, &MAKING) > 0.0 {
+        short -= 2.0;
     }
     let bare = trimmed.trim_end_matches(['!', '.', '?', ' ']);
     if SHORT_SMALL_TALK.contains(&bare) {
