@@ -311,14 +311,6 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         }
     }
 
-    // --pm: a chat is the Project Manager's tool loop, on the backend the rule names.
-    if let (Some(pm), Action::Proxy { backend }) = (&app.pm, &rule.action)
-        && crate::pm::Pm::takes(&parts.method, parts.uri.path())
-        && let Some(port) = app.ports.get(*backend)
-    {
-        return pm.answer(&app.client, *port, body).await;
-    }
-
     // --laya: an inference request goes to its conversation's device, and says so.
     let routed = match (&app.laya, &rule.action) {
         (Some(laya), Action::Proxy { .. }) if rule.inference => laya.route(&body),
@@ -331,6 +323,15 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     } else {
         body
     };
+
+    // --pm: a chat is the Project Manager's tool loop, on the backend the rule names
+    // (after --precise, so its rounds carry `cache_prompt` false too).
+    if let (Some(pm), Action::Proxy { backend }) = (&app.pm, &rule.action)
+        && crate::pm::Pm::takes(&parts.method, parts.uri.path())
+        && let Some(port) = app.ports.get(*backend)
+    {
+        return pm.answer(&app.client, *port, body).await;
+    }
 
     // For a route that asks to, its forwards take turns: the turn is held from asking the
     // route until the backend's first byte (dropped with `on_first_byte`, or on any error).

@@ -257,7 +257,7 @@ fn an_expert_that_fails_or_a_lemonade_that_is_down_leaves_the_pm_to_answer() {
 }
 
 #[test]
-fn the_round_cap_the_cut_and_other_routes() {
+fn the_round_cap_the_cut_precise_and_other_routes() {
     let dir = temp_dir("pm-cap");
     let experts = dir.join("experts.json");
     std::fs::write(
@@ -271,7 +271,7 @@ fn the_round_cap_the_cut_and_other_routes() {
     let (serve, record) = serve_pm(
         &dir,
         &lemonade.url(),
-        &["--pm-experts", experts.to_str().unwrap()],
+        &["--pm-experts", experts.to_str().unwrap(), "--precise"],
     );
 
     // The PM delegates whenever it is offered tools: rounds 1 and 2 delegate, round 3 has no
