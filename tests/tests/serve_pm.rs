@@ -289,6 +289,10 @@ fn the_round_cap_the_cut_precise_and_other_routes() {
         r[2].get("tools").is_none(),
         "the last round offers no tools"
     );
+    assert!(
+        r.iter().all(|round| round["cache_prompt"] == false),
+        "--precise reaches every round"
+    );
     let asked = lemonade.received();
     assert_eq!(asked[0].1["model"], "tiny-coder");
     assert!(
