@@ -182,19 +182,25 @@ fn a_default_that_cannot_run_falls_back_to_the_auto_device() {
     );
 }
 
+/// `1bit serve ARGS` that must refuse to start: (exit status, what it printed). A serve that
+/// starts anyway is killed after 10 s and reported as status -1.
 fn refused(args: &[&str]) -> (i32, String) {
     let dir = temp_dir("laya-refused");
     let model = dummy_model(&dir, "m.gguf");
-    let out = Command::new(onebit())
-        .args(["serve", "-m", model.to_str().unwrap(), "--llama-server"])
-        .arg(fake_backend())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let fake = fake_backend();
+    let mut all = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--llama-server",
+        fake.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    let mut serve = Serve::start(&all, &[]);
+    let code = serve
+        .wait_exit(std::time::Duration::from_secs(10))
+        .and_then(|s| s.code())
+        .unwrap_or(-1);
+    (code, serve.output())
 }
 
 #[test]

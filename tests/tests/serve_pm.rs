@@ -4,7 +4,6 @@
 //! the cut, other routes untouched, and the refusals (docs/pm.md).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use onebit_tests::*;
 use serde_json::{Value, json};
@@ -329,20 +328,25 @@ fn the_round_cap_the_cut_precise_and_other_routes() {
     assert_eq!(rounds(&record).len(), before);
 }
 
-/// `1bit serve ARGS` that must refuse to start: (exit status, stderr).
+/// `1bit serve ARGS` that must refuse to start: (exit status, what it printed). A serve that
+/// starts anyway is killed after 10 s and reported as status -1.
 fn refused(args: &[&str]) -> (i32, String) {
     let dir = temp_dir("pm-refused");
     let model = dummy_model(&dir, "zaya.gguf");
-    let out = Command::new(onebit())
-        .args(["serve", "-m", model.to_str().unwrap(), "--llama-server"])
-        .arg(fake_backend())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let fake = fake_backend();
+    let mut all = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--llama-server",
+        fake.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    let mut serve = Serve::start(&all, &[]);
+    let code = serve
+        .wait_exit(std::time::Duration::from_secs(10))
+        .and_then(|s| s.code())
+        .unwrap_or(-1);
+    (code, serve.output())
 }
 
 #[test]
