@@ -25,6 +25,7 @@ use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
 use crate::fast_path;
 use crate::guard::Guard;
+use crate::laya::start::Placed;
 use crate::proxy::{self, App, BackendClient, Status};
 use crate::route_calls::{RouteCalls, install_host_services};
 use crate::supervisor::{self, Backend, Event};
@@ -98,9 +99,6 @@ struct ServePlan {
     laya: Option<(crate::laya::Policy, Vec<Placed>)>,
 }
 
-/// One route's plan. serve runs one, or with `--laya` one per device the policy can pick.
-type Placed = (LoadedRoute, Plan);
-
 /// Everything before a process starts: the flags, the model, the route, the plan.
 fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(why) = args.removed() {
@@ -128,8 +126,8 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             return Err(needs_serve(format!("--device {}", args.device)));
         }
     }
-    let pm = pm_settings(args)?;
-    let policy = laya_settings(args)?;
+    let pm = crate::pm::start::settings(args)?;
+    let policy = crate::laya::start::settings(args)?;
     let facts = model::facts(&args.model)?;
     if facts.hadamard_q4_0 {
         return Err(Fatal::usage(format!(
@@ -240,19 +238,21 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         return Err(refused);
     }
     if pm.is_some() {
-        pm_fits(&plan)?;
+        crate::pm::start::check_plan(&plan)?;
     }
     // --laya: the device --device auto chose is one candidate; every other device the policy
     // names is planned too, and the memory check counts them together.
     let (route, mut plan, laya) = match policy {
         Some(policy) => {
-            let (first, more) = laya_plans(&policy, &loaded, &request, (route.clone(), plan))?;
+            let auto = (route.clone(), plan);
+            let (first, more) =
+                crate::laya::start::plans(&policy, &loaded, &request, auto, reserve_ports)?;
             (first.0, first.1, Some((policy, more)))
         }
         None => (route.clone(), plan, None),
     };
     let checked = match &laya {
-        Some((_, more)) => with_needs_together(&plan, more),
+        Some((_, more)) => crate::laya::start::needs_together(&plan, more),
         None => plan.clone(),
     };
 
@@ -282,181 +282,6 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         pm,
         laya,
     })))
-}
-
-/// `--laya`, `--laya-model`, `--route-policy`: the policy read and checked, and the
-/// combinations refused, before anything starts.
-fn laya_settings(args: &ServeArgs) -> Result<Option<crate::laya::Policy>, Fatal> {
-    if args.laya_model.is_some() {
-        // The Laya model (a ModernBERT checkpoint run by a scorer daemon) is not part of this
-        // engine; only the rule-based classifier is.
-        return Err(Fatal::usage(
-            "--laya-model is not part of this build (docs/laya.md): the Laya model's scorer is not ported to this engine; use --laya alone for the rule-based classifier",
-        ));
-    }
-    if !args.laya {
-        if args.route_policy.is_some() {
-            return Err(Fatal::usage(
-                "--route-policy only applies with --laya; add --laya or remove --route-policy",
-            ));
-        }
-        return Ok(None);
-    }
-    if args.device != "auto" {
-        return Err(Fatal::usage(format!(
-            "--laya routes among devices; leave --device at auto (not {})",
-            args.device
-        )));
-    }
-    if args.embedding || args.reranking || args.embed.is_some() || args.rerank.is_some() {
-        return Err(Fatal::usage(
-            "--laya does not combine with --embedding/--reranking or --embed/--rerank",
-        ));
-    }
-    crate::laya::Policy::load(args.route_policy.as_deref())
-        .map(Some)
-        .map_err(Fatal::usage)
-}
-
-/// The plans of the devices the policy can pick that run this model, the one to fall back to
-/// first: the policy's default when it runs, else the device `--device auto` chose (`auto`,
-/// already planned). A device without a route, whose route does not claim the model, or that
-/// refuses to plan it is said and left out.
-fn laya_plans(
-    policy: &crate::laya::Policy,
-    loaded: &[LoadedRoute],
-    request: &PlanRequest,
-    auto: Placed,
-) -> Result<(Placed, Vec<Placed>), Fatal> {
-    let names = policy.devices();
-    let mut ports = reserve_ports(4 * (names.len() + 1))?;
-    ports.retain(|p| !request.ports.contains(p));
-    let mut running: Vec<Placed> = Vec::new();
-    for (i, name) in names.iter().enumerate() {
-        if *name == auto.0.info.name {
-            running.push(auto.clone());
-            continue;
-        }
-        let not = |why: String| eprintln!("1bit serve: laya: {name} is not a candidate: {why}");
-        let Some(route) = loaded.iter().find(|r| r.info.name == *name) else {
-            not("no route of that name was found".into());
-            continue;
-        };
-        match route.claim(request) {
-            Ok(claim) if claim.strength > 0 => {}
-            Ok(_) => {
-                not(format!("the route does not run {}", request.options.model));
-                continue;
-            }
-            Err(e) => {
-                not(e.to_string());
-                continue;
-            }
-        }
-        let mut asked = request.clone();
-        asked.ports = ports.iter().skip(4 * i).take(4).copied().collect();
-        match route.plan(&asked) {
-            Ok(PlanOutcome::Plan(plan)) => running.push((route.clone(), plan)),
-            Ok(PlanOutcome::Refused(r)) => not(r.message),
-            Err(e) => not(e.to_string()),
-        }
-    }
-    let default_runs = running.iter().any(|(r, _)| r.info.name == policy.default);
-    let first_name = if default_runs {
-        policy.default.clone()
-    } else {
-        eprintln!(
-            "1bit serve: laya: the default device {} does not run this model; falling back to {}",
-            policy.default, auto.0.info.name
-        );
-        if !running.iter().any(|(r, _)| r.info.name == auto.0.info.name) {
-            running.push(auto.clone());
-        }
-        auto.0.info.name.clone()
-    };
-    let at = running
-        .iter()
-        .position(|(r, _)| r.info.name == first_name)
-        .expect("the fallback is among the running devices");
-    let first = running.remove(at);
-    Ok((first, running))
-}
-
-/// The plan whose memory the check judges: the first device's, with every other device's
-/// weights, KV and compute added (their backends load together). Judged against the first
-/// device's pool: on an APU the GPU's GTT and the CPU's RAM are the same memory.
-fn with_needs_together(first: &Plan, more: &[Placed]) -> Plan {
-    let mut plan = first.clone();
-    for (_, other) in more {
-        let Some(extra) = &other.memory else { continue };
-        match &mut plan.memory {
-            Some(need) => {
-                need.weights_bytes += extra.weights_bytes;
-                need.kv_bytes += extra.kv_bytes;
-                need.compute_bytes += extra.compute_bytes;
-            }
-            None => plan.memory = Some(extra.clone()),
-        }
-    }
-    plan
-}
-
-/// `--pm`, `--pm-experts`, `--lemonade-url`: the experts file and Lemonade's address checked,
-/// and the combinations refused, before anything starts.
-fn pm_settings(
-    args: &ServeArgs,
-) -> Result<Option<(crate::pm::Experts, crate::pm::LemonadeUrl)>, Fatal> {
-    if !args.pm {
-        if let Some(flag) = [
-            (args.pm_experts.is_some(), "--pm-experts"),
-            (args.lemonade_url.is_some(), "--lemonade-url"),
-        ]
-        .iter()
-        .find(|(set, _)| *set)
-        .map(|(_, f)| f)
-        {
-            return Err(Fatal::usage(format!(
-                "{flag} only applies with --pm; add --pm or remove {flag}"
-            )));
-        }
-        return Ok(None);
-    }
-    if args.laya || args.laya_model.is_some() {
-        return Err(Fatal::usage(
-            "--pm does not combine with --laya: the PM routes among models, Laya among devices; pick one",
-        ));
-    }
-    if args.embedding || args.reranking {
-        return Err(Fatal::usage(
-            "--pm does not combine with --embedding/--reranking: the PM needs a chat model; remove one",
-        ));
-    }
-    let experts = crate::pm::Experts::load(args.pm_experts.as_deref()).map_err(Fatal::usage)?;
-    let url = crate::pm::LemonadeUrl::parse(
-        args.lemonade_url
-            .as_deref()
-            .unwrap_or(crate::pm::DEFAULT_URL),
-    )
-    .map_err(Fatal::usage)?;
-    Ok(Some((experts, url)))
-}
-
-/// The PM's rounds go to the backend the route relays chats to; a route that answers chats
-/// otherwise (in process, or through its own forward) cannot carry them. (The hybrid route
-/// refuses `--pm` itself, in its plan.)
-fn pm_fits(plan: &Plan) -> Result<(), Fatal> {
-    let relayed = plan.rules.iter().any(|r| {
-        r.method.eq_ignore_ascii_case("POST")
-            && r.path == crate::pm::CHAT_PATH
-            && matches!(r.action, onebit_plugin_api::Action::Proxy { .. })
-    });
-    if plan.device == "hybrid" || !relayed {
-        return Err(Fatal::usage(format!(
-            "--pm does not run on --device {}: its chats are not relayed to a plain backend; use --device hrx or cpu",
-            plan.device
-        )));
-    }
-    Ok(())
 }
 
 /// A flag this build parses but refuses on every route, as the one line serve exits 2 with.
@@ -758,7 +583,10 @@ async fn serve_plan(p: ServePlan) -> i32 {
             eprintln!("1bit serve: {}", pm.summary());
             Arc::new(pm)
         }),
-        laya: policy.map(|policy| Arc::new(laya_router(policy, &placed, &args))),
+        laya: policy.map(|policy| {
+            let policy_file = args.route_policy.as_deref();
+            Arc::new(crate::laya::start::router(policy, &placed, policy_file))
+        }),
     });
     install_host_services(
         tokio::runtime::Handle::current(),
@@ -780,29 +608,6 @@ async fn serve_plan(p: ServePlan) -> i32 {
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
-}
-
-/// `--laya`'s router over the devices that run, each with its first backend's index in
-/// serve's order; says at start what classifies and where each device runs.
-fn laya_router(
-    policy: crate::laya::Policy,
-    placed: &[Placed],
-    args: &ServeArgs,
-) -> crate::laya::Laya {
-    let mut devices = Vec::new();
-    let mut index = 0;
-    for (_, plan) in placed {
-        devices.push((plan.device.clone(), index));
-        index += plan.backends.len();
-    }
-    let names: Vec<&str> = devices.iter().map(|(d, _)| d.as_str()).collect();
-    eprintln!(
-        "1bit serve: laya: {}, policy {}, devices {} (default first)",
-        crate::laya::CLASSIFIER,
-        args.route_policy.as_deref().unwrap_or("built in"),
-        names.join(", ")
-    );
-    crate::laya::Laya::new(policy, devices)
 }
 
 /// Start the backends of every plan, wait for them, serve until a signal or a failure, then

@@ -8,6 +8,7 @@ mod classify;
 #[cfg(test)]
 mod eval;
 mod policy;
+pub mod start;
 
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;

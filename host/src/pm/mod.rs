@@ -6,6 +6,7 @@
 mod calls;
 mod experts;
 mod lemonade;
+pub mod start;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
