@@ -230,6 +230,11 @@ fn an_expert_that_fails_or_a_lemonade_that_is_down_leaves_the_pm_to_answer() {
         serve.output()
     );
 
+    // A backend error in a PM round is relayed as the backend gave it.
+    let (status, header, reply) = chat(&serve, "fake_status=503 hello");
+    assert_eq!((status, header.as_str()), (503, ""));
+    assert_eq!(reply["error"]["message"], "fake_status=503 requested");
+
     // Lemonade gone: nothing listens on its port.
     drop(lemonade);
     let down = free_port();
