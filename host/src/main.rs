@@ -1,23 +1,19 @@
 //! `1bit`: serve one local model behind an OpenAI-compatible API.
 //!
 //! `unsafe` is denied in this crate; the one exception is the pre-exec hook that makes a
-//! backend die with serve (`supervisor::die_with_serve`), which has no safe equivalent.
+//! backend die with serve (`backends::supervisor::die_with_serve`), which has no safe equivalent.
 #![deny(unsafe_code)]
 
 mod admission;
-mod busy_poll;
+mod backends;
 mod cli;
 mod error;
-mod fast_path;
-mod guard;
+mod front;
 mod metrics;
 mod model;
-mod proxy;
-mod route_calls;
+mod relay;
 mod routes;
 mod serve;
-mod supervisor;
-mod watchdog;
 
 use clap::Parser;
 

@@ -20,15 +20,15 @@ use onebit_plugin_api::{
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
-use crate::busy_poll::{BusyPollStream, Side};
+use crate::backends::route_calls::{RouteCalls, install_host_services};
+use crate::backends::supervisor::{self, Backend, Event};
+use crate::backends::watchdog::{self, Watchdog};
 use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
-use crate::fast_path;
-use crate::guard::Guard;
-use crate::proxy::{self, App, BackendClient, Status};
-use crate::route_calls::{RouteCalls, install_host_services};
-use crate::supervisor::{self, Backend, Event};
-use crate::watchdog::{self, Watchdog};
+use crate::front::guard::Guard;
+use crate::relay::busy_poll::{BusyPollStream, Side};
+use crate::relay::fast as fast_path;
+use crate::relay::general::{self as proxy, App, BackendClient, Status};
 use crate::{admission, metrics, model, routes};
 
 /// A backend that does not answer its health route within this long is reported down.

@@ -20,7 +20,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::proxy::{App, BackendClient, Status};
+use crate::relay::general::{App, BackendClient, Status};
 
 /// The content type of Prometheus text format 0.0.4.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

@@ -18,12 +18,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use onebit_plugin_api::{Action, Forward, ForwardRequest, Rule};
 use serde::Deserialize;
 
-use crate::busy_poll::{BusyPollStream, InFlight, Side};
+use crate::backends::route_calls::RouteCalls;
+use crate::backends::watchdog::{Ticket, Watchdog};
 use crate::error::ApiError;
-use crate::guard::{self, Guard};
+use crate::front::guard::{self, Guard};
 use crate::metrics;
-use crate::route_calls::RouteCalls;
-use crate::watchdog::{Ticket, Watchdog};
+use crate::relay::busy_poll::{BusyPollStream, InFlight, Side};
 
 /// The pooled client toward the backends.
 pub type BackendClient = Client<BackendConnector, Full<Bytes>>;
@@ -144,7 +144,7 @@ pub struct App {
     /// What `/metrics` reads besides the status.
     pub metrics: metrics::Sources,
     /// The fast path's idle backend connections (`fast_path`).
-    pub pool: crate::fast_path::BackendPool,
+    pub pool: crate::relay::fast::BackendPool,
 }
 
 impl App {

@@ -21,9 +21,9 @@ use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::busy_poll::{BusyPollStream, InFlight, Side};
-use crate::guard::{self, Seen};
-use crate::proxy::{
+use crate::front::guard::{self, Seen};
+use crate::relay::busy_poll::{BusyPollStream, InFlight, Side};
+use crate::relay::general::{
     App, RequestShape, Status, is_cors_header, is_hop_header, json_content_type, no_answer,
 };
 use onebit_plugin_api::Action;

@@ -1,0 +1,8 @@
+//! The backends serve runs: spawning and stopping them (`supervisor`), watching their
+//! progress (`watchdog`), and calls between the route and its backends (`route_calls`).
+//!
+//! This room knows nothing of how client requests are relayed.
+
+pub mod route_calls;
+pub mod supervisor;
+pub mod watchdog;
