@@ -9,11 +9,13 @@ mod backends;
 mod cli;
 mod error;
 mod front;
+mod guard;
 mod metrics;
 mod model;
 mod relay;
 mod routes;
 mod serve;
+mod settings;
 
 use clap::Parser;
 

@@ -4,43 +4,32 @@
 use std::collections::BTreeMap;
 use std::net::TcpListener as StdListener;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use nix::sys::signal::Signal;
 use onebit_plugin_api::loader::LoadedRoute;
-use onebit_plugin_api::{
-    BackendHealth, HealthProbe, Plan, PlanOutcome, PlanRequest, Purpose, ServeOptions, Started,
-};
+use onebit_plugin_api::{Plan, PlanOutcome, PlanRequest, Purpose, ServeOptions, Started};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
+use crate::backends::health::{
+    self, ProbeClient, Status, StatusCell, backend_post, monitor_health, wait_ready,
+};
 use crate::backends::route_calls::{RouteCalls, install_host_services};
 use crate::backends::supervisor::{self, Backend, Event};
 use crate::backends::watchdog::{self, Watchdog};
 use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
-use crate::front::guard::Guard;
-use crate::relay::busy_poll::{BusyPollStream, Side};
-use crate::relay::fast as fast_path;
-use crate::relay::general::{self as proxy, App, BackendClient, Status};
+use crate::front::accept::accept_loop;
+use crate::guard::Guard;
+use crate::relay::{App, pool};
+use crate::settings::{self, Settings};
 use crate::{admission, metrics, model, routes};
 
-/// A backend that does not answer its health route within this long is reported down.
-const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often serve asks a loading backend's health route (see `wait_ready`).
-const READY_POLL: Duration = Duration::from_millis(5);
-/// The pause between two rounds of health questions once ready. With the timeout this puts a
-/// backend that stops answering in `/health` within 1.75 s (Lemonade's probe gives up at 2 s).
-const HEALTH_EVERY: Duration = Duration::from_millis(250);
 /// Ports Lemonade scans for its own servers; backends never take one.
 const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
 
@@ -398,66 +387,6 @@ fn env_secs(name: &str) -> Option<Duration> {
         .map(Duration::from_secs_f64)
 }
 
-/// Serve HTTP/1 on `listener` until `shutdown` turns true, then let each connection finish
-/// its request in flight. hyper's own connection loop rather than `axum::serve`, because only
-/// it bounds the time a client may take to send its headers: a client that trickles them is
-/// dropped after `header_timeout`, holding nothing but its socket until then.
-async fn accept_loop(
-    listener: tokio::net::TcpListener,
-    app: Arc<App>,
-    header_timeout: Duration,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) {
-    let service = TowerToHyperService::new(proxy::router(app.clone()));
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
-    let mut connections = tokio::task::JoinSet::new();
-    loop {
-        let tcp = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    // Out of descriptors and the like: say so, and do not spin.
-                    eprintln!("1bit serve: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            () = stopped(&mut shutdown) => break,
-        };
-        let _ = tcp.set_nodelay(true);
-        let client = BusyPollStream::new(tcp, Side::Client);
-        let (http, service) = (http.clone(), service.clone());
-        // The fast path first; what it does not serve goes to hyper and axum.
-        let general = move |io, mut stop| async move {
-            let connection = http.serve_connection(TokioIo::new(io), service);
-            let mut connection = std::pin::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => return,
-                () = stopped(&mut stop) => {}
-            }
-            connection.as_mut().graceful_shutdown();
-            let _ = connection.await;
-        };
-        connections.spawn(fast_path::serve_connection(
-            client,
-            app.clone(),
-            header_timeout,
-            shutdown.clone(),
-            general,
-        ));
-    }
-    drop(listener);
-    while connections.join_next().await.is_some() {}
-}
-
-/// Resolves once serve is told to stop (or the sender is gone).
-pub async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
-}
-
 async fn serve_plan(p: ServePlan) -> i32 {
     let ServePlan {
         args,
@@ -483,7 +412,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     }
     // serve's own calls (readiness, health, warm-ups, the watchdog's questions, the route's
     // host services, metrics) go on a client that never busy-polls; relayed requests do.
-    let client = proxy::probe_client();
+    let client = health::probe_client();
     let state = if plan.backends.is_empty() {
         None
     } else {
@@ -498,7 +427,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         .ok()
         .flatten()
     };
-    let app = Arc::new(App {
+    let settings = Settings {
         served_name: served_name.clone(),
         device: plan.device.clone(),
         created: SystemTime::now()
@@ -507,19 +436,23 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(0),
         rules: plan.rules.clone(),
         ports: plan.backends.iter().map(|b| b.port).collect(),
-        status: RwLock::new(Status::Loading),
-        client: proxy::backend_client(),
-        probes: client.clone(),
         body_limit: env_number("ONEBIT_MAX_BODY_BYTES")
             .filter(|n| *n >= 1.0)
             .map(|n| n as usize)
-            .unwrap_or(proxy::DEFAULT_BODY_LIMIT),
-        body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S").unwrap_or(proxy::DEFAULT_BODY_TIMEOUT),
+            .unwrap_or(settings::DEFAULT_BODY_LIMIT),
+        body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S")
+            .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
         guard: Guard::for_bind(&args.host),
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
         precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
         serialize_forwards: plan.serialize_forwards,
+    };
+    let app = Arc::new(App {
+        settings,
+        status: Arc::new(StatusCell::new(Status::Loading)),
+        client: pool::backend_client(),
+        probes: client.clone(),
         forward_turn: Arc::new(tokio::sync::Mutex::new(())),
         route: RouteCalls {
             route: route.clone(),
@@ -564,7 +497,7 @@ async fn supervise(
     route: &LoadedRoute,
     plan: &Plan,
     app: &Arc<App>,
-    client: &BackendClient,
+    client: &ProbeClient,
 ) -> i32 {
     let (Ok(mut sigterm), Ok(mut sigint)) = (
         signal(SignalKind::terminate()),
@@ -666,7 +599,7 @@ async fn supervise(
     );
 
     let monitor = tokio::spawn(monitor_health(
-        app.clone(),
+        app.status.clone(),
         client.clone(),
         route.clone(),
         backends
@@ -784,109 +717,4 @@ async fn hung(
         eprintln!("1bit serve: {said}");
     }
     exit::BACKEND
-}
-
-/// Poll a backend's health route until it answers 200. Connection refused means it has not
-/// bound yet, 503 that it is loading.
-///
-/// Asked every `READY_POLL`: a backoff up to 250 ms made serve ready up to 250 ms after its
-/// backend was, and an answer from llama-server's HTTP thread while it loads costs it nothing.
-async fn wait_ready(client: &BackendClient, backend: &Backend) {
-    loop {
-        if let Ok(200) = backend_status(client, backend.spec.port, &backend.spec.health_path).await
-        {
-            return;
-        }
-        tokio::time::sleep(READY_POLL).await;
-    }
-}
-
-async fn backend_status(client: &BackendClient, port: u16, path: &str) -> Result<u16, String> {
-    let request = hyper::Request::get(format!("http://127.0.0.1:{port}{path}"))
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let call = async {
-        let reply = client.request(request).await.map_err(|e| e.to_string())?;
-        let status = reply.status().as_u16();
-        let _ = reply.into_body().collect().await;
-        Ok(status)
-    };
-    tokio::time::timeout(HEALTH_TIMEOUT, call)
-        .await
-        .map_err(|_| format!("did not answer within {} s", HEALTH_TIMEOUT.as_secs_f64()))?
-}
-
-async fn backend_post(
-    client: &BackendClient,
-    backend: &Backend,
-    path: &str,
-    body: &serde_json::Value,
-) -> Result<(), String> {
-    let request = hyper::Request::post(format!("http://127.0.0.1:{}{path}", backend.spec.port))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| e.to_string())?;
-    let reply = client.request(request).await.map_err(|e| e.to_string())?;
-    let status = reply.status();
-    let _ = reply.into_body().collect().await;
-    if status.is_success() {
-        Ok(())
-    } else {
-        Err(format!("status {status}"))
-    }
-}
-
-/// Once ready, ask every backend's health route (each within 1.5 s) a quarter
-/// second after the last round ended; `/health` reports what the route makes of the answers,
-/// so it never waits on a backend itself. An exit is reported by the supervisor, not here.
-async fn monitor_health(
-    app: Arc<App>,
-    client: BackendClient,
-    route: LoadedRoute,
-    backends: Vec<(u16, String)>,
-) {
-    loop {
-        tokio::time::sleep(HEALTH_EVERY).await;
-        let mut probe = HealthProbe::default();
-        for (port, path) in &backends {
-            probe
-                .backends
-                .push(match backend_status(&client, *port, path).await {
-                    Ok(200) => BackendHealth {
-                        ok: true,
-                        reason: String::new(),
-                    },
-                    Ok(status) => BackendHealth {
-                        ok: false,
-                        reason: format!("the backend on port {port} answered {path} with {status}"),
-                    },
-                    Err(e) => BackendHealth {
-                        ok: false,
-                        reason: format!("the backend on port {port} {e} on {path}"),
-                    },
-                });
-        }
-        let verdict = {
-            let route = route.clone();
-            tokio::task::spawn_blocking(move || route.health(&probe)).await
-        };
-        let health = match verdict {
-            Ok(Ok(h)) => h,
-            Ok(Err(e)) => onebit_plugin_api::Health {
-                ok: false,
-                reason: format!("the route's health check failed: {e}"),
-            },
-            Err(e) => onebit_plugin_api::Health {
-                ok: false,
-                reason: format!("the route's health check failed: {e}"),
-            },
-        };
-        if matches!(app.status(), Status::Down(_) | Status::Ready) {
-            app.set_status(if health.ok {
-                Status::Ready
-            } else {
-                Status::Down(health.reason)
-            });
-        }
-    }
 }

@@ -3,6 +3,7 @@
 //!
 //! This room knows nothing of how client requests are relayed.
 
+pub mod health;
 pub mod route_calls;
 pub mod supervisor;
 pub mod watchdog;

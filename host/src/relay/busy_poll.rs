@@ -92,9 +92,6 @@ pub enum Side {
 pub struct BusyPollStream {
     tcp: TcpStream,
     side: Side,
-    /// False for serve's own calls to a backend (health probes, metrics, route services),
-    /// which are not relayed requests and must not spin beside one.
-    polls: bool,
     /// This socket sent a message since bytes last came in, and has not spun for its answer
     /// yet: it may spin once.
     may_spin_once: bool,
@@ -107,18 +104,9 @@ impl BusyPollStream {
         BusyPollStream {
             tcp,
             side,
-            polls: true,
             // A client that has just connected owes serve its first request.
             may_spin_once: side == Side::Client,
             bytes_waiting: false,
-        }
-    }
-
-    /// A stream that never spins.
-    pub fn plain(tcp: TcpStream, side: Side) -> Self {
-        BusyPollStream {
-            polls: false,
-            ..BusyPollStream::new(tcp, side)
         }
     }
 
@@ -134,7 +122,7 @@ impl BusyPollStream {
     /// Spin (once per message sent, within the limits above) until bytes are waiting or the
     /// budget is spent; true when they are.
     fn spin(&mut self) -> bool {
-        if !std::mem::take(&mut self.may_spin_once) || !self.polls {
+        if !std::mem::take(&mut self.may_spin_once) {
             return false;
         }
         let budget = budget();

@@ -14,18 +14,18 @@
 //! streamed inference request, a client that leaves closing the backend connection, the header
 //! timeout, and a graceful stop between requests.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
 
-use crate::front::guard::{self, Seen};
-use crate::relay::busy_poll::{BusyPollStream, InFlight, Side};
-use crate::relay::general::{
-    App, RequestShape, Status, is_cors_header, is_hop_header, json_content_type, no_answer,
-};
+use crate::backends::health::Status;
+use crate::guard::{self, Seen};
+use crate::relay::App;
+use crate::relay::busy_poll::{BusyPollStream, InFlight};
+use crate::relay::general::{RequestShape, json_content_type, no_answer};
+use crate::relay::headers::{is_cors_header, is_hop_header};
 use onebit_plugin_api::Action;
 
 /// Header lines a fast request may have; more go the general way.
@@ -38,63 +38,6 @@ const MAX_FAST_BODY: usize = 256 * 1024;
 /// How long the rest of a fast request's body may take, from its head, before the general
 /// path takes the request (and times the body itself).
 const BODY_GRACE: Duration = Duration::from_millis(100);
-/// Idle backend connections kept for reuse, all backends together.
-const MAX_IDLE: usize = 128;
-
-/// An idle pooled connection this much younger is reused without asking the socket whether
-/// the backend closed it: llama-server closes an idle connection after 5 s, and says so in
-/// the reply when it closes one after its 100th request. A rare miss is retried.
-const TRUST_IDLE_FOR: Duration = Duration::from_secs(1);
-
-/// Idle keep-alive connections to the backends, the most recently used last.
-#[derive(Default)]
-pub struct BackendPool {
-    idle: Mutex<Vec<Idle>>,
-}
-
-struct Idle {
-    port: u16,
-    since: std::time::Instant,
-    conn: BusyPollStream,
-}
-
-impl BackendPool {
-    /// An idle connection to `port` that the backend has not closed, else a new one; whether
-    /// it was reused.
-    async fn checkout(&self, port: u16) -> std::io::Result<(BusyPollStream, bool)> {
-        loop {
-            let found = {
-                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-                idle.iter()
-                    .rposition(|i| i.port == port)
-                    .map(|i| idle.remove(i))
-            };
-            match found {
-                Some(idle) if idle.since.elapsed() < TRUST_IDLE_FOR || idle.conn.is_idle_open() => {
-                    return Ok((idle.conn, true));
-                }
-                Some(_) => continue,
-                None => break,
-            }
-        }
-        let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
-        tcp.set_nodelay(true)?;
-        Ok((BusyPollStream::new(tcp, Side::Backend), false))
-    }
-
-    fn checkin(&self, port: u16, conn: BusyPollStream) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() >= MAX_IDLE {
-            idle.remove(0);
-        }
-        idle.push(Idle {
-            port,
-            since: std::time::Instant::now(),
-            conn,
-        });
-    }
-}
-
 /// What became of one request on the fast path.
 enum Outcome {
     /// Answered; the connection stays open for the next request.
@@ -159,7 +102,7 @@ pub async fn serve_connection<F, Fut>(
                         // Headers too slow (or an idle connection past the timeout): drop it,
                         // as hyper's header timeout does.
                         () = deadline.as_mut() => return,
-                        () = crate::serve::stopped(&mut stop), if idle => return,
+                        () = crate::relay::stopped(&mut stop), if idle => return,
                     }
                 }
                 // Many clients write the body apart from the head; it follows at once. A body

@@ -1,248 +1,23 @@
 //! The HTTP front: serve's own routes (/health, /v1/models) and the relay of everything the
 //! route's table names to its backend, streamed through unchanged.
 
-use std::sync::{Arc, OnceLock, RwLock};
-use std::time::Duration;
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Router, middleware};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use onebit_plugin_api::{Action, Forward, ForwardRequest, Rule};
+use onebit_plugin_api::{Action, Forward, ForwardRequest};
 use serde::Deserialize;
 
-use crate::backends::route_calls::RouteCalls;
-use crate::backends::watchdog::{Ticket, Watchdog};
+use crate::backends::health::Status;
+use crate::backends::watchdog::Ticket;
 use crate::error::ApiError;
-use crate::front::guard::{self, Guard};
-use crate::metrics;
-use crate::relay::busy_poll::{BusyPollStream, InFlight, Side};
-
-/// The pooled client toward the backends.
-pub type BackendClient = Client<BackendConnector, Full<Bytes>>;
-
-/// A request body larger than this is refused with 413 (base64 images make chats large);
-/// `ONEBIT_MAX_BODY_BYTES` changes it.
-pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024 * 1024;
-/// A request body must have arrived whole within this long; `ONEBIT_BODY_READ_TIMEOUT_S`
-/// changes it. At the default limit this asks for about 0.5 MiB/s.
-pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// The general path's client toward the backends: its sockets busy-poll for replies.
-pub fn backend_client() -> BackendClient {
-    client(true)
-}
-
-/// The client of serve's own calls to its backends (health, metrics, the route's host
-/// services): these are not relayed requests, and never busy-poll.
-pub fn probe_client() -> BackendClient {
-    client(false)
-}
-
-fn client(polls: bool) -> BackendClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .build(BackendConnector {
-            http: connector,
-            polls,
-        })
-}
-
-/// hyper-util's TCP connector, handing out [`BusyPollStream`]s (`busy_poll`).
-#[derive(Clone)]
-pub struct BackendConnector {
-    http: HttpConnector,
-    polls: bool,
-}
-
-type ConnectError = Box<dyn std::error::Error + Send + Sync>;
-
-impl tower_service::Service<Uri> for BackendConnector {
-    type Response = TokioIo<BusyPollStream>;
-    type Error = ConnectError;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, ConnectError>> + Send>,
-    >;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), ConnectError>> {
-        self.http.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let connecting = self.http.call(uri);
-        let polls = self.polls;
-        Box::pin(async move {
-            let tcp = connecting.await?.into_inner();
-            Ok(TokioIo::new(if polls {
-                BusyPollStream::new(tcp, Side::Backend)
-            } else {
-                BusyPollStream::plain(tcp, Side::Backend)
-            }))
-        })
-    }
-}
-
-/// Whether the model can take requests, as `/health` reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Status {
-    /// The backends are starting.
-    Loading,
-    /// Every backend answers its own health route.
-    Ready,
-    /// A backend is down, hung or gone; the reason says which.
-    Down(String),
-    /// serve is stopping for this reason (a backend exited, the watchdog fired, a lost GPU);
-    /// unlike `Down`, the health monitor never clears it.
-    Failed(String),
-}
-
-/// What the handlers share.
-pub struct App {
-    pub served_name: String,
-    pub device: String,
-    /// Unix time serve started, for `/v1/models`.
-    pub created: u64,
-    pub rules: Vec<Rule>,
-    /// The loopback port of each backend, in the plan's order.
-    pub ports: Vec<u16>,
-    pub status: RwLock<Status>,
-    /// The general path's client (busy-polling).
-    pub client: BackendClient,
-    /// serve's own calls to the backends: metrics scrapes (and, in `serve`, health and the
-    /// route's host services).
-    pub probes: BackendClient,
-    pub body_limit: usize,
-    /// Models served beside the main one, for `/v1/models`.
-    pub side_models: Vec<onebit_plugin_api::SideModel>,
-    /// The plan asked that streamed events carry the served name (`Plan::rename_in_streams`).
-    pub rename_in_streams: bool,
-    /// `--precise` (or `ONEBIT_PRECISE=1`): chats and completions go with `cache_prompt` false.
-    pub precise: bool,
-    /// The route asked that its forwards take turns (`Plan::serialize_forwards`).
-    pub serialize_forwards: bool,
-    /// The turn, when they do.
-    pub forward_turn: Arc<tokio::sync::Mutex<()>>,
-    /// How long a request body may take to arrive.
-    pub body_timeout: Duration,
-    /// The browser guard, applied before routing.
-    pub guard: Guard,
-    pub route: RouteCalls,
-    /// The progress watchdog, set once the backends run (never, with `--watchdog 0`).
-    pub watchdog: OnceLock<Arc<Watchdog>>,
-    /// What `/metrics` reads besides the status.
-    pub metrics: metrics::Sources,
-    /// The fast path's idle backend connections (`fast_path`).
-    pub pool: crate::relay::fast::BackendPool,
-}
-
-impl App {
-    pub fn status(&self) -> Status {
-        self.status
-            .read()
-            .map(|s| s.clone())
-            .unwrap_or(Status::Loading)
-    }
-
-    pub fn set_status(&self, status: Status) {
-        if let Ok(mut s) = self.status.write() {
-            *s = status;
-        }
-    }
-
-    fn rule(&self, method: &Method, path: &str) -> Option<&Rule> {
-        self.rule_for(method.as_str(), path)
-    }
-
-    /// The route's rule for a request, the first that matches in the plan's order.
-    pub fn rule_for(&self, method: &str, path: &str) -> Option<&Rule> {
-        self.rules.iter().find(|r| {
-            r.method.eq_ignore_ascii_case(method)
-                && match r.path.strip_suffix('*') {
-                    Some(prefix) => path.starts_with(prefix),
-                    None => r.path == path,
-                }
-        })
-    }
-}
-
-/// The router, apart from `main` so tests and benchmarks can build it.
-pub fn router(app: Arc<App>) -> Router {
-    let guard = app.guard;
-    let mut router = Router::new()
-        .route("/health", get(health))
-        .route("/v1/health", get(health))
-        .route("/v1/models", get(models));
-    if !app.metrics.backends.is_empty() {
-        // On every route that runs a child.
-        router = router.route("/metrics", get(metrics::scrape));
-    }
-    router
-        .fallback(relay)
-        .with_state(app)
-        // Outermost: every route, the fallback and 404s see the guard first.
-        .layer(middleware::from_fn_with_state(guard, guard::guard))
-}
-
-async fn health(State(app): State<Arc<App>>) -> Response {
-    match app.status() {
-        Status::Ready => json_response(StatusCode::OK, r#"{"status":"ok"}"#.to_string()),
-        Status::Loading => json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"status": "loading", "error": {
-                "message": "Loading model", "type": "unavailable_error", "code": 503}})
-            .to_string(),
-        ),
-        Status::Down(reason) | Status::Failed(reason) => json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"status": "error", "reason": reason, "error": {
-                "message": reason, "type": "unavailable_error", "code": 503}})
-            .to_string(),
-        ),
-    }
-}
-
-async fn models(State(app): State<Arc<App>>) -> Response {
-    let mut data = vec![serde_json::json!({
-        "id": app.served_name,
-        "object": "model",
-        "created": app.created,
-        "owned_by": "1bit",
-        "device": app.device,
-    })];
-    for side in &app.side_models {
-        data.push(serde_json::json!({
-            "id": side.id,
-            "object": "model",
-            "created": app.created,
-            "owned_by": "1bit",
-            "device": app.device,
-            "role": side.role,
-        }));
-    }
-    let body = serde_json::json!({"object": "list", "data": data});
-    json_response(StatusCode::OK, body.to_string())
-}
-
-fn json_response(status: StatusCode, body: String) -> Response {
-    let mut response = (status, body).into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
-}
+use crate::relay::App;
+use crate::relay::busy_poll::InFlight;
+use crate::relay::headers::{strip_cors_headers, strip_hop_headers};
 
 /// Only the one field serve needs from a request body; serde still checks the whole body is
 /// well-formed JSON and an object, without building it.
@@ -252,10 +27,12 @@ pub struct RequestShape {
     pub stream: Option<bool>,
 }
 
-async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
+/// The axum fallback: relay a request by the route's table. Runs on the connection's task;
+/// the route's `forward` goes to a blocking thread.
+pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     let in_flight = InFlight::begin();
     let (parts, body) = request.into_parts();
-    let Some(rule) = app.rule(&parts.method, parts.uri.path()) else {
+    let Some(rule) = app.rule_for(parts.method.as_str(), parts.uri.path()) else {
         return ApiError::NotFound {
             method: parts.method.to_string(),
             path: parts.uri.path().to_string(),
@@ -578,55 +355,11 @@ fn body_error(e: axum::Error, limit: usize) -> ApiError {
     }
 }
 
-/// Headers that belong to one connection, not to the message (lowercase, as `http` keeps
-/// names); both relay paths drop them.
-const HOP_HEADERS: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-/// Whether a header (any case) belongs to one connection, not to the message.
-pub fn is_hop_header(name: &str) -> bool {
-    HOP_HEADERS.iter().any(|h| name.eq_ignore_ascii_case(h))
-}
-
-/// Whether a header (any case) is a CORS header. llama-server answers any Origin with
-/// `Access-Control-Allow-Origin` (and credentials), which would let any web page read the
-/// replies it can make a browser request; serve sends no CORS headers at all
-/// (docs/security.md).
-pub fn is_cors_header(name: &str) -> bool {
-    name.get(..15)
-        .is_some_and(|p| p.eq_ignore_ascii_case("access-control-"))
-}
-
 /// The error of a request that reached no answer from the backend.
 pub fn no_answer(device: &str, why: &str) -> ApiError {
     ApiError::BadGateway(format!(
         "the {device} backend did not answer ({why}); see serve's log"
     ))
-}
-
-fn strip_hop_headers(headers: &mut HeaderMap) {
-    for name in HOP_HEADERS {
-        headers.remove(name);
-    }
-}
-
-fn strip_cors_headers(headers: &mut HeaderMap) {
-    let cors: Vec<header::HeaderName> = headers
-        .keys()
-        .filter(|name| is_cors_header(name.as_str()))
-        .cloned()
-        .collect();
-    for name in cors {
-        headers.remove(name);
-    }
 }
 
 /// The request to the backend on `port`: the client's method, path, query and headers (moved,

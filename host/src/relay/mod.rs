@@ -4,6 +4,16 @@
 //! on the raw socket; what it does not carry it hands, with the bytes read so far, to the
 //! general engine (`general`: hyper and axum). Both read and write through `busy_poll`.
 
+pub mod app;
 pub mod busy_poll;
 pub mod fast;
 pub mod general;
+pub mod headers;
+pub mod pool;
+
+pub use app::App;
+
+/// Resolves once serve is told to stop (or the sender is gone).
+pub async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
