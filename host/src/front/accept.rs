@@ -9,8 +9,10 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 
 use crate::front::own;
+use crate::guard;
 use crate::relay::App;
 use crate::relay::busy_poll::{BusyPollStream, Side};
+use crate::relay::plan::Decided;
 use crate::relay::{fast, stopped};
 
 /// Serve HTTP/1 on `listener` until `shutdown` turns true, then let each connection finish
@@ -23,7 +25,7 @@ pub async fn accept_loop(
     header_timeout: Duration,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    let service = TowerToHyperService::new(own::router(app.clone()));
+    let router = own::router(app.clone());
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
@@ -44,9 +46,14 @@ pub async fn accept_loop(
         };
         let _ = tcp.set_nodelay(true);
         let client = BusyPollStream::new(tcp, Side::Client);
-        let (http, service) = (http.clone(), service.clone());
-        // The fast path first; what it does not serve goes to hyper and axum.
-        let general = move |io, mut stop| async move {
+        let (http, router) = (http.clone(), router.clone());
+        // The fast engine first; what it does not carry goes to hyper and axum, with the
+        // plan it made for the request it handed over.
+        let general = move |io, mut stop, decided: Option<Decided>| async move {
+            let service = Handed {
+                decided: std::sync::Mutex::new(decided),
+                router: TowerToHyperService::new(router),
+            };
             let connection = http.serve_connection(TokioIo::new(io), service);
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
@@ -66,4 +73,37 @@ pub async fn accept_loop(
     }
     drop(listener);
     while connections.join_next().await.is_some() {}
+}
+
+/// The general engine's service on a connection the fast engine handed over: the first
+/// request hyper reads is the one the fast engine judged, and carries its plan ([`Decided`])
+/// and the guard's pass ([`guard::Judged`]) so neither is made again.
+struct Handed {
+    decided: std::sync::Mutex<Option<Decided>>,
+    router: TowerToHyperService<axum::Router>,
+}
+
+impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Handed {
+    type Response = <TowerToHyperService<axum::Router> as hyper::service::Service<
+        hyper::Request<hyper::body::Incoming>,
+    >>::Response;
+    type Error = <TowerToHyperService<axum::Router> as hyper::service::Service<
+        hyper::Request<hyper::body::Incoming>,
+    >>::Error;
+    type Future = <TowerToHyperService<axum::Router> as hyper::service::Service<
+        hyper::Request<hyper::body::Incoming>,
+    >>::Future;
+
+    fn call(&self, mut request: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+        let decided = self
+            .decided
+            .lock()
+            .map(|mut d| d.take())
+            .unwrap_or_default();
+        if let Some(decided) = decided {
+            request.extensions_mut().insert(decided);
+            request.extensions_mut().insert(guard::Judged);
+        }
+        self.router.call(request)
+    }
 }

@@ -24,9 +24,17 @@ impl From<Refusal> for ApiError {
     }
 }
 
-/// The axum middleware: [`check`] on every request, before routing. Runs on the connection's
-/// task; never blocks.
+/// Marks a request [`check`] already passed (the fast engine judged it before handing it to
+/// the general engine), so the middleware does not judge it again.
+#[derive(Clone, Copy, Debug)]
+pub struct Judged;
+
+/// The axum middleware: [`check`] on every request not already [`Judged`], before routing.
+/// Runs on the connection's task; never blocks.
 pub async fn guard(State(guard): State<Guard>, request: Request, next: Next) -> Response {
+    if request.extensions().get::<Judged>().is_some() {
+        return next.run(request).await;
+    }
     let verdict = verdict(guard, request.method(), request.uri(), request.headers());
     match verdict {
         Ok(()) => next.run(request).await,

@@ -20,13 +20,12 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use crate::backends::health::Status;
 use crate::guard::{self, Seen};
 use crate::relay::App;
 use crate::relay::busy_poll::{BusyPollStream, InFlight};
 use crate::relay::general::{RequestShape, json_content_type, no_answer};
-use crate::relay::headers::{is_cors_header, is_hop_header};
-use onebit_plugin_api::Action;
+use crate::relay::headers::{self, Way};
+use crate::relay::plan::{Decided, RelayPlan, Target};
 
 /// Header lines a fast request may have; more go the general way.
 const MAX_HEADERS: usize = 64;
@@ -44,12 +43,13 @@ enum Outcome {
     KeepAlive,
     /// Answered (or the client left, or the reply broke off); close the connection.
     Close,
-    /// Not a fast request: the general path takes the connection, and the bytes read so far.
-    HandOver,
+    /// Not a fast request: the general engine takes the connection, the bytes read so far,
+    /// and the request's plan when the fast engine got as far as making it.
+    HandOver(Option<Decided>),
     /// The request's head has not all arrived yet.
     HeadDue,
-    /// A fast request whose body has not all arrived yet.
-    BodyDue,
+    /// A fast request whose body has not all arrived yet; its plan so far.
+    BodyDue(RelayPlan),
 }
 
 /// How a reply's body ends.
@@ -70,7 +70,7 @@ pub async fn serve_connection<F, Fut>(
     mut stop: tokio::sync::watch::Receiver<bool>,
     general: F,
 ) where
-    F: FnOnce(Prefixed, tokio::sync::watch::Receiver<bool>) -> Fut,
+    F: FnOnce(Prefixed, tokio::sync::watch::Receiver<bool>, Option<Decided>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     let mut buf = BytesMut::with_capacity(8 * 1024);
@@ -90,7 +90,9 @@ pub async fn serve_connection<F, Fut>(
                     let _ = client.shutdown().await;
                     return;
                 }
-                Outcome::HandOver => return general(Prefixed::new(client, buf), stop).await,
+                Outcome::HandOver(decided) => {
+                    return general(Prefixed::new(client, buf), stop, decided).await;
+                }
                 Outcome::HeadDue => {
                     let idle = buf.is_empty();
                     tokio::select! {
@@ -107,13 +109,19 @@ pub async fn serve_connection<F, Fut>(
                 }
                 // Many clients write the body apart from the head; it follows at once. A body
                 // that is not all there within the grace is the general path's to time.
-                Outcome::BodyDue => {
+                Outcome::BodyDue(plan) => {
                     let until = *body_deadline
                         .get_or_insert_with(|| tokio::time::Instant::now() + BODY_GRACE);
                     match tokio::time::timeout_at(until, client.read_buf(&mut buf)).await {
                         Ok(Ok(n)) if n > 0 => {}
                         Ok(_) => return,
-                        Err(_) => return general(Prefixed::new(client, buf), stop).await,
+                        Err(_) => {
+                            let decided = Decided {
+                                plan,
+                                body_checked: false,
+                            };
+                            return general(Prefixed::new(client, buf), stop, Some(decided)).await;
+                        }
                     }
                 }
             }
@@ -126,19 +134,11 @@ enum Verdict {
     Fast(Fast),
     /// The head has not all arrived (and is not yet too large).
     HeadDue,
-    /// All but the body is known to qualify; the body has not all arrived.
-    BodyDue,
-    /// Not a fast request (malformed and too large heads included: the general path answers
-    /// them).
-    HandOver,
-}
-
-/// What a request still lacks, when that is why it is not (yet) a fast one.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Missing {
-    Nothing,
-    Head,
-    Body,
+    /// The plan so far is the fast engine's; the body has not all arrived.
+    BodyDue(RelayPlan),
+    /// Not a fast request (malformed and too large heads included: the general engine answers
+    /// them), with its plan when the request got that far.
+    HandOver(Option<Decided>),
 }
 
 /// A request that qualified: what to send where.
@@ -155,39 +155,26 @@ struct Fast {
     watched: Option<(String, String, usize)>,
 }
 
-/// Decide whether the request at the start of `buf` is a fast one.
+/// Read the request at the start of `buf` and decide it: the transport conditions the fast
+/// engine needs (a whole HTTP/1.1 head, no Transfer-Encoding, Expect or Upgrade, a body of at
+/// most 256 KiB), the guard, and the request's [`RelayPlan`]. Runs on the connection's task;
+/// never blocks.
 fn qualify(app: &App, buf: &[u8]) -> Verdict {
-    let mut missing = Missing::Nothing;
-    match fast_request(app, buf, &mut missing) {
-        Some(fast) => Verdict::Fast(fast),
-        None => match missing {
-            Missing::Head => Verdict::HeadDue,
-            Missing::Body => Verdict::BodyDue,
-            Missing::Nothing => Verdict::HandOver,
-        },
-    }
-}
-
-/// The fast request at the start of `buf`; None when there is none, with `missing` set when
-/// only the rest of its head, or of its body, is missing.
-fn fast_request(app: &App, buf: &[u8], missing: &mut Missing) -> Option<Fast> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut request = httparse::Request::new(&mut headers);
     let head_len = match request.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {
-            *missing = Missing::Head;
-            return None;
-        }
-        _ => return None,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return Verdict::HeadDue,
+        _ => return Verdict::HandOver(None),
     };
     if request.version != Some(1) {
-        return None;
+        return Verdict::HandOver(None);
     }
-    let method = request.method?;
-    let target = request.path?;
+    let (Some(method), Some(target)) = (request.method, request.path) else {
+        return Verdict::HandOver(None);
+    };
     if !target.starts_with('/') {
-        return None;
+        return Verdict::HandOver(None);
     }
     let path = target.split('?').next().unwrap_or(target);
 
@@ -202,17 +189,27 @@ fn fast_request(app: &App, buf: &[u8], missing: &mut Missing) -> Option<Fast> {
         let name = header.name;
         let value = header.value;
         if name.eq_ignore_ascii_case("host") {
-            *hosts.get_mut(n_hosts)? = value;
+            let Some(slot) = hosts.get_mut(n_hosts) else {
+                return Verdict::HandOver(None);
+            };
+            *slot = value;
             n_hosts += 1;
         } else if name.eq_ignore_ascii_case("origin") {
-            *origins.get_mut(n_origins)? = value;
+            let Some(slot) = origins.get_mut(n_origins) else {
+                return Verdict::HandOver(None);
+            };
+            *slot = value;
             n_origins += 1;
         } else if name.eq_ignore_ascii_case("content-length") {
-            if content_length.is_some() || value.is_empty() || !value.iter().all(u8::is_ascii_digit)
+            let length = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok());
+            if content_length.is_some()
+                || value.is_empty()
+                || !value.iter().all(u8::is_ascii_digit)
+                || length.is_none()
             {
-                return None;
+                return Verdict::HandOver(None);
             }
-            content_length = Some(std::str::from_utf8(value).ok()?.parse().ok()?);
+            content_length = length;
         } else if name.eq_ignore_ascii_case("content-type") {
             content_type = Some(value);
         } else if name.eq_ignore_ascii_case("connection") {
@@ -221,14 +218,14 @@ fn fast_request(app: &App, buf: &[u8], missing: &mut Missing) -> Option<Fast> {
                 if token.eq_ignore_ascii_case(b"close") {
                     close = true;
                 } else if token.eq_ignore_ascii_case(b"upgrade") {
-                    return None;
+                    return Verdict::HandOver(None);
                 }
             }
         } else if name.eq_ignore_ascii_case("transfer-encoding")
             || name.eq_ignore_ascii_case("expect")
             || name.eq_ignore_ascii_case("upgrade")
         {
-            return None;
+            return Verdict::HandOver(None);
         }
     }
     let seen = Seen {
@@ -237,77 +234,65 @@ fn fast_request(app: &App, buf: &[u8], missing: &mut Missing) -> Option<Fast> {
         origins: &origins[..n_origins],
     };
     if guard::check(app.guard, &seen).is_err() {
-        return None;
+        return Verdict::HandOver(None);
     }
-    let rule = app.rule_for(method, path)?;
-    let Action::Proxy { backend } = rule.action else {
-        return None;
+    // A refusal (404, 503) is the general engine's to send.
+    let Ok(plan) = RelayPlan::for_head(app, method, path) else {
+        return Verdict::HandOver(None);
     };
-    if app.status() != Status::Ready {
-        return None;
-    }
-    let port = *app.ports.get(backend)?;
+    // From here the request is judged: a hand-over carries its plan.
+    let decided = |plan, body_checked| Verdict::HandOver(Some(Decided { plan, body_checked }));
+    let Target::Backend(backend) = plan.target else {
+        return decided(plan, false);
+    };
 
     let has_body = method != "GET" && method != "HEAD";
     let body_len = content_length.unwrap_or(0);
-    if (!has_body && body_len > 0) || body_len > app.body_limit.min(MAX_FAST_BODY) {
-        return None;
+    if !has_body && body_len > 0 {
+        return Verdict::HandOver(None);
+    }
+    if body_len > app.body_limit.min(MAX_FAST_BODY) {
+        return decided(plan, false);
     }
     let Some(body) = buf.get(head_len..head_len + body_len) else {
-        *missing = Missing::Body;
-        return None;
+        return Verdict::BodyDue(plan);
     };
     let mut streamed = false;
     if has_body {
-        if content_type.is_some_and(|ct| !json_content_type(ct)) {
-            return None;
-        }
-        std::str::from_utf8(body).ok()?;
-        streamed = serde_json::from_slice::<RequestShape>(body)
-            .ok()?
-            .stream
-            .unwrap_or(false);
+        let shape = content_type
+            .is_none_or(json_content_type)
+            .then(|| std::str::from_utf8(body).ok())
+            .flatten()
+            .and_then(|_| serde_json::from_slice::<RequestShape>(body).ok());
+        // A body that fails a check gets its refusal from the general engine.
+        let Some(shape) = shape else {
+            return decided(plan, false);
+        };
+        streamed = shape.stream.unwrap_or(false);
     }
-    if rule.inference && (!streamed || app.precise || app.rename_in_streams) {
-        // The general path renames the reply's model or rewrites the body.
-        return None;
-    }
+    let plan = plan.with_body(app, streamed);
+    let Some(port) = app.ports.get(backend).copied().filter(|_| plan.fast()) else {
+        return decided(plan, has_body);
+    };
 
     let mut upstream = Vec::with_capacity(head_len + body_len + 32);
-    upstream.extend_from_slice(method.as_bytes());
-    upstream.push(b' ');
-    upstream.extend_from_slice(target.as_bytes());
-    upstream.extend_from_slice(b" HTTP/1.1\r\nHost: 127.0.0.1:");
-    upstream.extend_from_slice(port.to_string().as_bytes());
-    upstream.extend_from_slice(b"\r\n");
-    for header in request.headers.iter() {
-        let name = header.name;
-        if name.eq_ignore_ascii_case("host")
-            || name.eq_ignore_ascii_case("content-length")
-            || is_hop_header(name)
-        {
-            continue;
-        }
-        upstream.extend_from_slice(name.as_bytes());
-        upstream.extend_from_slice(b": ");
-        upstream.extend_from_slice(header.value);
-        upstream.extend_from_slice(b"\r\n");
-    }
-    if has_body {
-        upstream.extend_from_slice(b"Content-Length: ");
-        upstream.extend_from_slice(body_len.to_string().as_bytes());
-        upstream.extend_from_slice(b"\r\n");
-    }
-    upstream.extend_from_slice(b"\r\n");
+    headers::upstream_head(
+        &mut upstream,
+        method,
+        target,
+        port,
+        request.headers.iter().map(|h| (h.name, h.value)),
+        has_body.then_some(body_len),
+    );
     upstream.extend_from_slice(body);
-    Some(Fast {
+    Verdict::Fast(Fast {
         backend,
         port,
         upstream,
         consumed: head_len + body_len,
         close,
-        watched: rule
-            .inference
+        watched: plan
+            .watched
             .then(|| (method.to_string(), path.to_string(), body_len)),
     })
 }
@@ -317,8 +302,8 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     let fast = match qualify(app, buf) {
         Verdict::Fast(fast) => fast,
         Verdict::HeadDue => return Outcome::HeadDue,
-        Verdict::BodyDue => return Outcome::BodyDue,
-        Verdict::HandOver => return Outcome::HandOver,
+        Verdict::BodyDue(plan) => return Outcome::BodyDue(plan),
+        Verdict::HandOver(decided) => return Outcome::HandOver(decided),
     };
     let in_flight = InFlight::begin();
     buf.advance(fast.consumed);
@@ -524,6 +509,15 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     let mut chunked = false;
     let mut backend_close = false;
     let mut dated = false;
+    let mut connection: [&[u8]; 4] = [b""; 4];
+    for (slot, header) in connection.iter_mut().zip(
+        response
+            .headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection")),
+    ) {
+        *slot = header.value;
+    }
     for header in response.headers.iter() {
         let name = header.name;
         let value = header.value;
@@ -553,7 +547,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
                 .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
             continue;
         }
-        if is_hop_header(name) || is_cors_header(name) {
+        if !headers::passes(Way::Reply, name, &connection) {
             continue;
         }
         dated |= name.eq_ignore_ascii_case("date");

@@ -9,15 +9,16 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use onebit_plugin_api::{Action, Forward, ForwardRequest};
+use onebit_plugin_api::{Forward, ForwardRequest};
 use serde::Deserialize;
 
-use crate::backends::health::Status;
 use crate::backends::watchdog::Ticket;
 use crate::error::ApiError;
 use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
-use crate::relay::headers::{strip_cors_headers, strip_hop_headers};
+use crate::relay::headers::{self, Way};
+use crate::relay::plan::{Decided, RelayPlan, Target};
+use crate::relay::{in_process, rewrite};
 
 /// Only the one field serve needs from a request body; serde still checks the whole body is
 /// well-formed JSON and an object, without building it.
@@ -27,37 +28,27 @@ pub struct RequestShape {
     pub stream: Option<bool>,
 }
 
-/// The axum fallback: relay a request by the route's table. Runs on the connection's task;
-/// the route's `forward` goes to a blocking thread.
-pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
+/// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
+/// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
+/// route's `forward` goes to a blocking thread.
+pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Response {
     let in_flight = InFlight::begin();
+    let decided = request.extensions_mut().remove::<Decided>();
     let (parts, body) = request.into_parts();
-    let Some(rule) = app.rule_for(parts.method.as_str(), parts.uri.path()) else {
-        return ApiError::NotFound {
-            method: parts.method.to_string(),
-            path: parts.uri.path().to_string(),
-        }
-        .into_response();
+    let (plan, body_checked) = match decided {
+        Some(decided) => (decided.plan, decided.body_checked),
+        None => match RelayPlan::for_head(&app, parts.method.as_str(), parts.uri.path()) {
+            Ok(plan) => (plan, false),
+            Err(e) => return e.into_response(),
+        },
     };
-    if let Action::Answer {
+    if let Target::Answer {
         status,
         content_type,
         body,
-    } = &rule.action
+    } = &plan.target
     {
         return answer(*status, content_type, body.clone());
-    }
-    match app.status() {
-        Status::Ready => {}
-        Status::Loading => {
-            return ApiError::Unavailable(
-                "the model is loading; retry when /health answers 200".into(),
-            )
-            .into_response();
-        }
-        Status::Down(reason) | Status::Failed(reason) => {
-            return ApiError::Unavailable(reason).into_response();
-        }
     }
 
     let has_body = parts.method != Method::GET && parts.method != Method::HEAD;
@@ -69,17 +60,18 @@ pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     } else {
         Bytes::new()
     };
-    let mut streamed = false;
-    if has_body {
+    let plan = if has_body && !body_checked {
         match serde_json::from_slice::<RequestShape>(&body) {
-            Ok(shape) => streamed = shape.stream.unwrap_or(false),
+            Ok(shape) => plan.with_body(&app, shape.stream.unwrap_or(false)),
             Err(e) => return ApiError::BadJson(e.to_string()).into_response(),
         }
-    }
+    } else {
+        plan
+    };
 
     // --precise: every chat and completion is prefilled whole, as a cold run is.
-    let body = if app.precise && rule.inference {
-        without_prompt_cache(body)
+    let body = if plan.precise {
+        rewrite::without_prompt_cache(body)
     } else {
         body
     };
@@ -87,9 +79,9 @@ pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     // For a route that asks to, its forwards take turns: the turn is held from asking the
     // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
     let mut on_first_byte: Option<FirstByte> = None;
-    let (backend, body) = match &rule.action {
-        Action::Proxy { backend } => (*backend, body),
-        Action::AskRoute => {
+    let (backend, body) = match &plan.target {
+        Target::Backend(backend) => (*backend, body),
+        Target::AskRoute => {
             let turn = if app.serialize_forwards {
                 Some(app.forward_turn.clone().lock_owned().await)
             } else {
@@ -117,7 +109,8 @@ pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
                 Err(e) => return e.into_response(),
             }
         }
-        Action::Answer { .. } => unreachable!("answered above"),
+        Target::InProcess => return in_process::respond(&app, &plan, parts, body).await,
+        Target::Answer { .. } => unreachable!("answered above"),
     };
     let Some(port) = app.ports.get(backend).copied() else {
         return ApiError::BadGateway(format!(
@@ -129,10 +122,10 @@ pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     // An inference request is watched from before it is sent: waiting for the reply's head
     // counts against it too.
     let ticket = match app.watchdog.get() {
-        Some(dog) if rule.inference => Some(dog.track(
+        Some(dog) if plan.watched => Some(dog.track(
             parts.method.as_str(),
             parts.uri.path(),
-            streamed,
+            plan.streamed,
             backend,
             body.len(),
         )),
@@ -147,15 +140,14 @@ pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         Err(e) => return no_answer(&app.device, &error_chain(&e)).into_response(),
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
-    strip_hop_headers(&mut reply_parts.headers);
-    strip_cors_headers(&mut reply_parts.headers);
+    headers::filter(Way::Reply, &mut reply_parts.headers);
     let reply_body = watched(reply_body, ticket, on_first_byte, in_flight);
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("application/json"));
-    if rule.inference && !streamed && json_reply {
+    if plan.name_reply && json_reply {
         // A whole JSON reply: name the model as serve serves it.
         let bytes = match reply_body.collect().await {
             Ok(collected) => collected.to_bytes(),
@@ -168,16 +160,16 @@ pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
                 .into_response();
             }
         };
-        let bytes = with_model_name(bytes, &app.served_name);
+        let bytes = rewrite::with_model_name(bytes, &app.served_name);
         reply_parts.headers.remove(header::CONTENT_LENGTH);
         return Response::from_parts(reply_parts, Body::from(bytes));
     }
     // Streamed as it arrives: dropping this response (a client that went away) drops the
     // upstream body, which closes the backend connection, and the engine stops generating.
-    if app.rename_in_streams && rule.inference && streamed {
+    if plan.rename_stream {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes.
-        let mut events = SseRenamer::new(app.served_name.clone());
+        let mut events = rewrite::SseRenamer::new(app.served_name.clone());
         return Response::from_parts(
             reply_parts,
             Body::new(reply_body.map_frame(move |frame| match frame.into_data() {
@@ -187,46 +179,6 @@ pub async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         );
     }
     Response::from_parts(reply_parts, Body::new(reply_body))
-}
-
-/// Rewrites the `model` field of each SSE `data:` event to the served name, event by event:
-/// complete lines go out as they arrive, a partial line waits for the rest of it.
-struct SseRenamer {
-    served: String,
-    partial: Vec<u8>,
-}
-
-impl SseRenamer {
-    fn new(served: String) -> Self {
-        SseRenamer {
-            served,
-            partial: Vec::new(),
-        }
-    }
-
-    fn feed(&mut self, data: &[u8]) -> Bytes {
-        self.partial.extend_from_slice(data);
-        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
-            return Bytes::new();
-        };
-        let rest = self.partial.split_off(end + 1);
-        let complete = std::mem::replace(&mut self.partial, rest);
-        let mut out = Vec::with_capacity(complete.len() + 16);
-        for line in complete.split_inclusive(|b| *b == b'\n') {
-            match line.strip_prefix(b"data: ") {
-                Some(json) if json.starts_with(b"{") => {
-                    let body = json.strip_suffix(b"\n").unwrap_or(json);
-                    let body = body.strip_suffix(b"\r").unwrap_or(body);
-                    let renamed = with_model_name(Bytes::copy_from_slice(body), &self.served);
-                    out.extend_from_slice(b"data: ");
-                    out.extend_from_slice(&renamed);
-                    out.push(b'\n');
-                }
-                _ => out.extend_from_slice(line),
-            }
-        }
-        Bytes::from(out)
-    }
 }
 
 /// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
@@ -363,8 +315,9 @@ pub fn no_answer(device: &str, why: &str) -> ApiError {
 }
 
 /// The request to the backend on `port`: the client's method, path, query and headers (moved,
-/// not copied: the hot path builds no second header map), less Host, Content-Length (hyper sets
-/// both) and the hop-by-hop headers.
+/// not copied: the hot path builds no second header map) that pass `headers::passes`
+/// upstream; hyper writes Host and Content-Length, as `headers::upstream_head` does for the
+/// fast engine.
 fn upstream_request(
     parts: axum::http::request::Parts,
     port: u16,
@@ -383,38 +336,8 @@ fn upstream_request(
     *request.uri_mut() = target;
     let headers = request.headers_mut();
     *headers = parts.headers;
-    headers.remove(header::HOST);
-    headers.remove(header::CONTENT_LENGTH);
-    strip_hop_headers(headers);
+    headers::filter(Way::Upstream, headers);
     Ok(request)
-}
-
-/// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
-fn without_prompt_cache(body: Bytes) -> Bytes {
-    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else {
-        return body;
-    };
-    match value.as_object_mut() {
-        Some(object) => {
-            object.insert("cache_prompt".to_string(), serde_json::Value::Bool(false));
-            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(body)
-        }
-        None => body,
-    }
-}
-
-/// Put `served` in a JSON object reply's `model` field; anything else is left as it came.
-fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
-    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-        return bytes;
-    };
-    match value.get_mut("model") {
-        Some(serde_json::Value::String(model)) if model != served => {
-            *model = served.to_string();
-            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
-        }
-        _ => bytes,
-    }
 }
 
 /// Ask the route what to do with a request, on a blocking thread.
@@ -453,31 +376,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_reply_model_becomes_the_served_name_and_other_bytes_pass() {
-        let out = with_model_name(Bytes::from_static(br#"{"model":"x.gguf","n":1}"#), "smol");
-        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["model"], "smol");
-        assert_eq!(v["n"], 1);
-        let same = Bytes::from_static(br#"{"model":"smol"}"#);
-        assert_eq!(with_model_name(same.clone(), "smol"), same);
-        let text = Bytes::from_static(b"not json");
-        assert_eq!(with_model_name(text.clone(), "smol"), text);
-    }
-
-    #[test]
-    fn cors_headers_are_stripped_from_replies() {
-        let mut headers = HeaderMap::new();
-        headers.insert("access-control-allow-origin", HeaderValue::from_static("*"));
-        headers.insert(
-            "access-control-allow-credentials",
-            HeaderValue::from_static("true"),
-        );
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-        strip_cors_headers(&mut headers);
-        assert_eq!(headers.len(), 1);
-    }
-
-    #[test]
     fn json_content_types() {
         for yes in [
             "application/json",
@@ -496,18 +394,6 @@ mod tests {
         ] {
             assert!(!json_content_type(no.as_bytes()), "{no}");
         }
-    }
-
-    #[test]
-    fn streamed_events_get_the_served_name_even_when_split_across_frames() {
-        let mut r = SseRenamer::new("smol".into());
-        let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
-        assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
-        let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
-        assert_eq!(
-            &second[..],
-            b"data: {\"model\":\"smol\"}\n\ndata: [DONE]\n\n"
-        );
     }
 
     #[test]
