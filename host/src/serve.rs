@@ -468,6 +468,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
             sysfs_root: metrics::sysfs_root(),
         },
         pool: Default::default(),
+        requests: Default::default(),
     });
     install_host_services(
         tokio::runtime::Handle::current(),

@@ -516,3 +516,27 @@ pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option
         })
         .map(|s| s.value)
 }
+
+/// `onebit_requests_total` from serve's `/metrics`, summed over the series whose labels
+/// include `labels` (e.g. `[("engine", "fast"), ("path_class", "chat")]`). Read with a plain
+/// line parser, so the relay tests need no Python.
+pub fn requests_total(serve: &Serve, labels: &[(&str, &str)]) -> u64 {
+    let (status, text) = get(&serve.url("/metrics"));
+    assert_eq!(status, 200, "{text}");
+    let mut total = 0;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("onebit_requests_total{") else {
+            continue;
+        };
+        let Some((set, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let matches = labels
+            .iter()
+            .all(|(k, v)| set.split(',').any(|pair| pair == format!("{k}=\"{v}\"")));
+        if matches {
+            total += value.trim().parse::<f64>().unwrap_or(0.0) as u64;
+        }
+    }
+    total
+}

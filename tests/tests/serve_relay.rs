@@ -1,6 +1,7 @@
-//! The relay's two paths on one connection: plain proxied requests on the fast path
-//! (host/src/fast_path.rs), everything else handed to the general one, with keep-alive,
-//! pipelining, a backend that closes its connections, streams and a backend that dies.
+//! The relay's two engines on one connection: plain proxied requests on the fast engine
+//! (host/src/relay/fast.rs), everything else handed to the general one (relay/general.rs),
+//! with keep-alive, pipelining, a backend that closes its connections, streams and a backend
+//! that dies. Each test checks, in `onebit_requests_total`, which engine carried what.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -108,6 +109,10 @@ fn kept_alive_requests_go_on_when_the_backend_closes_its_connections() {
         .filter(|l| l["path"] == "/tokenize")
         .count();
     assert_eq!(tokenized, 12);
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "fast")]),
+        12
+    );
 }
 
 #[test]
@@ -137,6 +142,16 @@ fn pipelined_requests_are_answered_in_order_across_both_paths() {
     assert!(
         rest.is_empty(),
         "nothing after the last reply, then the end"
+    );
+    // The first on the fast engine; /health hands the connection to the general engine,
+    // which keeps it, so the third is the general engine's.
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "fast")]),
+        1
+    );
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "general")]),
+        1
     );
 }
 
@@ -369,4 +384,51 @@ fn a_backend_that_dies_before_a_plain_reply_gets_502() {
     assert!(body.contains("did not answer"), "{body}");
     let exit = serve.wait_exit(SECS(10)).expect("serve exits");
     assert_eq!(exit.code(), Some(1), "{}", serve.output());
+}
+
+#[test]
+fn each_request_is_counted_under_the_engine_that_carried_it() {
+    let dir = temp_dir("relay-engines");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let chat = |stream: bool| {
+        format!(r#"{{"stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#)
+    };
+    // A plain request and a streamed chat: nothing to rewrite, the fast engine's.
+    assert_eq!(post(&serve.url("/tokenize"), TOKENIZE).0, 200);
+    assert!(!sse(&serve.url("/v1/chat/completions"), &chat(true)).is_empty());
+    // A whole chat reply gets the served name: the general engine's.
+    let (status, body) = post(&serve.url("/v1/chat/completions"), &chat(false));
+    assert_eq!(status, 200, "{body}");
+    // A refusal (an unknown path) is the general engine's too.
+    assert_eq!(post(&serve.url("/v1/nothing"), "{}").0, 404);
+    let fast = |class| requests_total(&serve, &[("path_class", class), ("engine", "fast")]);
+    let general = |class| requests_total(&serve, &[("path_class", class), ("engine", "general")]);
+    assert_eq!((fast("other"), general("other")), (1, 1));
+    assert_eq!((fast("chat"), general("chat")), (1, 1));
+    assert_eq!(
+        requests_total(
+            &serve,
+            &[
+                ("path_class", "other"),
+                ("status_class", "4xx"),
+                ("engine", "general")
+            ]
+        ),
+        1
+    );
+    // serve's added time is measured for what each engine relayed (not the refusal).
+    let (_, text) = get(&serve.url("/metrics"));
+    for (engine, relayed) in [("fast", 2.0), ("general", 1.0)] {
+        let count = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "onebit_request_added_seconds_count{{engine=\"{engine}\"}} "
+                ))
+            })
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        assert_eq!(count, Some(relayed), "{engine}: {text}");
+    }
 }

@@ -13,6 +13,7 @@ use axum::{Router, middleware};
 use crate::backends::health::Status;
 use crate::guard;
 use crate::metrics;
+use crate::metrics::requests::{Engine, PathClass};
 use crate::relay::App;
 use crate::relay::general::relay;
 
@@ -29,9 +30,29 @@ pub fn router(app: Arc<App>) -> Router {
     }
     router
         .fallback(relay)
-        .with_state(app)
-        // Outermost: every route, the fallback and 404s see the guard first.
+        .with_state(app.clone())
+        // Every route, the fallback and 404s see the guard first,
         .layer(middleware::from_fn_with_state(guard, guard::guard))
+        // and every answer, refusals included, is counted.
+        .layer(middleware::from_fn_with_state(app, counted))
+}
+
+/// Count each answer of the general engine in `onebit_requests_total` when its head is
+/// ready, under the engine the response names (an in-process answer does) or `general`.
+async fn counted(
+    State(app): State<Arc<App>>,
+    request: axum::extract::Request,
+    next: middleware::Next,
+) -> Response {
+    let path = PathClass::of(request.uri().path());
+    let response = next.run(request).await;
+    let engine = response
+        .extensions()
+        .get::<Engine>()
+        .copied()
+        .unwrap_or(Engine::General);
+    app.requests.count(path, response.status().as_u16(), engine);
+    response
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -106,6 +127,7 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         counts.as_ref(),
         &machine,
     );
+    metrics::append(&mut body, &app.requests.render());
     match route_text.await {
         Ok(Ok(text)) => metrics::append(&mut body, &text),
         Ok(Err(e)) => {

@@ -18,6 +18,8 @@ use sha2::{Digest, Sha256};
 
 use crate::backends::health::ProbeClient;
 
+pub mod requests;
+
 /// The content type of Prometheus text format 0.0.4.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// How long a scrape waits for the backend's own `/metrics`.

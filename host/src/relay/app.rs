@@ -30,6 +30,8 @@ pub struct App {
     pub metrics: metrics::Sources,
     /// The fast engine's idle backend connections.
     pub pool: BackendPool,
+    /// `onebit_requests_total` and the added-time histogram, recorded by both engines.
+    pub requests: metrics::requests::RequestSeries,
 }
 
 impl std::ops::Deref for App {

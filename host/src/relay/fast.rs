@@ -15,17 +15,18 @@
 //! timeout, and a graceful stop between requests.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use crate::guard::{self, Seen};
+use crate::metrics::requests::PathClass;
 use crate::relay::App;
 use crate::relay::busy_poll::{BusyPollStream, InFlight};
 use crate::relay::general::{RequestShape, json_content_type, no_answer};
 use crate::relay::headers::{self, Way};
-use crate::relay::plan::{Decided, RelayPlan, Target};
+use crate::relay::plan::{Decided, Engine, RelayPlan, Target};
 
 /// Header lines a fast request may have; more go the general way.
 const MAX_HEADERS: usize = 64;
@@ -153,6 +154,8 @@ struct Fast {
     close: bool,
     /// For the watchdog: an inference request, streamed.
     watched: Option<(String, String, usize)>,
+    /// For `onebit_requests_total`.
+    path: PathClass,
 }
 
 /// Read the request at the start of `buf` and decide it: the transport conditions the fast
@@ -294,11 +297,15 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
         watched: plan
             .watched
             .then(|| (method.to_string(), path.to_string(), body_len)),
+        path: PathClass::of(path),
     })
 }
 
 /// One request: qualify it, send it, relay the reply.
 async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMut) -> Outcome {
+    // serve's added time runs from here (the request in hand) to the reply's head written,
+    // less the backend's own time (`metrics::requests`).
+    let began = Instant::now();
     let fast = match qualify(app, buf) {
         Verdict::Fast(fast) => fast,
         Verdict::HeadDue => return Outcome::HeadDue,
@@ -318,17 +325,19 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     // answering is retried once on a new one, as hyper's pool does.
     let mut reply = BytesMut::with_capacity(8 * 1024);
     let mut fresh_tries = 0;
+    let mut sent_at;
     let (mut backend, head) = loop {
         reply.clear();
         let (mut conn, reused) = match app.pool.checkout(fast.port).await {
             Ok(c) => c,
-            Err(e) => return bad_gateway(app, client, fast.close, &e.to_string()).await,
+            Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
         };
         let sent = async {
             conn.write_all(&fast.upstream).await?;
             conn.flush().await
         }
         .await;
+        sent_at = Instant::now();
         let head = match sent {
             Ok(()) => read_reply_head(&mut conn, &mut reply).await,
             // The backend closed the connection before it took the request.
@@ -345,12 +354,15 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         match head {
             Ok(head) => break (conn, head),
             Err(ReplyError::ClosedEarly) if reused && fresh_tries == 0 => fresh_tries += 1,
-            Err(e) => return bad_gateway(app, client, fast.close, &e.to_string()).await,
+            Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
         }
     };
+    let backend_time = sent_at.elapsed();
     if let Some(ticket) = &ticket {
         ticket.progress(0);
     }
+    app.requests.count(fast.path, head.status, Engine::Fast);
+    let mut head_written = false;
 
     let close = fast.close || head.framing == Framing::UntilClose;
     let mut out = Vec::with_capacity(head.lines.len() + 64);
@@ -387,6 +399,10 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                 return Outcome::Close;
             }
             out.clear();
+            if !std::mem::replace(&mut head_written, true) {
+                let added = began.elapsed().saturating_sub(backend_time);
+                app.requests.added(Engine::Fast, added);
+            }
         }
         if done {
             if !head.backend_close && !leftover {
@@ -433,6 +449,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
 /// The reply's status line and the headers the client gets (hop-by-hop, CORS and framing
 /// headers left out), and how its body ends.
 struct ReplyHead {
+    status: u16,
     lines: Vec<u8>,
     framing: Framing,
     backend_close: bool,
@@ -571,6 +588,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
         Framing::UntilClose
     };
     Ok(ReplyHead {
+        status: code,
         lines,
         framing,
         backend_close: backend_close || framing == Framing::UntilClose,
@@ -764,7 +782,9 @@ impl Body {
 }
 
 /// Answer 502 as the general path would, after the request was committed to a backend.
-async fn bad_gateway(app: &App, client: &mut BusyPollStream, close: bool, why: &str) -> Outcome {
+async fn bad_gateway(app: &App, client: &mut BusyPollStream, fast: &Fast, why: &str) -> Outcome {
+    app.requests.count(fast.path, 502, Engine::Fast);
+    let close = fast.close;
     let error = no_answer(&app.device, why);
     let body =
         crate::error::openai_error_body(error.status(), error.error_type(), &error.message());

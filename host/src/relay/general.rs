@@ -2,6 +2,7 @@
 //! route's table names to its backend, streamed through unchanged.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -17,7 +18,7 @@ use crate::error::ApiError;
 use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
 use crate::relay::headers::{self, Way};
-use crate::relay::plan::{Decided, RelayPlan, Target};
+use crate::relay::plan::{Decided, Engine, RelayPlan, Target};
 use crate::relay::{in_process, rewrite};
 
 /// Only the one field serve needs from a request body; serde still checks the whole body is
@@ -32,6 +33,9 @@ pub struct RequestShape {
 /// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
 /// route's `forward` goes to a blocking thread.
 pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Response {
+    // serve's added time runs from here to the response handed to hyper, less the backend's
+    // own time (`metrics::requests`).
+    let began = Instant::now();
     let in_flight = InFlight::begin();
     let decided = request.extensions_mut().remove::<Decided>();
     let (parts, body) = request.into_parts();
@@ -135,9 +139,15 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    let sent_at = Instant::now();
     let reply = match app.client.request(upstream).await {
         Ok(reply) => reply,
         Err(e) => return no_answer(&app.device, &error_chain(&e)).into_response(),
+    };
+    let mut backend_time = sent_at.elapsed();
+    let added = |backend_time: Duration| {
+        let added = began.elapsed().saturating_sub(backend_time);
+        app.requests.added(Engine::General, added);
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
     headers::filter(Way::Reply, &mut reply_parts.headers);
@@ -149,7 +159,10 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         .is_some_and(|ct| ct.starts_with("application/json"));
     if plan.name_reply && json_reply {
         // A whole JSON reply: name the model as serve serves it.
-        let bytes = match reply_body.collect().await {
+        let collecting = Instant::now();
+        let collected = reply_body.collect().await;
+        backend_time += collecting.elapsed();
+        let bytes = match collected {
             Ok(collected) => collected.to_bytes(),
             Err(e) => {
                 return ApiError::BadGateway(format!(
@@ -162,6 +175,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         };
         let bytes = rewrite::with_model_name(bytes, &app.served_name);
         reply_parts.headers.remove(header::CONTENT_LENGTH);
+        added(backend_time);
         return Response::from_parts(reply_parts, Body::from(bytes));
     }
     // Streamed as it arrives: dropping this response (a client that went away) drops the
@@ -170,6 +184,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes.
         let mut events = rewrite::SseRenamer::new(app.served_name.clone());
+        added(backend_time);
         return Response::from_parts(
             reply_parts,
             Body::new(reply_body.map_frame(move |frame| match frame.into_data() {
@@ -178,6 +193,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             })),
         );
     }
+    added(backend_time);
     Response::from_parts(reply_parts, Body::new(reply_body))
 }
 

@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use crate::error::ApiError;
 use crate::relay::App;
-use crate::relay::plan::{RelayPlan, Target};
+use crate::relay::plan::{Engine, RelayPlan, Target};
 
 /// Answer a request whose plan targets an in-process route. Called by the general engine on
 /// the connection's task; a route's blocking work belongs on a blocking thread.
@@ -19,11 +19,14 @@ pub async fn respond(
     _body: Bytes,
 ) -> Response {
     debug_assert_eq!(plan.target, Target::InProcess);
-    ApiError::BadGateway(format!(
+    let mut response = ApiError::BadGateway(format!(
         "the {} route named an in-process answer for {} {}, which this build does not have",
         app.device,
         parts.method,
         parts.uri.path()
     ))
-    .into_response()
+    .into_response();
+    // `onebit_requests_total` counts it under its own engine.
+    response.extensions_mut().insert(Engine::InProcess);
+    response
 }

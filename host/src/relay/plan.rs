@@ -12,6 +12,8 @@ use onebit_plugin_api::{Action, Rule};
 
 use crate::backends::health::Status;
 use crate::error::ApiError;
+/// Which engine carries a request: also the label of `onebit_requests_total`.
+pub use crate::metrics::requests::Engine;
 use crate::relay::App;
 
 /// Where a request goes.
@@ -31,17 +33,6 @@ pub enum Target {
     AskRoute,
     /// Answered by an in-process route, not over a socket. No table names one yet; the general
     /// engine's `relay::in_process` is the seam where one is wired.
-    InProcess,
-}
-
-/// Which engine carries a request (and the label of `onebit_requests_total`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Engine {
-    /// `relay::fast`: the raw socket, no rewrites.
-    Fast,
-    /// `relay::general`: hyper and axum; every rewrite, every refusal.
-    General,
-    /// An in-process route ([`Target::InProcess`]).
     InProcess,
 }
 
