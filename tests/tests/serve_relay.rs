@@ -72,6 +72,57 @@ fn read_reply(tcp: &mut TcpStream, pending: &mut Vec<u8>) -> (u16, String, Vec<u
     (status, head, body)
 }
 
+/// Read a streamed reply to its end (the connection's close, or with `chunked_end` the last
+/// chunk), noting for each event stamped `fake_sent_ns` (sent by the backend, received here),
+/// in ns since the epoch. Returns them and everything read.
+fn events_as_they_arrive(
+    tcp: &mut TcpStream,
+    chunked_end: Option<()>,
+) -> (Vec<(u64, u64)>, Vec<u8>) {
+    let mut events: Vec<(u64, u64)> = Vec::new();
+    let mut text = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if chunked_end.is_some() && text.ends_with(b"\r\n0\r\n\r\n") {
+            break;
+        }
+        let n = tcp.read(&mut chunk).unwrap();
+        if n == 0 {
+            break;
+        }
+        let received = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        text.extend_from_slice(&chunk[..n]);
+        let seen = String::from_utf8_lossy(&text);
+        let mut sent_so_far = Vec::new();
+        for rest in seen.split("\"fake_sent_ns\":").skip(1) {
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if digits.len() == rest.len() {
+                break; // the read ended inside the number
+            }
+            sent_so_far.push(digits.parse::<u64>().unwrap());
+        }
+        for &sent in &sent_so_far[events.len()..] {
+            events.push((sent, received));
+        }
+    }
+    (events, text)
+}
+
+/// Each event reached the client before the backend sent the next one.
+fn none_held_back(events: &[(u64, u64)]) {
+    for (i, pair) in events.windows(2).enumerate() {
+        assert!(
+            pair[0].1 < pair[1].0,
+            "event {i} arrived {} ms after event {} was sent: held back",
+            (pair[0].1 as f64 - pair[1].0 as f64) / 1e6,
+            i + 1
+        );
+    }
+}
+
 fn connect(port: u16) -> TcpStream {
     let tcp = TcpStream::connect(("127.0.0.1", port)).unwrap();
     tcp.set_read_timeout(Some(SECS(10))).unwrap();
@@ -232,44 +283,11 @@ fn streamed_events_arrive_one_by_one_as_the_backend_sends_them() {
         body.len()
     )
     .unwrap();
-    // (sent by the fake, received here), in ns since the epoch, per content event.
-    let mut events: Vec<(u64, u64)> = Vec::new();
-    let mut text = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = tcp.read(&mut chunk).unwrap();
-        if n == 0 {
-            break;
-        }
-        let received = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        text.extend_from_slice(&chunk[..n]);
-        let seen = String::from_utf8_lossy(&text);
-        let mut sent_so_far = Vec::new();
-        for rest in seen.split("\"fake_sent_ns\":").skip(1) {
-            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-            if digits.len() == rest.len() {
-                break; // the read ended inside the number
-            }
-            sent_so_far.push(digits.parse::<u64>().unwrap());
-        }
-        for &sent in &sent_so_far[events.len()..] {
-            events.push((sent, received));
-        }
-    }
+    let (mut events, text) = events_as_they_arrive(&mut tcp, None);
     // The content events come first (the closing events carry the stamp too).
     assert!(events.len() >= 6, "{}", String::from_utf8_lossy(&text));
     events.truncate(6);
-    for (i, pair) in events.windows(2).enumerate() {
-        assert!(
-            pair[0].1 < pair[1].0,
-            "event {i} arrived {} ms after event {} was sent: held back",
-            (pair[0].1 as f64 - pair[1].0 as f64) / 1e6,
-            i + 1
-        );
-    }
+    none_held_back(&events);
 }
 
 #[test]
@@ -431,4 +449,119 @@ fn each_request_is_counted_under_the_engine_that_carried_it() {
             .and_then(|v| v.trim().parse::<f64>().ok());
         assert_eq!(count, Some(relayed), "{engine}: {text}");
     }
+}
+
+/// A backend in the manner of Python's http.server: HTTP/1.0 replies with no Content-Length,
+/// each ending at the connection's close; a stream's events 150 ms apart. It takes
+/// llama-server's command line and answers /health; /slots is 404 (no progress route), so the
+/// watchdog sees progress only in the relayed bytes.
+const HTTP10_BACKEND: &str = r#"#!/usr/bin/env python3
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        if self.path != "/health":
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"status":"ok"}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+        self.send_response(200)
+        if body.get("stream"):
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(12):
+                event = {"model": "py", "choices": [{"delta": {"content": "t%d" % i}}],
+                         "fake_sent_ns": time.time_ns()}
+                self.wfile.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+                self.wfile.flush()
+                time.sleep(0.15)
+            self.wfile.write(b"data: [DONE]\n\n")
+        else:
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"model": "py", "path": self.path}).encode())
+
+args = sys.argv[1:]
+host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
+ThreadingHTTPServer((host, int(args[args.index("--port") + 1])), Handler).serve_forever()
+"#;
+
+#[test]
+fn a_stream_from_an_http10_backend_that_ends_at_its_close_is_relayed_event_by_event() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("relay-http10");
+    let model = dummy_model(&dir, "m.gguf");
+    let backend = dir.join("http10-backend");
+    std::fs::write(&backend, HTTP10_BACKEND).unwrap();
+    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // A one-second watchdog: the 1.8 s stream lives only if each read stamps its ticket.
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            backend.to_str().unwrap(),
+            "--watchdog",
+            "1",
+        ],
+        &[],
+    );
+    serve.ready();
+    let body = r#"{"stream":true,"messages":[{"role":"user","content":"count"}]}"#;
+    let mut tcp = connect(serve.port);
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tcp.write_all(request.as_bytes()).unwrap();
+    let (events, text) = events_as_they_arrive(&mut tcp, Some(()));
+    let text = String::from_utf8_lossy(&text).to_string();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    // Framed for the HTTP/1.1 client: chunked, ended by the last chunk, kept alive.
+    let head = text[..text.find("\r\n\r\n").unwrap()].to_ascii_lowercase();
+    assert!(head.contains("transfer-encoding: chunked"), "{head}");
+    assert!(!head.contains("connection: close"), "{head}");
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert_eq!(events.len(), 12, "{text}");
+    none_held_back(&events);
+    // The same connection carries the next request (a whole reply, the general engine's).
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
+    write!(
+        tcp,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{chat}",
+        chat.len()
+    )
+    .unwrap();
+    let mut pending = Vec::new();
+    let (status, head, reply) = read_reply(&mut tcp, &mut pending);
+    assert_eq!(status, 200, "{head}");
+    let v: serde_json::Value = serde_json::from_slice(&reply).unwrap();
+    assert_eq!(v["model"], "m", "the served name: {v}");
+    // The stream went on the fast engine, the whole reply on the general one.
+    let chats = |engine| {
+        requests_total(
+            &serve,
+            &[
+                ("path_class", "chat"),
+                ("status_class", "2xx"),
+                ("engine", engine),
+            ],
+        )
+    };
+    assert_eq!((chats("fast"), chats("general")), (1, 1));
+    assert!(!serve.output().contains("watchdog"), "{}", serve.output());
 }

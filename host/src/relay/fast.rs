@@ -14,6 +14,7 @@
 //! streamed inference request, a client that leaves closing the backend connection, the header
 //! timeout, and a graceful stop between requests.
 
+use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -364,17 +365,21 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     app.requests.count(fast.path, head.status, Engine::Fast);
     let mut head_written = false;
 
-    let close = fast.close || head.framing == Framing::UntilClose;
+    // A body that ends at the backend's close goes to the (HTTP/1.1) client chunked, each
+    // read one chunk, so the client's connection stays framed and can be kept alive.
+    let close = fast.close;
     let mut out = Vec::with_capacity(head.lines.len() + 64);
     out.extend_from_slice(&head.lines);
     match head.framing {
-        Framing::Chunked => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
+        Framing::Chunked | Framing::UntilClose => {
+            out.extend_from_slice(b"Transfer-Encoding: chunked\r\n")
+        }
         Framing::Length(n) => {
             out.extend_from_slice(b"Content-Length: ");
             out.extend_from_slice(n.to_string().as_bytes());
             out.extend_from_slice(b"\r\n");
         }
-        Framing::None | Framing::UntilClose => {}
+        Framing::None => {}
     }
     if close {
         out.extend_from_slice(b"Connection: close\r\n");
@@ -391,7 +396,11 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         let done = end.is_some();
         let take = end.unwrap_or(reply.len());
-        out.extend_from_slice(&reply[..take]);
+        if body.framing == Framing::UntilClose {
+            append_chunk(&mut out, &reply[..take]);
+        } else {
+            out.extend_from_slice(&reply[..take]);
+        }
         let leftover = reply.len() > take;
         reply.clear();
         if !out.is_empty() {
@@ -423,9 +432,13 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                 biased;
                 read = backend.read_buf(&mut reply) => match read {
                     Ok(0) if body.framing == Framing::UntilClose => {
+                        // The backend's close ends the body: so does the last chunk.
                         drop(ticket);
                         drop(in_flight);
-                        return Outcome::Close;
+                        if client.write_all(b"0\r\n\r\n").await.is_err() || close {
+                            return Outcome::Close;
+                        }
+                        return Outcome::KeepAlive;
                     }
                     // The reply broke off: the client sees its connection close.
                     Ok(0) | Err(_) => return Outcome::Close,
@@ -509,12 +522,10 @@ async fn read_reply_head(
 
 fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyError> {
     let code = response.code.unwrap_or(502);
-    if response.version != Some(1) || code < 200 {
-        // HTTP/1.0 framing rules or an interim reply: not what a llama-server sends.
-        return Err(ReplyError::Malformed(format!(
-            "HTTP/1.{} status {code}",
-            response.version.unwrap_or(0)
-        )));
+    let http10 = response.version == Some(0);
+    if code < 200 {
+        // An interim reply: the fast engine sends no Expect, so none is owed.
+        return Err(ReplyError::Malformed(format!("an interim status {code}")));
     }
     let mut lines = Vec::with_capacity(256);
     lines.extend_from_slice(b"HTTP/1.1 ");
@@ -525,6 +536,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut backend_close = false;
+    let mut keep_alive = false;
     let mut dated = false;
     let mut connection: [&[u8]; 4] = [b""; 4];
     for (slot, header) in connection.iter_mut().zip(
@@ -550,7 +562,8 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
             continue;
         }
         if name.eq_ignore_ascii_case("transfer-encoding") {
-            if !value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+            // HTTP/1.0 has no transfer codings (RFC 9112 6.1): such a reply is not framed.
+            if http10 || !value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
                 return Err(ReplyError::Malformed(
                     "a transfer coding other than chunked".into(),
                 ));
@@ -559,9 +572,11 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
             continue;
         }
         if name.eq_ignore_ascii_case("connection") {
-            backend_close |= value
-                .split(|b| *b == b',')
-                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+            for token in value.split(|b| *b == b',') {
+                let token = token.trim_ascii();
+                backend_close |= token.eq_ignore_ascii_case(b"close");
+                keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
+            }
             continue;
         }
         if !headers::passes(Way::Reply, name, &connection) {
@@ -587,12 +602,24 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     } else {
         Framing::UntilClose
     };
+    // An HTTP/1.0 backend closes after its reply unless it said keep-alive (RFC 9112 9.3).
+    let backend_close = backend_close || (http10 && !keep_alive);
     Ok(ReplyHead {
         status: code,
         lines,
         framing,
         backend_close: backend_close || framing == Framing::UntilClose,
     })
+}
+
+/// `bytes` as one chunk of chunked coding (nothing for no bytes: an empty chunk is the end).
+fn append_chunk(out: &mut Vec<u8>, bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    let _ = write!(out, "{:x}\r\n", bytes.len());
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
 }
 
 /// `Date: <now>`, formatted once a second.
