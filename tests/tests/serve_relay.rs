@@ -565,3 +565,152 @@ fn a_stream_from_an_http10_backend_that_ends_at_its_close_is_relayed_event_by_ev
     assert_eq!((chats("fast"), chats("general")), (1, 1));
     assert!(!serve.output().contains("watchdog"), "{}", serve.output());
 }
+
+/// A keep-alive backend on a raw socket, to put the fast engine's pool in the two cases of a
+/// connection the backend closes under a request. `PY_MODE=reset`: the first POST on each
+/// connection is answered after 300 ms, a later one is refused unread (the connection closed
+/// with it in the buffer, which the kernel answers with a reset). `PY_MODE=hangup`: a POST
+/// whose body says `hangup` is read whole, then the connection closed with no reply. Each POST
+/// it reads is a line in `PY_RECORD`.
+const POOL_BACKEND: &str = r#"#!/usr/bin/env python3
+import os, socket, sys, threading, time
+
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+mode = os.environ["PY_MODE"]
+record = os.environ["PY_RECORD"]
+lock = threading.Lock()
+
+def reply(conn, status, body):
+    conn.sendall(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (status, len(body), body))
+
+def serve(conn):
+    posts, buf = 0, b""
+    while True:
+        if mode == "reset" and posts >= 1 and not buf:
+            if not conn.recv(1, socket.MSG_PEEK):
+                break
+            conn.close()
+            return
+        while b"\r\n\r\n" not in buf:
+            data = conn.recv(65536)
+            if not data:
+                conn.close()
+                return
+            buf += data
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        method, path = lines[0].split(" ")[:2]
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        while len(rest) < length:
+            rest += conn.recv(65536)
+        body, buf = rest[:length], rest[length:]
+        if path == "/health":
+            reply(conn, 200, b'{"status":"ok"}')
+            continue
+        if method != "POST":
+            reply(conn, 404, b"{}")
+            continue
+        with lock:
+            with open(record, "ab") as f:
+                f.write(path.encode() + b" " + body + b"\n")
+        if b"hangup" in body:
+            conn.shutdown(socket.SHUT_WR)
+            time.sleep(0.2)
+            conn.close()
+            return
+        posts += 1
+        if mode == "reset" and posts == 1:
+            time.sleep(0.3)
+        reply(conn, 200, b'{"tokens":[1,2]}')
+    conn.close()
+
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", port))
+listener.listen(64)
+while True:
+    conn, _ = listener.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"#;
+
+fn serve_on_pool_backend(mode: &str, dir: &std::path::Path) -> (Serve, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let model = dummy_model(dir, "m.gguf");
+    let backend = dir.join("pool-backend");
+    std::fs::write(&backend, POOL_BACKEND).unwrap();
+    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let record = dir.join("record.txt");
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            backend.to_str().unwrap(),
+        ],
+        &[("PY_MODE", mode), ("PY_RECORD", record.to_str().unwrap())],
+    );
+    serve.ready();
+    (serve, record)
+}
+
+fn tokenize_lines(record: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(record)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("/tokenize "))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn a_request_refused_unread_on_a_reused_connection_is_retried_once_on_a_new_one() {
+    let dir = temp_dir("relay-pool-reset");
+    let (serve, record) = serve_on_pool_backend("reset", &dir);
+    // Two requests at once leave two idle connections in the pool, each of which the backend
+    // will refuse its next request on.
+    let url = serve.url("/tokenize");
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || post(&url, TOKENIZE).0)
+        })
+        .collect();
+    for request in both {
+        assert_eq!(request.join().unwrap(), 200);
+    }
+    // The third takes an idle connection, is refused unread, and goes again on a new
+    // connection (not on the other idle one, which would refuse it too).
+    let (status, body) = post(&url, TOKENIZE);
+    assert_eq!(status, 200, "{body}\n{}", serve.output());
+    assert_eq!(tokenize_lines(&record).len(), 3);
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "fast")]),
+        3
+    );
+}
+
+#[test]
+fn a_request_the_backend_read_before_closing_is_never_sent_twice() {
+    let dir = temp_dir("relay-pool-hangup");
+    let (serve, record) = serve_on_pool_backend("hangup", &dir);
+    let url = serve.url("/tokenize");
+    // A reused connection (the first request leaves it in the pool) ...
+    assert_eq!(post(&url, TOKENIZE).0, 200);
+    // ... on which the backend reads the request, then closes without a reply.
+    let (status, body) = post(&url, r#"{"content":"hangup"}"#);
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("did not answer"), "{body}");
+    let hangups = tokenize_lines(&record)
+        .iter()
+        .filter(|l| l.contains("hangup"))
+        .count();
+    assert_eq!(hangups, 1, "the backend got the request {hangups} times");
+}

@@ -97,6 +97,9 @@ pub struct BusyPollStream {
     may_spin_once: bool,
     /// A spin saw bytes waiting that the runtime does not know of yet: read them directly.
     bytes_waiting: bool,
+    /// The error a spin's peek took from the socket (a reset): the kernel reports it once, so
+    /// the next read returns it rather than the bare end of stream that follows.
+    peeked_error: Option<io::Error>,
 }
 
 impl BusyPollStream {
@@ -107,6 +110,7 @@ impl BusyPollStream {
             // A client that has just connected owes serve its first request.
             may_spin_once: side == Side::Client,
             bytes_waiting: false,
+            peeked_error: None,
         }
     }
 
@@ -143,7 +147,10 @@ impl BusyPollStream {
                 Err(e)
                     if e.kind() == io::ErrorKind::WouldBlock
                         || e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => break true,
+                Err(e) => {
+                    self.peeked_error = Some(e);
+                    break true;
+                }
             }
             if Instant::now() >= deadline {
                 break false;
@@ -161,6 +168,9 @@ impl BusyPollStream {
     /// next `epoll_wait`); None when there was nothing after all.
     fn read_waiting(&mut self, buf: &mut ReadBuf<'_>) -> Option<io::Result<()>> {
         self.bytes_waiting = false;
+        if let Some(e) = self.peeked_error.take() {
+            return Some(Err(e));
+        }
         let socket = socket2::SockRef::from(&self.tcp);
         let mut reader: &socket2::Socket = &socket;
         match reader.read(buf.initialize_unfilled()) {

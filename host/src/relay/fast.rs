@@ -322,14 +322,20 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         _ => None,
     };
 
-    // Send, and read the reply's head; a reused connection that the backend closed before
-    // answering is retried once on a new one, as hyper's pool does.
+    // Send, and read the reply's head. A request that a reused connection's backend refused
+    // unread (a reset: it had closed the connection) is sent once more, on a new connection;
+    // one it may have read (a clean close before any reply) is never sent twice.
     let mut reply = BytesMut::with_capacity(8 * 1024);
-    let mut fresh_tries = 0;
+    let mut retried = false;
     let mut sent_at;
     let (mut backend, head) = loop {
         reply.clear();
-        let (mut conn, reused) = match app.pool.checkout(fast.port).await {
+        let taken = if retried {
+            app.pool.connect(fast.port).await.map(|c| (c, false))
+        } else {
+            app.pool.checkout(fast.port).await
+        };
+        let (mut conn, reused) = match taken {
             Ok(c) => c,
             Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
         };
@@ -341,20 +347,20 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         sent_at = Instant::now();
         let head = match sent {
             Ok(()) => read_reply_head(&mut conn, &mut reply).await,
-            // The backend closed the connection before it took the request.
+            // The backend had closed the connection: the request went unread.
             Err(e)
                 if matches!(
                     e.kind(),
                     std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
                 ) =>
             {
-                Err(ReplyError::ClosedEarly)
+                Err(ReplyError::Unread)
             }
             Err(e) => Err(ReplyError::Io(e)),
         };
         match head {
             Ok(head) => break (conn, head),
-            Err(ReplyError::ClosedEarly) if reused && fresh_tries == 0 => fresh_tries += 1,
+            Err(ReplyError::Unread) if reused && !retried => retried = true,
             Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
         }
     };
@@ -469,8 +475,12 @@ struct ReplyHead {
 }
 
 enum ReplyError {
-    /// The connection closed before a byte of the reply.
+    /// The connection closed cleanly before a byte of the reply: the backend may have read
+    /// the request.
     ClosedEarly,
+    /// The backend reset the connection (or it was reset when written) before a byte of the
+    /// reply: it closed with the request unread, so the request can be sent again.
+    Unread,
     Io(std::io::Error),
     Malformed(String),
 }
@@ -479,6 +489,7 @@ impl std::fmt::Display for ReplyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReplyError::ClosedEarly => f.write_str("connection closed before the reply"),
+            ReplyError::Unread => f.write_str("connection reset before the reply"),
             ReplyError::Io(e) => write!(f, "{e}"),
             ReplyError::Malformed(why) => write!(f, "malformed reply: {why}"),
         }
@@ -513,7 +524,7 @@ async fn read_reply_head(
             Ok(0) => return Err(ReplyError::Malformed("it ended inside the head".into())),
             Ok(_) => {}
             Err(e) if reply.is_empty() && e.kind() == std::io::ErrorKind::ConnectionReset => {
-                return Err(ReplyError::ClosedEarly);
+                return Err(ReplyError::Unread);
             }
             Err(e) => return Err(ReplyError::Io(e)),
         }
@@ -1009,11 +1020,24 @@ mod tests {
             framing(b"HTTP/1.1 200 OK\r\n\r\n"),
             Some((Framing::UntilClose, true))
         );
+        // HTTP/1.0: to the close, and a length closes too unless the backend keeps it alive.
+        assert_eq!(
+            framing(b"HTTP/1.0 200 OK\r\n\r\n"),
+            Some((Framing::UntilClose, true))
+        );
+        assert_eq!(
+            framing(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n"),
+            Some((Framing::Length(2), true))
+        );
+        assert_eq!(
+            framing(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n"),
+            Some((Framing::Length(2), false))
+        );
         for bad in [
             &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"[..],
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
             b"HTTP/1.1 200 OK\r\nContent-Length: five\r\n\r\n",
-            b"HTTP/1.0 200 OK\r\n\r\n",
+            b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
             b"HTTP/1.1 100 Continue\r\n\r\n",
         ] {
             assert!(head_of(bad).is_err(), "{}", String::from_utf8_lossy(bad));

@@ -17,11 +17,6 @@ use crate::relay::busy_poll::{BusyPollStream, Side};
 /// Idle backend connections kept for reuse, all backends together.
 const MAX_IDLE: usize = 128;
 
-/// An idle pooled connection this much younger is reused without asking the socket whether
-/// the backend closed it: llama-server closes an idle connection after 5 s, and says so in
-/// the reply when it closes one after its 100th request. A rare miss is retried.
-const TRUST_IDLE_FOR: Duration = Duration::from_secs(1);
-
 /// Idle keep-alive connections to the backends, the most recently used last.
 #[derive(Default)]
 pub struct BackendPool {
@@ -30,13 +25,15 @@ pub struct BackendPool {
 
 struct Idle {
     port: u16,
-    since: std::time::Instant,
     conn: BusyPollStream,
 }
 
 impl BackendPool {
     /// An idle connection to `port` that the backend has not closed, else a new one; whether
-    /// it was reused.
+    /// it was reused. Each idle connection is asked (one non-blocking `MSG_PEEK`) whether the
+    /// backend closed it before a request goes on it: a close seen then costs nothing, while
+    /// one seen after the request is sent may mean the backend took the request, which must
+    /// not be sent twice. Called by the fast engine on the connection's task.
     pub async fn checkout(&self, port: u16) -> std::io::Result<(BusyPollStream, bool)> {
         loop {
             let found = {
@@ -46,28 +43,28 @@ impl BackendPool {
                     .map(|i| idle.remove(i))
             };
             match found {
-                Some(idle) if idle.since.elapsed() < TRUST_IDLE_FOR || idle.conn.is_idle_open() => {
-                    return Ok((idle.conn, true));
-                }
+                Some(idle) if idle.conn.is_idle_open() => return Ok((idle.conn, true)),
                 Some(_) => continue,
                 None => break,
             }
         }
-        let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
-        tcp.set_nodelay(true)?;
-        Ok((BusyPollStream::new(tcp, Side::Backend), false))
+        Ok((self.connect(port).await?, false))
     }
 
+    /// A new connection to `port`, never a pooled one (the fast engine's one retry takes it).
+    pub async fn connect(&self, port: u16) -> std::io::Result<BusyPollStream> {
+        let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+        tcp.set_nodelay(true)?;
+        Ok(BusyPollStream::new(tcp, Side::Backend))
+    }
+
+    /// Keep a connection whose reply ended cleanly for the next request to `port`.
     pub fn checkin(&self, port: u16, conn: BusyPollStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() >= MAX_IDLE {
             idle.remove(0);
         }
-        idle.push(Idle {
-            port,
-            since: std::time::Instant::now(),
-            conn,
-        });
+        idle.push(Idle { port, conn });
     }
 }
 
