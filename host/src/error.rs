@@ -73,6 +73,13 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// The error of a request that reached no answer from the backend.
+    pub fn no_answer(device: &str, why: &str) -> ApiError {
+        ApiError::BadGateway(format!(
+            "the {device} backend did not answer ({why}); see serve's log"
+        ))
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BadJson(_) => StatusCode::BAD_REQUEST,

@@ -2,6 +2,10 @@
 //!
 //! `unsafe` is denied in this crate; the one exception is the pre-exec hook that makes a
 //! backend die with serve (`backends::supervisor::die_with_serve`), which has no safe equivalent.
+//!
+//! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
+//! rooms below it: `serve` > `front` > `relay` > `metrics` > `backends` > `guard`, `admission`,
+//! `settings`, `model`, `routes` > `error`, `cli` (docs/architecture.md).
 #![deny(unsafe_code)]
 
 mod admission;

@@ -21,13 +21,12 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
+use crate::error::ApiError;
 use crate::guard::{self, Seen};
 use crate::metrics::requests::PathClass;
 use crate::relay::App;
 use crate::relay::busy_poll::{BusyPollStream, InFlight};
-use crate::relay::general::{RequestShape, json_content_type, no_answer};
-use crate::relay::headers::{self, Way};
-use crate::relay::plan::{Decided, Engine, RelayPlan, Target};
+use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
 
 /// Header lines a fast request may have; more go the general way.
 const MAX_HEADERS: usize = 64;
@@ -263,16 +262,11 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     };
     let mut streamed = false;
     if has_body {
-        let shape = content_type
-            .is_none_or(json_content_type)
-            .then(|| std::str::from_utf8(body).ok())
-            .flatten()
-            .and_then(|_| serde_json::from_slice::<RequestShape>(body).ok());
         // A body that fails a check gets its refusal from the general engine.
-        let Some(shape) = shape else {
-            return decided(plan, false);
-        };
-        streamed = shape.stream.unwrap_or(false);
+        match plan::check_body(content_type, body) {
+            Ok(stream) => streamed = stream,
+            Err(_) => return decided(plan, false),
+        }
     }
     let plan = plan.with_body(app, streamed);
     let Some(port) = app.ports.get(backend).copied().filter(|_| plan.fast()) else {
@@ -280,7 +274,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     };
 
     let mut upstream = Vec::with_capacity(head_len + body_len + 32);
-    headers::upstream_head(
+    plan::upstream_head(
         &mut upstream,
         method,
         target,
@@ -590,7 +584,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
             }
             continue;
         }
-        if !headers::passes(Way::Reply, name, &connection) {
+        if !plan::passes(Way::Reply, name, &connection) {
             continue;
         }
         dated |= name.eq_ignore_ascii_case("date");
@@ -823,7 +817,7 @@ impl Body {
 async fn bad_gateway(app: &App, client: &mut BusyPollStream, fast: &Fast, why: &str) -> Outcome {
     app.requests.count(fast.path, 502, Engine::Fast);
     let close = fast.close;
-    let error = no_answer(&app.device, why);
+    let error = ApiError::no_answer(&app.device, why);
     let body =
         crate::error::openai_error_body(error.status(), error.error_type(), &error.message());
     let head = format!(

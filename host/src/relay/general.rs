@@ -11,23 +11,13 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use onebit_plugin_api::{Forward, ForwardRequest};
-use serde::Deserialize;
 
 use crate::backends::watchdog::Ticket;
 use crate::error::ApiError;
 use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
-use crate::relay::headers::{self, Way};
-use crate::relay::plan::{Decided, Engine, RelayPlan, Target};
-use crate::relay::{in_process, rewrite};
-
-/// Only the one field serve needs from a request body; serde still checks the whole body is
-/// well-formed JSON and an object, without building it.
-#[derive(Deserialize)]
-pub struct RequestShape {
-    #[serde(default)]
-    pub stream: Option<bool>,
-}
+use crate::relay::in_process;
+use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
 
 /// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
 /// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
@@ -65,9 +55,13 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         Bytes::new()
     };
     let plan = if has_body && !body_checked {
-        match serde_json::from_slice::<RequestShape>(&body) {
-            Ok(shape) => plan.with_body(&app, shape.stream.unwrap_or(false)),
-            Err(e) => return ApiError::BadJson(e.to_string()).into_response(),
+        let content_type = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.as_bytes());
+        match plan::check_body(content_type, &body) {
+            Ok(streamed) => plan.with_body(&app, streamed),
+            Err(e) => return e.into_response(),
         }
     } else {
         plan
@@ -75,7 +69,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
 
     // --precise: every chat and completion is prefilled whole, as a cold run is.
     let body = if plan.precise {
-        rewrite::without_prompt_cache(body)
+        without_prompt_cache(body)
     } else {
         body
     };
@@ -142,7 +136,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     let sent_at = Instant::now();
     let reply = match app.client.request(upstream).await {
         Ok(reply) => reply,
-        Err(e) => return no_answer(&app.device, &error_chain(&e)).into_response(),
+        Err(e) => return ApiError::no_answer(&app.device, &error_chain(&e)).into_response(),
     };
     let mut backend_time = sent_at.elapsed();
     let added = |backend_time: Duration| {
@@ -150,7 +144,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         app.requests.added(Engine::General, added);
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
-    headers::filter(Way::Reply, &mut reply_parts.headers);
+    plan::filter(Way::Reply, &mut reply_parts.headers);
     let reply_body = watched(reply_body, ticket, on_first_byte, in_flight);
     let json_reply = reply_parts
         .headers
@@ -173,7 +167,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
                 .into_response();
             }
         };
-        let bytes = rewrite::with_model_name(bytes, &app.served_name);
+        let bytes = with_model_name(bytes, &app.served_name);
         reply_parts.headers.remove(header::CONTENT_LENGTH);
         added(backend_time);
         return Response::from_parts(reply_parts, Body::from(bytes));
@@ -183,7 +177,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if plan.rename_stream {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes.
-        let mut events = rewrite::SseRenamer::new(app.served_name.clone());
+        let mut events = SseRenamer::new(app.served_name.clone());
         added(backend_time);
         return Response::from_parts(
             reply_parts,
@@ -253,20 +247,12 @@ fn answer(status: u16, content_type: &str, body: String) -> Response {
 }
 
 /// Read a request body that must be JSON: refuse a non-JSON Content-Type, a declared length
-/// over the limit (before reading a byte), a body that grows past it (the read stops there),
-/// one that takes longer than the body timeout, and invalid UTF-8. Called by `relay` before
-/// anything reaches a backend.
+/// over the limit (before reading a byte), a body that grows past it (the read stops there)
+/// and one that takes longer than the body timeout. Called by `relay` before anything reaches
+/// a backend; [`plan::check_body`] then checks what was read.
 async fn read_json_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
-    if let Some(ct) = headers.get(header::CONTENT_TYPE)
-        && !json_content_type(ct.as_bytes())
-    {
-        return Err(ApiError::BadContentType(
-            String::from_utf8_lossy(ct.as_bytes())
-                .chars()
-                .take(100)
-                .collect(),
-        ));
-    }
+    // A form that is not JSON is refused before its body is read.
+    plan::check_content_type(headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()))?;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -288,28 +274,7 @@ async fn read_json_body(app: &App, headers: &HeaderMap, body: Body) -> Result<By
                 });
             }
         };
-    if let Err(e) = std::str::from_utf8(&bytes) {
-        return Err(ApiError::BadJson(format!("it is not UTF-8: {e}")));
-    }
     Ok(bytes)
-}
-
-/// Content types serve reads as JSON: `application/json` and `+json` types (any parameters),
-/// and `application/x-www-form-urlencoded`, which `curl -d` sends for a JSON body. A browser
-/// form's other types (`text/plain`, `multipart/form-data`) are refused; see docs/security.md.
-pub fn json_content_type(value: &[u8]) -> bool {
-    let Ok(text) = std::str::from_utf8(value) else {
-        return false;
-    };
-    let essence = text.split(';').next().unwrap_or("").trim();
-    essence.eq_ignore_ascii_case("application/json")
-        || essence.eq_ignore_ascii_case("application/x-www-form-urlencoded")
-        || essence
-            .get(..12)
-            .is_some_and(|p| p.eq_ignore_ascii_case("application/"))
-            && essence
-                .get(essence.len().saturating_sub(5)..)
-                .is_some_and(|s| s.eq_ignore_ascii_case("+json"))
 }
 
 fn body_error(e: axum::Error, limit: usize) -> ApiError {
@@ -321,13 +286,6 @@ fn body_error(e: axum::Error, limit: usize) -> ApiError {
     } else {
         ApiError::BadJson(format!("the body could not be read: {e}"))
     }
-}
-
-/// The error of a request that reached no answer from the backend.
-pub fn no_answer(device: &str, why: &str) -> ApiError {
-    ApiError::BadGateway(format!(
-        "the {device} backend did not answer ({why}); see serve's log"
-    ))
 }
 
 /// The request to the backend on `port`: the client's method, path, query and headers (moved,
@@ -352,7 +310,7 @@ fn upstream_request(
     *request.uri_mut() = target;
     let headers = request.headers_mut();
     *headers = parts.headers;
-    headers::filter(Way::Upstream, headers);
+    plan::filter(Way::Upstream, headers);
     Ok(request)
 }
 
@@ -387,36 +345,101 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+// The rewrites only this engine makes: `--precise`, the served name in replies and events.
+
+/// Rewrites the `model` field of each SSE `data:` event to the served name, event by event:
+/// complete lines go out as they arrive, a partial line waits for the rest of it.
+pub struct SseRenamer {
+    served: String,
+    partial: Vec<u8>,
+}
+
+impl SseRenamer {
+    pub fn new(served: String) -> Self {
+        SseRenamer {
+            served,
+            partial: Vec::new(),
+        }
+    }
+
+    pub fn feed(&mut self, data: &[u8]) -> Bytes {
+        self.partial.extend_from_slice(data);
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
+            return Bytes::new();
+        };
+        let rest = self.partial.split_off(end + 1);
+        let complete = std::mem::replace(&mut self.partial, rest);
+        let mut out = Vec::with_capacity(complete.len() + 16);
+        for line in complete.split_inclusive(|b| *b == b'\n') {
+            match line.strip_prefix(b"data: ") {
+                Some(json) if json.starts_with(b"{") => {
+                    let body = json.strip_suffix(b"\n").unwrap_or(json);
+                    let body = body.strip_suffix(b"\r").unwrap_or(body);
+                    let renamed = with_model_name(Bytes::copy_from_slice(body), &self.served);
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(&renamed);
+                    out.push(b'\n');
+                }
+                _ => out.extend_from_slice(line),
+            }
+        }
+        Bytes::from(out)
+    }
+}
+
+/// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
+pub fn without_prompt_cache(body: Bytes) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return body;
+    };
+    match value.as_object_mut() {
+        Some(object) => {
+            object.insert("cache_prompt".to_string(), serde_json::Value::Bool(false));
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(body)
+        }
+        None => body,
+    }
+}
+
+/// Put `served` in a JSON object reply's `model` field; anything else is left as it came.
+pub fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return bytes;
+    };
+    match value.get_mut("model") {
+        Some(serde_json::Value::String(model)) if model != served => {
+            *model = served.to_string();
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
+        }
+        _ => bytes,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn json_content_types() {
-        for yes in [
-            "application/json",
-            "Application/JSON; charset=utf-8",
-            "application/x-www-form-urlencoded",
-            "application/vnd.api+json",
-        ] {
-            assert!(json_content_type(yes.as_bytes()), "{yes}");
-        }
-        for no in [
-            "text/plain",
-            "multipart/form-data; boundary=x",
-            "application/xml",
-            "",
-            "+json",
-        ] {
-            assert!(!json_content_type(no.as_bytes()), "{no}");
-        }
+    fn the_reply_model_becomes_the_served_name_and_other_bytes_pass() {
+        let out = with_model_name(Bytes::from_static(br#"{"model":"x.gguf","n":1}"#), "smol");
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["model"], "smol");
+        assert_eq!(v["n"], 1);
+        let same = Bytes::from_static(br#"{"model":"smol"}"#);
+        assert_eq!(with_model_name(same.clone(), "smol"), same);
+        let text = Bytes::from_static(b"not json");
+        assert_eq!(with_model_name(text.clone(), "smol"), text);
     }
 
     #[test]
-    fn request_shape_accepts_objects_only() {
-        assert!(serde_json::from_slice::<RequestShape>(br#"{"stream":true,"x":[1]}"#).is_ok());
-        assert!(serde_json::from_slice::<RequestShape>(b"[1,2]").is_err());
-        assert!(serde_json::from_slice::<RequestShape>(b"{bad").is_err());
-        assert!(serde_json::from_slice::<RequestShape>(b"").is_err());
+    fn streamed_events_get_the_served_name_even_when_split_across_frames() {
+        let mut r = SseRenamer::new("smol".into());
+        let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
+        assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
+        let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            &second[..],
+            b"data: {\"model\":\"smol\"}\n\ndata: [DONE]\n\n"
+        );
     }
 }

@@ -5,19 +5,17 @@
 //! fast engine (`fast`) serves every client connection first, on the raw socket, and carries
 //! the plans that need no rewrite; it hands every other request, with its plan and the bytes
 //! read so far, to the general engine (`general`: hyper and axum), which carries the rest
-//! (`rewrite`, the route's `forward`, `in_process`). Which headers pass and the backend's
-//! request head are `headers`' one function each; the backend connections are `pool`'s; both
+//! (the rewrites, the route's `forward`, `in_process`). Which headers pass and the backend's
+//! request head are `plan`'s one function each; the backend connections are `pool`'s; both
 //! engines read and write through `busy_poll`.
 
 pub mod app;
 pub mod busy_poll;
 pub mod fast;
 pub mod general;
-pub mod headers;
 pub mod in_process;
 pub mod plan;
 pub mod pool;
-pub mod rewrite;
 
 pub use app::App;
 

@@ -6,9 +6,12 @@
 //! reply, `--precise`, the served name in each streamed event), whether the watchdog tracks it,
 //! and which engine can carry it. The fast engine carries the plans whose engine is
 //! [`Engine::Fast`]; it hands every other request, with its plan, to the general engine, which
-//! carries it without deciding again.
+//! carries it without deciding again. Which headers pass in each direction ([`passes`]) and
+//! the head the backend gets ([`upstream_head`]) are decided here too, once for both engines.
 
+use axum::http::{HeaderMap, HeaderName, header};
 use onebit_plugin_api::{Action, Rule};
+use serde::Deserialize;
 
 use crate::backends::health::Status;
 use crate::error::ApiError;
@@ -155,6 +158,188 @@ pub struct Decided {
     pub body_checked: bool,
 }
 
+// Which headers pass, and the backend's request head: part of the same decision.
+
+/// Headers that belong to one connection, not to the message (lowercase, as `http` keeps
+/// names); both relay paths drop them.
+const HOP_HEADERS: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Whether a header (any case) belongs to one connection, not to the message.
+pub fn is_hop_header(name: &str) -> bool {
+    HOP_HEADERS.iter().any(|h| name.eq_ignore_ascii_case(h))
+}
+
+/// Whether a header (any case) is a CORS header. llama-server answers any Origin with
+/// `Access-Control-Allow-Origin` (and credentials), which would let any web page read the
+/// replies it can make a browser request; serve sends no CORS headers at all
+/// (docs/security.md).
+pub fn is_cors_header(name: &str) -> bool {
+    name.get(..15)
+        .is_some_and(|p| p.eq_ignore_ascii_case("access-control-"))
+}
+
+/// The direction a message is passed on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// The client's request, to the backend.
+    Upstream,
+    /// The backend's reply, to the client.
+    Reply,
+}
+
+/// Whether a header of a message passed on in `way` goes through: not a hop-by-hop header, not
+/// one its `Connection` headers name (`connection`: their values as sent), and besides, toward
+/// the backend, not `Host` or `Content-Length` (the engine writes its own), and toward the
+/// client, no CORS header. Framing headers of a reply (`Content-Length`) are the engine's.
+/// Called per header by both engines on the connection's task; never blocks or allocates.
+pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
+    if is_hop_header(name) || named_by_connection(name, connection) {
+        return false;
+    }
+    match way {
+        Way::Upstream => {
+            !name.eq_ignore_ascii_case("host") && !name.eq_ignore_ascii_case("content-length")
+        }
+        Way::Reply => !is_cors_header(name),
+    }
+}
+
+/// Whether one of the `Connection` header values names `name` (a header that belongs to this
+/// connection only, RFC 9110 7.6.1).
+fn named_by_connection(name: &str, connection: &[&[u8]]) -> bool {
+    connection.iter().any(|value| {
+        value
+            .split(|b| *b == b',')
+            .any(|token| token.trim_ascii().eq_ignore_ascii_case(name.as_bytes()))
+    })
+}
+
+/// [`passes`] applied to a header map (the general engine's messages).
+pub fn filter(way: Way, headers: &mut HeaderMap) {
+    let connection: Vec<Vec<u8>> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .map(|v| v.as_bytes().to_vec())
+        .collect();
+    let connection: Vec<&[u8]> = connection.iter().map(Vec::as_slice).collect();
+    let dropped: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| !passes(way, name.as_str(), &connection))
+        .cloned()
+        .collect();
+    for name in dropped {
+        headers.remove(name);
+    }
+}
+
+/// The request head the backend on `port` gets, appended to `out`: the client's method and
+/// target, `Host` naming the backend, the client's headers that pass [`Way::Upstream`], and
+/// `Content-Length` when the request has a body. The fast engine writes it as is; the general
+/// engine's hyper client writes the same head from the filtered map.
+pub fn upstream_head<'h>(
+    out: &mut Vec<u8>,
+    method: &str,
+    target: &str,
+    port: u16,
+    headers: impl Iterator<Item = (&'h str, &'h [u8])> + Clone,
+    body_len: Option<usize>,
+) {
+    let connection: [&[u8]; 4] = {
+        let mut found: [&[u8]; 4] = [b""; 4];
+        let mut n = 0;
+        for (name, value) in headers.clone() {
+            if name.eq_ignore_ascii_case("connection") && n < found.len() {
+                found[n] = value;
+                n += 1;
+            }
+        }
+        found
+    };
+    out.extend_from_slice(method.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nHost: 127.0.0.1:");
+    out.extend_from_slice(port.to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        if !passes(Way::Upstream, name, &connection) {
+            continue;
+        }
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    if let Some(len) = body_len {
+        out.extend_from_slice(b"Content-Length: ");
+        out.extend_from_slice(len.to_string().as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+// The body's JSON checks: one function, for both engines.
+
+/// Only the one field serve needs from a request body; serde still checks the whole body is
+/// well-formed JSON and an object, without building it.
+#[derive(Deserialize)]
+struct RequestShape {
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+/// Content types serve reads as JSON: `application/json` and `+json` types (any parameters),
+/// and `application/x-www-form-urlencoded`, which `curl -d` sends for a JSON body. A browser
+/// form's other types (`text/plain`, `multipart/form-data`) are refused; see docs/security.md.
+pub fn json_content_type(value: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return false;
+    };
+    let essence = text.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || essence.eq_ignore_ascii_case("application/x-www-form-urlencoded")
+        || essence
+            .get(..12)
+            .is_some_and(|p| p.eq_ignore_ascii_case("application/"))
+            && essence
+                .get(essence.len().saturating_sub(5)..)
+                .is_some_and(|s| s.eq_ignore_ascii_case("+json"))
+}
+
+/// Refuse a Content-Type serve does not read as JSON (see [`json_content_type`]); none is fine.
+pub fn check_content_type(content_type: Option<&[u8]>) -> Result<(), ApiError> {
+    match content_type {
+        Some(ct) if !json_content_type(ct) => Err(ApiError::BadContentType(
+            String::from_utf8_lossy(ct).chars().take(100).collect(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The JSON checks of a request body: an accepted Content-Type, UTF-8, one JSON object (serde
+/// checks the whole body without building it). Returns its `stream` flag. Called by both
+/// engines on the connection's task, once per request: the fast engine passes a body it
+/// checked on with [`Decided::body_checked`].
+pub fn check_body(content_type: Option<&[u8]>, body: &[u8]) -> Result<bool, ApiError> {
+    check_content_type(content_type)?;
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(ApiError::BadJson(format!("it is not UTF-8: {e}")));
+    }
+    match serde_json::from_slice::<RequestShape>(body) {
+        Ok(shape) => Ok(shape.stream.unwrap_or(false)),
+        Err(e) => Err(ApiError::BadJson(e.to_string())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,5 +396,92 @@ mod tests {
                 .engine,
             Engine::InProcess
         );
+    }
+
+    #[test]
+    fn hop_connection_named_cors_and_framing_headers_do_not_pass() {
+        let conn: &[&[u8]] = &[b"keep-alive, X-Secret"];
+        for name in [
+            "Connection",
+            "Keep-Alive",
+            "TE",
+            "Transfer-Encoding",
+            "x-secret",
+        ] {
+            assert!(!passes(Way::Upstream, name, conn), "{name}");
+            assert!(!passes(Way::Reply, name, conn), "{name}");
+        }
+        assert!(!passes(Way::Upstream, "Host", conn));
+        assert!(!passes(Way::Upstream, "content-length", conn));
+        assert!(passes(Way::Reply, "content-type", conn));
+        assert!(!passes(Way::Reply, "Access-Control-Allow-Origin", conn));
+        assert!(passes(Way::Upstream, "Access-Control-Request-Method", conn));
+        assert!(passes(Way::Upstream, "x-secret-not", conn));
+    }
+
+    #[test]
+    fn the_upstream_head_names_the_backend_and_its_own_length() {
+        let headers: [(&str, &[u8]); 5] = [
+            ("Host", b"localhost:8080"),
+            ("Connection", b"close, X-Drop"),
+            ("X-Drop", b"1"),
+            ("Content-Length", b"7"),
+            ("Content-Type", b"application/json"),
+        ];
+        let mut out = Vec::new();
+        upstream_head(
+            &mut out,
+            "POST",
+            "/v1/x?a=1",
+            9000,
+            headers.iter().copied(),
+            Some(2),
+        );
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:9000\r\n\
+             Content-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn a_header_map_is_filtered_by_the_same_rule() {
+        let mut headers = HeaderMap::new();
+        headers.insert("access-control-allow-origin", "*".parse().unwrap());
+        headers.insert(header::CONNECTION, "x-hop".parse().unwrap());
+        headers.insert("x-hop", "1".parse().unwrap());
+        headers.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
+        filter(Way::Reply, &mut headers);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn json_content_types() {
+        for yes in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/x-www-form-urlencoded",
+            "application/vnd.api+json",
+        ] {
+            assert!(json_content_type(yes.as_bytes()), "{yes}");
+        }
+        for no in [
+            "text/plain",
+            "multipart/form-data; boundary=x",
+            "application/xml",
+            "",
+            "+json",
+        ] {
+            assert!(!json_content_type(no.as_bytes()), "{no}");
+        }
+    }
+
+    #[test]
+    fn request_shape_accepts_objects_only() {
+        assert!(serde_json::from_slice::<RequestShape>(br#"{"stream":true,"x":[1]}"#).is_ok());
+        assert!(serde_json::from_slice::<RequestShape>(b"[1,2]").is_err());
+        assert!(serde_json::from_slice::<RequestShape>(b"{bad").is_err());
+        assert!(serde_json::from_slice::<RequestShape>(b"").is_err());
     }
 }
