@@ -60,6 +60,8 @@ pub enum ApiError {
     BadContentType(String),
     /// The client sent its body too slowly.
     BodyTimeout { after: std::time::Duration },
+    /// More than one Host header (RFC 9112 3.2).
+    SeveralHosts { count: usize },
     /// The guard: on a loopback bind, a Host header that does not name loopback (DNS rebinding).
     ForeignHost { host: String },
     /// The guard: a write whose Origin is neither loopback nor this server (a web page).
@@ -82,7 +84,7 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadJson(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadJson(_) | ApiError::SeveralHosts { .. } => StatusCode::BAD_REQUEST,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadContentType(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -97,6 +99,7 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             ApiError::BadJson(_)
+            | ApiError::SeveralHosts { .. }
             | ApiError::TooLarge { .. }
             | ApiError::BadContentType(_)
             | ApiError::BodyTimeout { .. } => "invalid_request_error",
@@ -121,6 +124,9 @@ impl ApiError {
             ApiError::BodyTimeout { after } => format!(
                 "the request body did not arrive within {} s; send it at once, or raise ONEBIT_BODY_READ_TIMEOUT_S",
                 after.as_secs_f64()
+            ),
+            ApiError::SeveralHosts { count } => format!(
+                "the request has {count} Host headers; send exactly one (RFC 9112, section 3.2)"
             ),
             ApiError::ForeignHost { host } => format!(
                 "the Host header does not name this server (Host: {host:?}); call it as localhost or 127.0.0.1, or bind --host 0.0.0.0 to serve other names"

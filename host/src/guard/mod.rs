@@ -18,6 +18,7 @@ use crate::error::ApiError;
 impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> ApiError {
         match r {
+            Refusal::SeveralHosts(count) => ApiError::SeveralHosts { count },
             Refusal::ForeignHost(host) => ApiError::ForeignHost { host },
             Refusal::CrossSite(origin) => ApiError::CrossSite { origin },
         }
@@ -48,38 +49,31 @@ fn verdict(
     uri: &axum::http::Uri,
     headers: &HeaderMap,
 ) -> Result<(), Refusal> {
-    // Few headers: a small array on the stack, no allocation on the accepted path.
-    let mut hosts: [&[u8]; 4] = [b""; 4];
+    // Every value, however many: the rules refuse a second Host and judge each Origin. Few
+    // headers: a small array on the stack, no allocation on the accepted path.
+    let mut hosts: [&[u8]; 2] = [b""; 2];
     let mut n_hosts = 0;
     for value in headers.get_all(header::HOST) {
         if n_hosts == hosts.len() {
-            break;
+            return Err(Refusal::SeveralHosts(
+                headers.get_all(header::HOST).iter().count(),
+            ));
         }
         hosts[n_hosts] = value.as_bytes();
         n_hosts += 1;
     }
-    if let Some(authority) = uri.authority()
-        && n_hosts < hosts.len()
-    {
-        hosts[n_hosts] = authority.as_str().as_bytes();
-        n_hosts += 1;
-    }
-    let mut origins: [&[u8]; 4] = [b""; 4];
-    let mut n_origins = 0;
-    for value in headers.get_all(header::ORIGIN) {
-        if n_origins == origins.len() {
-            // More Origin headers than any browser sends: refuse rather than skip one.
-            return Err(Refusal::CrossSite("(several Origin headers)".into()));
-        }
-        origins[n_origins] = value.as_bytes();
-        n_origins += 1;
-    }
+    let origins: Vec<&[u8]> = headers
+        .get_all(header::ORIGIN)
+        .iter()
+        .map(|v| v.as_bytes())
+        .collect();
     check(
         guard,
         &Seen {
             method: method.as_str().as_bytes(),
             hosts: &hosts[..n_hosts],
-            origins: &origins[..n_origins],
+            authority: uri.authority().map(|a| a.as_str().as_bytes()),
+            origins: &origins,
         },
     )
 }

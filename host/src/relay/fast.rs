@@ -27,12 +27,8 @@ use crate::metrics::requests::PathClass;
 use crate::relay::App;
 use crate::relay::busy_poll::{BusyPollStream, InFlight};
 use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
+use crate::relay::wire::{self, Body, Framing, Head, MAX_CONNECTION, MAX_HEAD, MAX_HEADERS};
 
-/// Header lines a fast request may have; more go the general way.
-const MAX_HEADERS: usize = 64;
-/// A request head (or a backend's reply head) larger than this goes the general way (or is a
-/// bad gateway).
-const MAX_HEAD: usize = 64 * 1024;
 /// A body larger than this goes the general way: it takes several reads to arrive anyway.
 const MAX_FAST_BODY: usize = 256 * 1024;
 /// How long the rest of a fast request's body may take, from its head, before the general
@@ -51,15 +47,6 @@ enum Outcome {
     HeadDue,
     /// A fast request whose body has not all arrived yet; its plan so far.
     BodyDue(RelayPlan),
-}
-
-/// How a reply's body ends.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Framing {
-    None,
-    Length(u64),
-    Chunked,
-    UntilClose,
 }
 
 /// Serve one client connection: fast requests here, until one is not; then hand the
@@ -163,78 +150,18 @@ struct Fast {
 /// most 256 KiB), the guard, and the request's [`RelayPlan`]. Runs on the connection's task;
 /// never blocks.
 fn qualify(app: &App, buf: &[u8]) -> Verdict {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut request = httparse::Request::new(&mut headers);
-    let head_len = match request.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return Verdict::HeadDue,
-        _ => return Verdict::HandOver(None),
+    let mut storage = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let head = match wire::read_head(buf, &mut storage) {
+        Head::Whole(head) => head,
+        Head::Due => return Verdict::HeadDue,
+        Head::Unfit => return Verdict::HandOver(None),
     };
-    if request.version != Some(1) {
-        return Verdict::HandOver(None);
-    }
-    let (Some(method), Some(target)) = (request.method, request.path) else {
-        return Verdict::HandOver(None);
-    };
-    if !target.starts_with('/') {
-        return Verdict::HandOver(None);
-    }
-    let path = target.split('?').next().unwrap_or(target);
-
-    let mut hosts: [&[u8]; 4] = [b""; 4];
-    let mut n_hosts = 0;
-    let mut origins: [&[u8]; 4] = [b""; 4];
-    let mut n_origins = 0;
-    let mut content_length: Option<usize> = None;
-    let mut content_type: Option<&[u8]> = None;
-    let mut close = false;
-    for header in request.headers.iter() {
-        let name = header.name;
-        let value = header.value;
-        if name.eq_ignore_ascii_case("host") {
-            let Some(slot) = hosts.get_mut(n_hosts) else {
-                return Verdict::HandOver(None);
-            };
-            *slot = value;
-            n_hosts += 1;
-        } else if name.eq_ignore_ascii_case("origin") {
-            let Some(slot) = origins.get_mut(n_origins) else {
-                return Verdict::HandOver(None);
-            };
-            *slot = value;
-            n_origins += 1;
-        } else if name.eq_ignore_ascii_case("content-length") {
-            let length = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok());
-            if content_length.is_some()
-                || value.is_empty()
-                || !value.iter().all(u8::is_ascii_digit)
-                || length.is_none()
-            {
-                return Verdict::HandOver(None);
-            }
-            content_length = length;
-        } else if name.eq_ignore_ascii_case("content-type") {
-            content_type = Some(value);
-        } else if name.eq_ignore_ascii_case("connection") {
-            for token in value.split(|b| *b == b',') {
-                let token = token.trim_ascii();
-                if token.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                } else if token.eq_ignore_ascii_case(b"upgrade") {
-                    return Verdict::HandOver(None);
-                }
-            }
-        } else if name.eq_ignore_ascii_case("transfer-encoding")
-            || name.eq_ignore_ascii_case("expect")
-            || name.eq_ignore_ascii_case("upgrade")
-        {
-            return Verdict::HandOver(None);
-        }
-    }
+    let (method, target, path, head_len) = (head.method, head.target, head.path, head.head_len);
     let seen = Seen {
         method: method.as_bytes(),
-        hosts: &hosts[..n_hosts],
-        origins: &origins[..n_origins],
+        hosts: head.hosts(),
+        authority: None,
+        origins: head.origins(),
     };
     if guard::check(app.guard, &seen).is_err() {
         return Verdict::HandOver(None);
@@ -250,7 +177,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     };
 
     let has_body = method != "GET" && method != "HEAD";
-    let body_len = content_length.unwrap_or(0);
+    let body_len = head.content_length.unwrap_or(0);
     if !has_body && body_len > 0 {
         return Verdict::HandOver(None);
     }
@@ -263,7 +190,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     let mut streamed = false;
     if has_body {
         // A body that fails a check gets its refusal from the general engine.
-        match plan::check_body(content_type, body) {
+        match plan::check_body(head.content_type, body) {
             Ok(stream) => streamed = stream,
             Err(_) => return decided(plan, false),
         }
@@ -279,7 +206,8 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
         method,
         target,
         port,
-        request.headers.iter().map(|h| (h.name, h.value)),
+        head.headers.iter().map(|h| (h.name, h.value)),
+        head.connection(),
         has_body.then_some(body_len),
     );
     upstream.extend_from_slice(body);
@@ -288,7 +216,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
         port,
         upstream,
         consumed: head_len + body_len,
-        close,
+        close: head.close,
         watched: plan
             .watched
             .then(|| (method.to_string(), path.to_string(), body_len)),
@@ -543,14 +471,17 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     let mut backend_close = false;
     let mut keep_alive = false;
     let mut dated = false;
-    let mut connection: [&[u8]; 4] = [b""; 4];
-    for (slot, header) in connection.iter_mut().zip(
-        response
-            .headers
-            .iter()
-            .filter(|h| h.name.eq_ignore_ascii_case("connection")),
-    ) {
-        *slot = header.value;
+    let mut connection: [&[u8]; MAX_CONNECTION] = [b""; MAX_CONNECTION];
+    let mut n_connection = 0;
+    for header in response.headers.iter() {
+        if header.name.eq_ignore_ascii_case("connection") {
+            // More than are read: a header a later one names would pass.
+            let slot = connection
+                .get_mut(n_connection)
+                .ok_or_else(|| ReplyError::Malformed("many Connection headers".into()))?;
+            *slot = header.value;
+            n_connection += 1;
+        }
     }
     for header in response.headers.iter() {
         let name = header.name;
@@ -584,7 +515,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
             }
             continue;
         }
-        if !plan::passes(Way::Reply, name, &connection) {
+        if !plan::passes(Way::Reply, name, &connection[..n_connection]) {
             continue;
         }
         dated |= name.eq_ignore_ascii_case("date");
@@ -647,170 +578,6 @@ fn append_date(out: &mut Vec<u8>) {
         out.extend_from_slice(cached.1.as_bytes());
         out.extend_from_slice(b"\r\n");
     });
-}
-
-/// Where a reply body ends, fed its bytes as they come (the bytes are passed on unchanged,
-/// chunked coding included).
-struct Body {
-    framing: Framing,
-    remaining: u64,
-    chunk: ChunkState,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum ChunkState {
-    /// Reading a chunk-size line (hex digits, then extensions up to CRLF); the size so far and
-    /// whether a digit was seen and the extension started.
-    Size {
-        size: u64,
-        digits: bool,
-        ext: bool,
-    },
-    /// The LF after the size line's CR.
-    SizeLf {
-        size: u64,
-    },
-    /// Chunk data left.
-    Data,
-    /// The CRLF after chunk data.
-    DataCr,
-    DataLf,
-    /// After the last chunk: trailer lines until an empty one; whether the line is empty so far.
-    Trailer {
-        line_empty: bool,
-        cr: bool,
-    },
-}
-
-impl Body {
-    fn new(framing: Framing) -> Self {
-        Body {
-            framing,
-            remaining: match framing {
-                Framing::Length(n) => n,
-                _ => 0,
-            },
-            chunk: ChunkState::Size {
-                size: 0,
-                digits: false,
-                ext: false,
-            },
-        }
-    }
-
-    /// Feed the next bytes: Some(Some(n)) when the body ends after `n` of them, Some(None) when
-    /// it goes on past them, None when the chunked coding is broken.
-    fn feed(&mut self, bytes: &[u8]) -> Option<Option<usize>> {
-        match self.framing {
-            Framing::None => Some(Some(0)),
-            Framing::UntilClose => Some(None),
-            Framing::Length(_) => {
-                let take = (bytes.len() as u64).min(self.remaining);
-                self.remaining -= take;
-                Some((self.remaining == 0).then_some(take as usize))
-            }
-            Framing::Chunked => self.feed_chunked(bytes),
-        }
-    }
-
-    fn feed_chunked(&mut self, bytes: &[u8]) -> Option<Option<usize>> {
-        let mut i = 0;
-        while i < bytes.len() {
-            let b = bytes[i];
-            match self.chunk {
-                ChunkState::Size { size, digits, ext } => {
-                    if b == b'\r' {
-                        if !digits {
-                            return None;
-                        }
-                        self.chunk = ChunkState::SizeLf { size };
-                    } else if ext {
-                        // Extensions are passed on, not read.
-                    } else if let Some(d) = (b as char).to_digit(16) {
-                        let size = size.checked_mul(16)?.checked_add(u64::from(d))?;
-                        self.chunk = ChunkState::Size {
-                            size,
-                            digits: true,
-                            ext: false,
-                        };
-                    } else if b == b';' || b == b' ' || b == b'\t' {
-                        self.chunk = ChunkState::Size {
-                            size,
-                            digits,
-                            ext: true,
-                        };
-                    } else {
-                        return None;
-                    }
-                    i += 1;
-                }
-                ChunkState::SizeLf { size } => {
-                    if b != b'\n' {
-                        return None;
-                    }
-                    i += 1;
-                    if size == 0 {
-                        self.chunk = ChunkState::Trailer {
-                            line_empty: true,
-                            cr: false,
-                        };
-                    } else {
-                        self.remaining = size;
-                        self.chunk = ChunkState::Data;
-                    }
-                }
-                ChunkState::Data => {
-                    let take = ((bytes.len() - i) as u64).min(self.remaining);
-                    self.remaining -= take;
-                    i += take as usize;
-                    if self.remaining == 0 {
-                        self.chunk = ChunkState::DataCr;
-                    }
-                }
-                ChunkState::DataCr => {
-                    if b != b'\r' {
-                        return None;
-                    }
-                    i += 1;
-                    self.chunk = ChunkState::DataLf;
-                }
-                ChunkState::DataLf => {
-                    if b != b'\n' {
-                        return None;
-                    }
-                    i += 1;
-                    self.chunk = ChunkState::Size {
-                        size: 0,
-                        digits: false,
-                        ext: false,
-                    };
-                }
-                ChunkState::Trailer { line_empty, cr } => {
-                    i += 1;
-                    if b == b'\n' && cr {
-                        if line_empty {
-                            return Some(Some(i));
-                        }
-                        self.chunk = ChunkState::Trailer {
-                            line_empty: true,
-                            cr: false,
-                        };
-                    } else if b == b'\r' {
-                        self.chunk = ChunkState::Trailer {
-                            line_empty,
-                            cr: true,
-                        };
-                    } else {
-                        self.chunk = ChunkState::Trailer {
-                            line_empty: false,
-                            cr: false,
-                        };
-                    }
-                }
-            }
-        }
-        Some(None)
-    }
 }
 
 /// Answer 502 as the general path would, after the request was committed to a backend.
@@ -902,55 +669,6 @@ impl AsyncWrite for Prefixed {
 mod tests {
     use super::*;
 
-    fn ends(framing: Framing, parts: &[&[u8]]) -> Vec<Option<Option<usize>>> {
-        let mut body = Body::new(framing);
-        parts.iter().map(|p| body.feed(p)).collect()
-    }
-
-    #[test]
-    fn a_length_body_ends_after_its_bytes() {
-        assert_eq!(
-            ends(Framing::Length(5), &[b"abc", b"defgh"]),
-            [Some(None), Some(Some(2))]
-        );
-        assert_eq!(ends(Framing::Length(0), &[b""]), [Some(Some(0))]);
-        assert_eq!(ends(Framing::None, &[b"x"]), [Some(Some(0))]);
-        assert_eq!(ends(Framing::UntilClose, &[b"x"]), [Some(None)]);
-    }
-
-    #[test]
-    fn a_chunked_body_ends_after_its_last_chunk_and_trailers() {
-        let whole = b"5\r\nhello\r\n1a;ext=1\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\n\r\nNEXT";
-        assert_eq!(
-            ends(Framing::Chunked, &[whole]),
-            [Some(Some(whole.len() - 4))]
-        );
-        // Byte by byte, the end is found at the same place.
-        let mut body = Body::new(Framing::Chunked);
-        let at = whole
-            .iter()
-            .position(|b| body.feed(std::slice::from_ref(b)) == Some(Some(1)))
-            .unwrap();
-        assert_eq!(at, whole.len() - 5);
-        let trailers = b"0\r\nX-T: 1\r\n\r\n";
-        assert_eq!(
-            ends(Framing::Chunked, &[&trailers[..6], &trailers[6..]]),
-            [Some(None), Some(Some(trailers.len() - 6))]
-        );
-        // An SSE stream, event by event.
-        assert_eq!(
-            ends(
-                Framing::Chunked,
-                &[
-                    b"a\r\ndata: {}\n\n\r\n",
-                    b"e\r\ndata: [DONE]\n\n\r\n",
-                    b"0\r\n\r\n"
-                ]
-            ),
-            [Some(None), Some(None), Some(Some(5))]
-        );
-    }
-
     fn head_of(raw: &[u8]) -> Result<ReplyHead, ReplyError> {
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut response = httparse::Response::new(&mut headers);
@@ -1035,61 +753,6 @@ mod tests {
             b"HTTP/1.1 100 Continue\r\n\r\n",
         ] {
             assert!(head_of(bad).is_err(), "{}", String::from_utf8_lossy(bad));
-        }
-    }
-
-    /// Random chunked bodies, fed in random pieces: the end is found exactly where the body
-    /// ends, whatever the split (a small LCG keeps the test deterministic without a crate).
-    #[test]
-    fn the_chunked_end_does_not_depend_on_how_the_bytes_are_split() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) % n
-        };
-        for _ in 0..300 {
-            let mut body = Vec::new();
-            for _ in 0..next(6) {
-                let size = 1 + next(300) as usize;
-                let ext = if next(4) == 0 { ";name=value" } else { "" };
-                body.extend_from_slice(format!("{size:x}{ext}\r\n").as_bytes());
-                body.extend(std::iter::repeat_n(b'\r', size));
-                body.extend_from_slice(b"\r\n");
-            }
-            body.extend_from_slice(b"0\r\n");
-            if next(3) == 0 {
-                body.extend_from_slice(b"X-Trailer: 1\r\n");
-            }
-            body.extend_from_slice(b"\r\n");
-            let whole = body.len();
-            body.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
-            let mut tracker = Body::new(Framing::Chunked);
-            let mut at = 0;
-            let end = loop {
-                let piece = (1 + next(64) as usize).min(body.len() - at);
-                match tracker.feed(&body[at..at + piece]) {
-                    Some(Some(n)) => break at + n,
-                    Some(None) => at += piece,
-                    None => panic!("refused a valid body at {at}"),
-                }
-                assert!(at < body.len(), "no end found");
-            };
-            assert_eq!(end, whole);
-        }
-    }
-
-    #[test]
-    fn a_broken_chunked_body_is_refused() {
-        for bad in [
-            &b"zz\r\n"[..],
-            b"\r\n",
-            b"5\r\nhelloXX",
-            b"5\rX",
-            b"fffffffffffffffff\r\n",
-        ] {
-            assert_eq!(ends(Framing::Chunked, &[bad]), [None], "{bad:?}");
         }
     }
 }

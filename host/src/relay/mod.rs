@@ -16,6 +16,7 @@ pub mod general;
 pub mod in_process;
 pub mod plan;
 pub mod pool;
+pub mod wire;
 
 pub use app::App;
 

@@ -242,28 +242,19 @@ pub fn filter(way: Way, headers: &mut HeaderMap) {
 }
 
 /// The request head the backend on `port` gets, appended to `out`: the client's method and
-/// target, `Host` naming the backend, the client's headers that pass [`Way::Upstream`], and
-/// `Content-Length` when the request has a body. The fast engine writes it as is; the general
-/// engine's hyper client writes the same head from the filtered map.
+/// target, `Host` naming the backend, the client's headers that pass [`Way::Upstream`] (given
+/// its `Connection` header values), and `Content-Length` when the request has a body. The
+/// fast engine writes it as is; the general engine's hyper client writes the same head from
+/// the map [`filter`] leaves.
 pub fn upstream_head<'h>(
     out: &mut Vec<u8>,
     method: &str,
     target: &str,
     port: u16,
-    headers: impl Iterator<Item = (&'h str, &'h [u8])> + Clone,
+    headers: impl Iterator<Item = (&'h str, &'h [u8])>,
+    connection: &[&[u8]],
     body_len: Option<usize>,
 ) {
-    let connection: [&[u8]; 4] = {
-        let mut found: [&[u8]; 4] = [b""; 4];
-        let mut n = 0;
-        for (name, value) in headers.clone() {
-            if name.eq_ignore_ascii_case("connection") && n < found.len() {
-                found[n] = value;
-                n += 1;
-            }
-        }
-        found
-    };
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
@@ -271,7 +262,7 @@ pub fn upstream_head<'h>(
     out.extend_from_slice(port.to_string().as_bytes());
     out.extend_from_slice(b"\r\n");
     for (name, value) in headers {
-        if !passes(Way::Upstream, name, &connection) {
+        if !passes(Way::Upstream, name, connection) {
             continue;
         }
         out.extend_from_slice(name.as_bytes());
@@ -435,6 +426,7 @@ mod tests {
             "/v1/x?a=1",
             9000,
             headers.iter().copied(),
+            &[b"close, X-Drop"],
             Some(2),
         );
         assert_eq!(
