@@ -161,6 +161,17 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "ONEBIT_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Read the API key from the first line of FILE (kept out of the process list).
+    #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
+    pub api_key_file: Option<PathBuf>,
     /// Print the backend serve would start as one JSON line, and exit.
     #[arg(long, conflicts_with = "print_backend_env")]
     pub print_backend: bool,

@@ -60,6 +60,10 @@ pub enum ApiError {
     BadContentType(String),
     /// The client sent its body too slowly.
     BodyTimeout { after: std::time::Duration },
+    /// serve has an API key and the request sent none.
+    NoKey,
+    /// serve has an API key and the request sent another.
+    WrongKey,
     /// More than one Host header (RFC 9112 3.2).
     SeveralHosts { count: usize },
     /// The guard: on a loopback bind, a Host header that does not name loopback (DNS rebinding).
@@ -85,6 +89,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BadJson(_) | ApiError::SeveralHosts { .. } => StatusCode::BAD_REQUEST,
+            ApiError::NoKey | ApiError::WrongKey => StatusCode::UNAUTHORIZED,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadContentType(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -100,6 +105,8 @@ impl ApiError {
         match self {
             ApiError::BadJson(_)
             | ApiError::SeveralHosts { .. }
+            | ApiError::NoKey
+            | ApiError::WrongKey
             | ApiError::TooLarge { .. }
             | ApiError::BadContentType(_)
             | ApiError::BodyTimeout { .. } => "invalid_request_error",
@@ -125,6 +132,8 @@ impl ApiError {
                 "the request body did not arrive within {} s; send it at once, or raise ONEBIT_BODY_READ_TIMEOUT_S",
                 after.as_secs_f64()
             ),
+            ApiError::NoKey => "no API key was sent; send it in an Authorization header as Bearer auth (Authorization: Bearer YOUR_KEY), the key serve was started with (--api-key)".to_string(),
+            ApiError::WrongKey => "the API key sent is not serve's; send the key serve was started with (--api-key) as Authorization: Bearer YOUR_KEY".to_string(),
             ApiError::SeveralHosts { count } => format!(
                 "the request has {count} Host headers; send exactly one (RFC 9112, section 3.2)"
             ),

@@ -23,6 +23,7 @@ use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
 use crate::front::accept::accept_loop;
 use crate::guard::Guard;
+use crate::guard::key::ApiKey;
 use crate::relay::{App, pool};
 use crate::settings::{self, Settings};
 use crate::{admission, metrics, model, routes};
@@ -80,6 +81,7 @@ struct ServePlan {
     plan: Plan,
     served_name: String,
     run_dir: PathBuf,
+    api_key: Option<ApiKey>,
 }
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
@@ -101,6 +103,8 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
         )));
     }
+    let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
+        .map_err(Fatal::usage)?;
     if printing {
         if let Some(flag) = args.needs_serve_in_path() {
             return Err(needs_serve(flag.to_string()));
@@ -237,6 +241,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         plan,
         served_name,
         run_dir,
+        api_key,
     })))
 }
 
@@ -394,6 +399,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         plan,
         served_name,
         run_dir,
+        api_key,
     } = p;
     let addr = format!("{}:{}", args.host, args.port);
     let listener = match tokio::net::TcpListener::bind(&addr).await {
@@ -404,6 +410,12 @@ async fn serve_plan(p: ServePlan) -> i32 {
             )));
         }
     };
+    let guard = Guard::for_bind(&args.host);
+    if !guard.loopback_bind && api_key.is_none() {
+        eprintln!(
+            "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
+        );
+    }
     if let Err(e) = std::fs::create_dir_all(&run_dir) {
         return say_fatal(&Fatal::backend(format!(
             "cannot create {} ({e})",
@@ -442,7 +454,8 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(settings::DEFAULT_BODY_LIMIT),
         body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S")
             .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
-        guard: Guard::for_bind(&args.host),
+        guard,
+        api_key,
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
         precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),

@@ -7,6 +7,7 @@ use std::time::Duration;
 use onebit_plugin_api::Rule;
 
 use crate::guard::Guard;
+use crate::guard::key::ApiKey;
 
 /// A request body larger than this is refused with 413 (base64 images make chats large);
 /// `ONEBIT_MAX_BODY_BYTES` changes it.
@@ -37,6 +38,8 @@ pub struct Settings {
     pub serialize_forwards: bool,
     /// The browser guard, applied before routing.
     pub guard: Guard,
+    /// The API key every route but `/health` needs, when serve has one.
+    pub api_key: Option<ApiKey>,
 }
 
 impl Settings {

@@ -523,6 +523,11 @@ pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option
 pub fn requests_total(serve: &Serve, labels: &[(&str, &str)]) -> u64 {
     let (status, text) = get(&serve.url("/metrics"));
     assert_eq!(status, 200, "{text}");
+    requests_total_in(&text, labels)
+}
+
+/// [`requests_total`] of a `/metrics` text already read.
+pub fn requests_total_in(text: &str, labels: &[(&str, &str)]) -> u64 {
     let mut total = 0;
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("onebit_requests_total{") else {

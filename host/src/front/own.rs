@@ -31,6 +31,11 @@ pub fn router(app: Arc<App>) -> Router {
     router
         .fallback(relay)
         .with_state(app.clone())
+        // then the API key (after the guard: a foreign page learns nothing of it),
+        .layer(middleware::from_fn_with_state(
+            app.api_key.clone(),
+            guard::keyed,
+        ))
         // Every route, the fallback and 404s see the guard first,
         .layer(middleware::from_fn_with_state(guard, guard::guard))
         // and every answer, refusals included, is counted.

@@ -4,6 +4,7 @@
 //! The rules are in `docs/security.md` and in [`rules`], a pure function the fuzz target and
 //! the unit tests call directly; this file is the axum middleware around it.
 
+pub mod key;
 mod rules;
 
 use axum::extract::{Request, State};
@@ -15,6 +16,43 @@ pub use rules::{Guard, Refusal, Seen, check};
 
 use crate::error::ApiError;
 
+impl From<key::KeyRefusal> for ApiError {
+    fn from(r: key::KeyRefusal) -> ApiError {
+        match r {
+            key::KeyRefusal::Missing => ApiError::NoKey,
+            key::KeyRefusal::Wrong => ApiError::WrongKey,
+        }
+    }
+}
+
+/// The axum middleware of the API key, inside the guard: every request but `/health` and
+/// those already [`Judged`] must carry serve's key. Runs on the connection's task.
+pub async fn keyed(
+    State(key): State<Option<key::ApiKey>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(key) = &key
+        && request.extensions().get::<Judged>().is_none()
+        && !key::open_path(request.uri().path())
+        && let Err(refusal) = key.admits(authorization(request.headers()))
+    {
+        return ApiError::from(refusal).into_response();
+    }
+    next.run(request).await
+}
+
+/// The one `Authorization` value of a request; two of them count as a wrong key, as on the
+/// fast engine.
+fn authorization(headers: &HeaderMap) -> Option<&[u8]> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    match (values.next(), values.next()) {
+        (Some(one), None) => Some(one.as_bytes()),
+        (Some(_), Some(_)) => Some(b""),
+        _ => None,
+    }
+}
+
 impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> ApiError {
         match r {
@@ -25,8 +63,9 @@ impl From<Refusal> for ApiError {
     }
 }
 
-/// Marks a request [`check`] already passed (the fast engine judged it before handing it to
-/// the general engine), so the middleware does not judge it again.
+/// Marks a request [`check`] (and the API key, when serve has one) already passed: the fast
+/// engine judged it before handing it to the general engine, so the middleware does not
+/// judge it again.
 #[derive(Clone, Copy, Debug)]
 pub struct Judged;
 

@@ -166,6 +166,13 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     if guard::check(app.guard, &seen).is_err() {
         return Verdict::HandOver(None);
     }
+    // The API key: a refusal (401) is the general engine's to send.
+    if let Some(key) = &app.api_key
+        && !guard::key::open_path(path)
+        && key.admits(head.authorization()).is_err()
+    {
+        return Verdict::HandOver(None);
+    }
     // A refusal (404, 503) is the general engine's to send.
     let Ok(plan) = RelayPlan::for_head(app, method, path) else {
         return Verdict::HandOver(None);

@@ -198,16 +198,20 @@ pub enum Way {
 
 /// Whether a header of a message passed on in `way` goes through: not a hop-by-hop header, not
 /// one its `Connection` headers name (`connection`: their values as sent), and besides, toward
-/// the backend, not `Host` or `Content-Length` (the engine writes its own), and toward the
-/// client, no CORS header. Framing headers of a reply (`Content-Length`) are the engine's.
+/// the backend, not `Host` or `Content-Length` (the engine writes its own) nor
+/// `Authorization` (the API key stays with serve), and toward the client, no CORS header. Framing headers of a reply (`Content-Length`) are the engine's.
 /// Called per header by both engines on the connection's task; never blocks or allocates.
 pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
     if is_hop_header(name) || named_by_connection(name, connection) {
         return false;
     }
     match way {
+        // Authorization is serve's (its API key) or nothing the backend asked for: serve's
+        // backends take no key, and a client's key must not reach them.
         Way::Upstream => {
-            !name.eq_ignore_ascii_case("host") && !name.eq_ignore_ascii_case("content-length")
+            !name.eq_ignore_ascii_case("host")
+                && !name.eq_ignore_ascii_case("content-length")
+                && !name.eq_ignore_ascii_case("authorization")
         }
         Way::Reply => !is_cors_header(name),
     }

@@ -62,6 +62,19 @@ impl<'b> RequestHead<'_, 'b> {
         &self.origins[..self.n_origins]
     }
 
+    /// Its `Authorization` header's value (the first; a second makes the key check fail).
+    pub fn authorization(&self) -> Option<&'b [u8]> {
+        let mut values = self
+            .headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("authorization"));
+        match (values.next(), values.next()) {
+            (Some(one), None) => Some(one.value),
+            (Some(_), Some(_)) => Some(b""),
+            _ => None,
+        }
+    }
+
     /// The values of its `Connection` headers, every one.
     pub fn connection(&self) -> &[&'b [u8]] {
         let n = self.connection.iter().take_while(|v| !v.is_empty()).count();
