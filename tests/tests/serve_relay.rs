@@ -123,6 +123,33 @@ fn none_held_back(events: &[(u64, u64)]) {
     }
 }
 
+/// serve on the cpu route with `script` (a Python backend taking llama-server's command line)
+/// as its llama-server, ready.
+fn serve_on_script(
+    dir: &std::path::Path,
+    script: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Serve {
+    use std::os::unix::fs::PermissionsExt;
+    let model = dummy_model(dir, "m.gguf");
+    let backend = dir.join("backend.py");
+    std::fs::write(&backend, script).unwrap();
+    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut all = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        backend.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    let serve = Serve::start(&all, env);
+    serve.ready();
+    serve
+}
+
 fn connect(port: u16) -> TcpStream {
     let tcp = TcpStream::connect(("127.0.0.1", port)).unwrap();
     tcp.set_read_timeout(Some(SECS(10))).unwrap();
@@ -507,27 +534,9 @@ ThreadingHTTPServer((host, int(args[args.index("--port") + 1])), Handler).serve_
 
 #[test]
 fn a_stream_from_an_http10_backend_that_ends_at_its_close_is_relayed_event_by_event() {
-    use std::os::unix::fs::PermissionsExt;
     let dir = temp_dir("relay-http10");
-    let model = dummy_model(&dir, "m.gguf");
-    let backend = dir.join("http10-backend");
-    std::fs::write(&backend, HTTP10_BACKEND).unwrap();
-    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
     // A one-second watchdog: the 1.8 s stream lives only if each read stamps its ticket.
-    let serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            backend.to_str().unwrap(),
-            "--watchdog",
-            "1",
-        ],
-        &[],
-    );
-    serve.ready();
+    let serve = serve_on_script(&dir, HTTP10_BACKEND, &["--watchdog", "1"], &[]);
     let body = r#"{"stream":true,"messages":[{"role":"user","content":"count"}]}"#;
     let mut tcp = connect(serve.port);
     let request = format!(
@@ -647,25 +656,9 @@ while True:
 "#;
 
 fn serve_on_pool_backend(mode: &str, dir: &std::path::Path) -> (Serve, std::path::PathBuf) {
-    use std::os::unix::fs::PermissionsExt;
-    let model = dummy_model(dir, "m.gguf");
-    let backend = dir.join("pool-backend");
-    std::fs::write(&backend, POOL_BACKEND).unwrap();
-    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
     let record = dir.join("record.txt");
-    let serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            backend.to_str().unwrap(),
-        ],
-        &[("PY_MODE", mode), ("PY_RECORD", record.to_str().unwrap())],
-    );
-    serve.ready();
-    (serve, record)
+    let env = [("PY_MODE", mode), ("PY_RECORD", record.to_str().unwrap())];
+    (serve_on_script(dir, POOL_BACKEND, &[], &env), record)
 }
 
 fn tokenize_lines(record: &std::path::Path) -> Vec<String> {

@@ -28,11 +28,21 @@ pub type ProbeClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Build the [`ProbeClient`]; `serve` does, once, on the runtime.
 pub fn probe_client() -> ProbeClient {
+    pooled_client(|tcp| tcp)
+}
+
+/// A pooled hyper client toward the backends on loopback (TCP_NODELAY, idle connections kept
+/// a minute), its connector made from the TCP one by `wrap`: the probe client's as is, the
+/// general engine's busy-polling (`relay::pool`).
+pub fn pooled_client<C>(wrap: impl FnOnce(HttpConnector) -> C) -> Client<C, Full<Bytes>>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone,
+{
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
-        .build(connector)
+        .build(wrap(connector))
 }
 
 /// Whether the model can take requests, as `/health` reports it.

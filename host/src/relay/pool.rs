@@ -2,14 +2,13 @@
 //! sockets, and the general engine's pooled hyper client. Both busy-poll (`busy_poll`).
 
 use std::sync::Mutex;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::Uri;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::relay::busy_poll::{BusyPollStream, Side};
@@ -74,11 +73,7 @@ pub type BackendClient = Client<BackendConnector, Full<Bytes>>;
 /// The general engine's client toward the backends: its sockets busy-poll for replies. Built
 /// once by `serve`, on the runtime.
 pub fn backend_client() -> BackendClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .build(BackendConnector { http: connector })
+    crate::backends::health::pooled_client(|http| BackendConnector { http })
 }
 
 /// hyper-util's TCP connector, handing out [`BusyPollStream`]s (`busy_poll`).
