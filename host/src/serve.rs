@@ -267,6 +267,10 @@ fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
 
 /// `--mem-check`: the estimate on stdout, exit 0 when it fits and 3 when it does not.
 fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        println!("{}", admission::unknown_line(name, why));
+        return Ok(exit::OK);
+    }
     let Some(need) = &plan.memory else {
         println!(
             "{name}: nothing to check: the {} route gave no memory estimate for {}",
@@ -287,6 +291,13 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
 
 /// The check before a load: say the estimate, refuse with exit 3 when it does not fit.
 fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        eprintln!(
+            "1bit serve: warning: {}",
+            admission::unknown_line(name, why)
+        );
+        return Ok(());
+    }
     let Some(need) = &plan.memory else {
         return Ok(());
     };

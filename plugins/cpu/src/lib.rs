@@ -65,11 +65,8 @@ impl DeviceRoute for CpuRoute {
             (None, None) => format!("ctx {DEFAULT_CTX} (serve's CPU default; no --ctx-size)"),
         };
         let asked = options::model_args(request, "cpu", Some(ctx))?;
-        let mut memory = llama_server::memory_need(request, Some(ctx), ctx_source, "ram")?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += asked.extra_weights_bytes;
-            m.kv_bytes += asked.extra_kv_bytes;
-        }
+        let mut memory = llama_server::memory_need(request, Some(ctx), ctx_source, "ram");
+        memory.add(asked.extra_weights_bytes, asked.extra_kv_bytes);
         let mut argv = llama_server::base_argv(&server, request, port);
         argv.extend(["-ngl", "0", "-c"].map(String::from));
         argv.push(ctx.to_string());
@@ -82,10 +79,7 @@ impl DeviceRoute for CpuRoute {
         let mut backend = llama_server::backend(argv, port);
         backend.env = env;
         let side = llama_server::rag::side_servers(request, "cpu", &server, 1)?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += side.weights_bytes;
-            m.kv_bytes += side.kv_bytes;
-        }
+        memory.add(side.weights_bytes, side.kv_bytes);
         let mut backends = vec![backend];
         backends.extend(side.backends);
         let mut rules = side.rules;
@@ -97,7 +91,8 @@ impl DeviceRoute for CpuRoute {
             side_models: side.models,
             one_hop: true,
             warmups: Vec::new(),
-            memory,
+            memory: memory.need,
+            memory_unknown: memory.unknown,
             notes,
             ..Default::default()
         })

@@ -216,16 +216,10 @@ impl DeviceRoute for HrxRoute {
                 None => "the model's own ctx (no --ctx-size)".to_string(),
             },
         };
-        let mut memory = llama_server::memory_need(request, ctx, ctx_source, "gtt")?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += asked.extra_weights_bytes;
-            m.kv_bytes += asked.extra_kv_bytes;
-        }
+        let mut memory = llama_server::memory_need(request, ctx, ctx_source, "gtt");
+        memory.add(asked.extra_weights_bytes, asked.extra_kv_bytes);
         let side = llama_server::rag::side_servers(request, "hrx", &server, 1)?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += side.weights_bytes;
-            m.kv_bytes += side.kv_bytes;
-        }
+        memory.add(side.weights_bytes, side.kv_bytes);
         // Every hrx backend serve starts runs under the same placement rules.
         let side_backends = side.backends.into_iter().map(|mut b| {
             b.env = backend.env.clone();
@@ -242,7 +236,8 @@ impl DeviceRoute for HrxRoute {
             side_models: side.models,
             one_hop: true,
             warmups: if no_warmup { Vec::new() } else { warmups() },
-            memory,
+            memory: memory.need,
+            memory_unknown: memory.unknown,
             notes,
             ..Default::default()
         })

@@ -114,7 +114,7 @@ impl DeviceRoute for HybridRoute {
         } else {
             "ram"
         };
-        let memory = llama_server::memory_need(&one_slot, Some(ctx), ctx_source, pool)?;
+        let memory = llama_server::memory_need(&one_slot, Some(ctx), ctx_source, pool);
         let argv = decoder_argv(request, port, ctx)?;
         let on_hrx = llama_server::hrx_present(request);
         let mut decoder = llama_server::backend(argv, port);
@@ -158,7 +158,8 @@ impl DeviceRoute for HybridRoute {
             // serve is in the request path: it hands each prompt over.
             one_hop: false,
             warmups: Vec::new(),
-            memory,
+            memory: memory.need,
+            memory_unknown: memory.unknown,
             notes,
             serialize_forwards: provider.is_some(),
             route_state: serde_json::to_value(&settings).unwrap_or_default(),
