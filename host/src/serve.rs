@@ -123,7 +123,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let facts = model::facts(&args.model)?;
     if facts.hadamard_q4_0 {
         return Err(Fatal::usage(format!(
-            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the format is dropped; use the model's UD-Q4_K_XL or another standard GGUF",
+            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the engine dropped that format; use the model's UD-Q4_K_XL or another standard GGUF",
             args.model.display()
         )));
     }
@@ -255,7 +255,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
 fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
     if let Some(flag) = args.refused_in_this_build() {
         return Some(Fatal::usage(format!(
-            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+            "{flag} is not available in this build: the expert streamer lived in the removed Vulkan llama.cpp pin and moves to HRX together with Qwen3.8-Flash-Next; remove {flag}"
         )));
     }
     args.not_yet_available().first().map(|flag| {

@@ -37,7 +37,7 @@ pub fn architectures(route: &str) -> Vec<String> {
 }
 
 /// Refuse a GGUF whose architecture the route's llama.cpp does not build (exit 2), pointing at
-/// Lemonade's llamacpp backend. A file with no architecture (empty, unreadable, not a GGUF) is
+/// Lemonade's llamacpp backend, in the original's words ("architecture X is not in ..."). A file with no architecture (empty, unreadable, not a GGUF) is
 /// not refused for that: the backend says what it makes of it.
 pub fn check_architecture(request: &PlanRequest, route: &str) -> Result<(), Refusal> {
     let Some(arch) = &request.model.architecture else {
@@ -47,7 +47,7 @@ pub fn check_architecture(request: &PlanRequest, route: &str) -> Result<(), Refu
         return Ok(());
     }
     Err(Refusal::usage(format!(
-        "{}: architecture \"{arch}\" is not built into this llama.cpp, so --device {route} cannot run it (registry/architectures.json); serve it with Lemonade's llamacpp backend (its Vulkan or ROCm llama-server) instead",
+        "{}: architecture {arch} is not in the llama.cpp this build pins for --device {route} (registry/architectures.json); serve it with Lemonade's llamacpp backend (its Vulkan or ROCm llama-server) instead",
         request.options.model
     )))
 }
@@ -458,7 +458,7 @@ mod architecture_tests {
         let refusal = check_architecture(&with_arch(Some("zamba2")), "cpu").unwrap_err();
         assert_eq!(refusal.exit_code, 2);
         assert!(
-            refusal.message.contains("\"zamba2\"")
+            refusal.message.contains("architecture zamba2 is not in ")
                 && refusal.message.contains("Lemonade's llamacpp backend"),
             "{}",
             refusal.message
