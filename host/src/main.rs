@@ -12,6 +12,7 @@ mod fast_path;
 mod guard;
 mod metrics;
 mod model;
+mod port_owner;
 mod proxy;
 mod route_calls;
 mod routes;

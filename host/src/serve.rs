@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::TcpListener as StdListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -29,7 +29,7 @@ use crate::proxy::{self, App, BackendClient, Status};
 use crate::route_calls::{RouteCalls, install_host_services};
 use crate::supervisor::{self, Backend, Event};
 use crate::watchdog::{self, Watchdog};
-use crate::{admission, metrics, model, routes};
+use crate::{admission, metrics, model, port_owner, routes};
 
 /// A backend that does not answer its health route within this long is reported down.
 const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -643,6 +643,11 @@ async fn supervise(
         _ = sigterm.recv() => return stop(&backends, grace, "SIGTERM").await,
         _ = sigint.recv() => return stop(&backends, grace, "SIGINT").await,
     }
+    // What answered must be the backend serve started, not a process holding its port.
+    if let Some(line) = impostor(&backends) {
+        supervisor::stop_all(&backends, grace).await;
+        return say_fatal(&Fatal::backend(line));
+    }
 
     let started = Started {
         plan: plan.clone(),
@@ -707,6 +712,21 @@ fn display_host(host: &str) -> String {
     } else {
         host.to_string()
     }
+}
+
+/// The line to exit 1 with when another process, not the backend, listens on a backend's port
+/// (port_owner.rs); None when each port is its backend's or cannot be judged.
+fn impostor(backends: &[Backend]) -> Option<String> {
+    backends.iter().find_map(|b| {
+        match port_owner::listener(Path::new("/proc"), b.spec.port, b.pid) {
+            port_owner::Listener::Other(owner) => Some(port_owner::impostor_line(
+                &b.spec.engine,
+                b.spec.port,
+                &owner,
+            )),
+            port_owner::Listener::Backend | port_owner::Listener::Unknown => None,
+        }
+    })
 }
 
 /// A signal: stop the backends in order and exit cleanly.
