@@ -6,6 +6,7 @@ pub mod log;
 pub mod memory;
 pub mod options;
 pub mod placement;
+pub mod plan;
 pub mod rag;
 pub mod recipes;
 
