@@ -89,12 +89,16 @@ fn a_wrapper_whose_child_listens_is_the_backend() {
     let dir = temp_dir("impostor-wrapper");
     let model = dummy_model(&dir, "m.gguf");
     // No exec: the engine runs as the wrapper's child, and its socket is still the backend's.
+    // The wrapper passes SIGTERM (serve's stop, or its death signal) on to the engine.
     let wrapper = script(
         &dir,
         "wrapper",
-        &format!("\"{}\" \"$@\"", fake_backend().display()),
+        &format!(
+            "\"{}\" \"$@\" &\nchild=$!\ntrap 'kill $child; wait $child; exit 0' TERM\nwait $child",
+            fake_backend().display()
+        ),
     );
-    let serve = Serve::start(
+    let mut serve = Serve::start(
         &[
             "-m",
             model.to_str().unwrap(),
@@ -113,5 +117,16 @@ fn a_wrapper_whose_child_listens_is_the_backend() {
         )
         .0,
         200
+    );
+    let engine = children_of(serve.pid())
+        .into_iter()
+        .flat_map(children_of)
+        .collect::<Vec<_>>();
+    assert_eq!(engine.len(), 1, "the wrapper runs the engine as its child");
+    serve.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(serve.wait_exit(Duration::from_secs(20)).is_some());
+    assert!(
+        wait_until(Duration::from_secs(10), || !alive(engine[0])),
+        "the engine outlived serve"
     );
 }
