@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::TcpListener as StdListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -16,6 +16,7 @@ use tokio::sync::mpsc::unbounded_channel;
 use crate::backends::health::{
     self, ProbeClient, Status, StatusCell, backend_post, monitor_health, wait_ready,
 };
+use crate::backends::port_owner;
 use crate::backends::route_calls::{RouteCalls, install_host_services};
 use crate::backends::supervisor::{self, Backend, Event};
 use crate::backends::watchdog::{self, Watchdog};
@@ -116,7 +117,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let facts = model::facts(&args.model)?;
     if facts.hadamard_q4_0 {
         return Err(Fatal::usage(format!(
-            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the format is dropped; use the model's UD-Q4_K_XL or another standard GGUF",
+            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the engine dropped that format; use the model's UD-Q4_K_XL or another standard GGUF",
             args.model.display()
         )));
     }
@@ -249,7 +250,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
 fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
     if let Some(flag) = args.refused_in_this_build() {
         return Some(Fatal::usage(format!(
-            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+            "{flag} is not available in this build: the expert streamer lived in the removed Vulkan llama.cpp pin and moves to HRX together with Qwen3.8-Flash-Next; remove {flag}"
         )));
     }
     args.not_yet_available().first().map(|flag| {
@@ -261,6 +262,10 @@ fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
 
 /// `--mem-check`: the estimate on stdout, exit 0 when it fits and 3 when it does not.
 fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        println!("{}", admission::unknown_line(name, why));
+        return Ok(exit::OK);
+    }
     let Some(need) = &plan.memory else {
         println!(
             "{name}: nothing to check: the {} route gave no memory estimate for {}",
@@ -281,6 +286,13 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
 
 /// The check before a load: say the estimate, refuse with exit 3 when it does not fit.
 fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        eprintln!(
+            "1bit serve: warning: {}",
+            admission::unknown_line(name, why)
+        );
+        return Ok(());
+    }
     let Some(need) = &plan.memory else {
         return Ok(());
     };
@@ -579,6 +591,11 @@ async fn supervise(
         _ = sigterm.recv() => return stop(&backends, grace, "SIGTERM").await,
         _ = sigint.recv() => return stop(&backends, grace, "SIGINT").await,
     }
+    // What answered must be the backend serve started, not a process holding its port.
+    if let Some(line) = impostor(&backends) {
+        supervisor::stop_all(&backends, grace).await;
+        return say_fatal(&Fatal::backend(line));
+    }
 
     let started = Started {
         plan: plan.clone(),
@@ -643,6 +660,21 @@ fn display_host(host: &str) -> String {
     } else {
         host.to_string()
     }
+}
+
+/// The line to exit 1 with when another process, not the backend, listens on a backend's port
+/// (port_owner.rs); None when each port is its backend's or cannot be judged.
+fn impostor(backends: &[Backend]) -> Option<String> {
+    backends.iter().find_map(|b| {
+        match port_owner::listener(Path::new("/proc"), b.spec.port, b.pid) {
+            port_owner::Listener::Other(owner) => Some(port_owner::impostor_line(
+                &b.spec.engine,
+                b.spec.port,
+                &owner,
+            )),
+            port_owner::Listener::Backend | port_owner::Listener::Unknown => None,
+        }
+    })
 }
 
 /// A signal: stop the backends in order and exit cleanly.

@@ -219,6 +219,11 @@ pub struct Plan {
     pub warmups: Vec<Warmup>,
     /// What the memory check needs; None skips it (an in-process route).
     pub memory: Option<MemoryNeed>,
+    /// Why the route cannot estimate what the backend will need (`memory` is then None): the
+    /// model's header lacks what the estimate is made from, say. Data, not a refusal: the host
+    /// says it in one warning line and goes on, or says nothing under `--no-mem-check`; the
+    /// backend then says for itself whether it can load the model.
+    pub memory_unknown: Option<String>,
     /// Lines serve prints before starting (a recipe applied, a setting chosen).
     pub notes: Vec<String>,
     /// Run `AskRoute` requests one at a time: each holds the turn from the moment serve asks
