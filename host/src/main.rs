@@ -10,6 +10,7 @@ mod cli;
 mod error;
 mod fast_path;
 mod guard;
+mod in_process;
 mod metrics;
 mod model;
 mod proxy;

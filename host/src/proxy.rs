@@ -184,8 +184,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/v1/models", get(models));
-    if !app.metrics.backends.is_empty() {
-        // On every route that runs a child.
+    if !app.metrics.backends.is_empty() || app.rules.iter().any(|r| r.action == Action::InProcess) {
+        // On every route that runs a child or answers in process.
         router = router.route("/metrics", get(metrics::scrape));
     }
     router
@@ -312,6 +312,17 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
     let mut on_first_byte: Option<FirstByte> = None;
     let (backend, body) = match &rule.action {
         Action::Proxy { backend } => (*backend, body),
+        Action::InProcess => {
+            let (method, uri, inference) = (&parts.method, &parts.uri, rule.inference);
+            let asked = crate::in_process::Asked {
+                method,
+                uri,
+                body,
+                inference,
+                streamed,
+            };
+            return crate::in_process::respond(&app, asked, in_flight).await;
+        }
         Action::AskRoute => {
             let turn = if app.serialize_forwards {
                 Some(app.forward_turn.clone().lock_owned().await)
@@ -414,20 +425,20 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
 
 /// Rewrites the `model` field of each SSE `data:` event to the served name, event by event:
 /// complete lines go out as they arrive, a partial line waits for the rest of it.
-struct SseRenamer {
+pub(crate) struct SseRenamer {
     served: String,
     partial: Vec<u8>,
 }
 
 impl SseRenamer {
-    fn new(served: String) -> Self {
+    pub(crate) fn new(served: String) -> Self {
         SseRenamer {
             served,
             partial: Vec::new(),
         }
     }
 
-    fn feed(&mut self, data: &[u8]) -> Bytes {
+    pub(crate) fn feed(&mut self, data: &[u8]) -> Bytes {
         self.partial.extend_from_slice(data);
         let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
             return Bytes::new();
@@ -671,7 +682,7 @@ fn without_prompt_cache(body: Bytes) -> Bytes {
 }
 
 /// Put `served` in a JSON object reply's `model` field; anything else is left as it came.
-fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
+pub(crate) fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
     let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
         return bytes;
     };

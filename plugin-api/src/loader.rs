@@ -3,17 +3,19 @@
 //! Only the host enables this (feature `host`). A route library, once loaded, is never
 //! unloaded: its functions may be running on any thread until the process ends.
 
+use std::ffi::c_void;
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use abi_stable::library::{LibraryError, lib_header_from_path};
-use abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
+use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RStr, RString};
 use semver::Version;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::types::*;
-use crate::{ABI_VERSION, HostApi, RouteModRef};
+use crate::{ABI_VERSION, HostApi, ReplySink, RouteModRef, SinkApi};
 
 /// Why a route file was not loaded. Each variant prints as one line naming the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -219,6 +221,78 @@ impl LoadedRoute {
             RErr(message) => Err(message.into_string()),
         }
     }
+
+    /// Whether the route has the in-process operation (built against 1.2 or later).
+    pub fn can_respond(&self) -> bool {
+        self.module.respond().is_some()
+    }
+
+    /// [`crate::DeviceRoute::respond`]: the route writes its reply into `sink`, which it may
+    /// use only until this returns. Blocks as long as the route answers.
+    pub fn respond(
+        &self,
+        request: &ForwardRequest,
+        sink: &mut dyn ReplySink,
+    ) -> Result<(), RespondError> {
+        let respond = self.module.respond().ok_or(RespondError::Lacking)?;
+        let mut held: &mut dyn ReplySink = sink;
+        let api = SinkApi {
+            handle: (&mut held as *mut &mut dyn ReplySink).cast::<c_void>(),
+            send_head: sink_send_head,
+            send: sink_send,
+            end: sink_end,
+        };
+        match respond(RStr::from_str(&encode(request)), api) {
+            ROk(_) => Ok(()),
+            RErr(message) => Err(RespondError::Failed(message.into_string())),
+        }
+    }
+}
+
+/// Why [`LoadedRoute::respond`] gave no complete answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RespondError {
+    /// The route was built before ABI 1.2 and has no `respond`: the host answers with the
+    /// documented default (501, [`crate::NOT_IN_PROCESS`]).
+    Lacking,
+    /// The route returned an error or panicked (the message says which).
+    Failed(String),
+}
+
+/// The sink behind a [`SinkApi`] handle.
+///
+/// SAFETY (of the three functions below): `handle` is the `&mut &mut dyn ReplySink` that
+/// [`LoadedRoute::respond`] built on its own stack, and the route may call these only while
+/// that `respond` call runs (the `SinkApi` is passed by value into the call and documented as
+/// valid for it alone), on that call's thread, so the reference is live and not aliased.
+fn with_sink<T>(handle: *mut c_void, f: impl FnOnce(&mut dyn ReplySink) -> T) -> Option<T> {
+    #[allow(unsafe_code)]
+    let sink: &mut &mut dyn ReplySink = unsafe { &mut *handle.cast::<&mut dyn ReplySink>() };
+    catch_unwind(AssertUnwindSafe(|| f(&mut **sink))).ok()
+}
+
+extern "C" fn sink_send_head(
+    handle: *mut c_void,
+    status: u16,
+    content_type: RStr<'_>,
+) -> RResult<(), RString> {
+    match with_sink(handle, |s| s.send_head(status, content_type.as_str())) {
+        Some(Ok(())) => ROk(()),
+        Some(Err(e)) => RErr(e.message.into()),
+        None => RErr("the host failed to take the reply's head".into()),
+    }
+}
+
+extern "C" fn sink_send(handle: *mut c_void, bytes: RSlice<'_, u8>) -> RResult<(), RString> {
+    match with_sink(handle, |s| s.send(bytes.as_slice())) {
+        Some(Ok(())) => ROk(()),
+        Some(Err(e)) => RErr(e.message.into()),
+        None => RErr("the host failed to take the reply's bytes".into()),
+    }
+}
+
+extern "C" fn sink_end(handle: *mut c_void) {
+    let _ = with_sink(handle, |s| s.end());
 }
 
 /// The host's side of [`crate::HostServices`]: what it does when a route asks for a backend

@@ -299,6 +299,9 @@ pub enum Action {
     },
     /// Ask the route ([`crate::DeviceRoute::forward`]) on a blocking thread.
     AskRoute,
+    /// 1.2: the route answers it itself, streaming ([`crate::DeviceRoute::respond`], on a
+    /// blocking thread the host owns for the request).
+    InProcess,
 }
 
 impl Default for Action {

@@ -8,74 +8,10 @@ use std::time::Duration;
 
 use onebit_tests::*;
 
-/// The workspace root.
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// Build `tests/fixtures/route` against a copy of plugin-api stamped `version`, as route
-/// `name`, outside the workspace; return the folder holding its library.
+/// Build `tests/fixtures/route` against this plugin-api stamped `version`, as route `name`,
+/// outside the workspace; return the folder holding its library.
 fn build_fixture(version: &str, name: &str) -> PathBuf {
-    let base = bin_dir().join("abi-fixtures");
-    let work = base.join(name);
-    let api = work.join("plugin-api");
-    let route = work.join("route");
-    std::fs::create_dir_all(api.join("src")).unwrap();
-    std::fs::create_dir_all(route.join("src")).unwrap();
-    for file in ["lib.rs", "types.rs", "loader.rs", "export.rs"] {
-        std::fs::copy(
-            root().join("plugin-api/src").join(file),
-            api.join("src").join(file),
-        )
-        .unwrap();
-    }
-    std::fs::write(
-        api.join("Cargo.toml"),
-        format!(
-            "[package]\nname = \"onebit-plugin-api\"\nversion = \"{version}\"\nedition = \"2024\"\n\n\
-             [dependencies]\nabi_stable = \"0.11.3\"\nsemver = \"1\"\n\
-             serde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n\
-             [features]\nhost = []\n"
-        ),
-    )
-    .unwrap();
-    std::fs::copy(
-        root().join("tests/fixtures/route/src/lib.rs"),
-        route.join("src/lib.rs"),
-    )
-    .unwrap();
-    std::fs::write(
-        route.join("Cargo.toml"),
-        format!(
-            "[package]\nname = \"onebit-route-{name}\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n\
-             [lib]\nname = \"onebit_route_{name}\"\ncrate-type = [\"cdylib\"]\n\n\
-             [dependencies]\nonebit-plugin-api = {{ path = \"../plugin-api\" }}\n"
-        ),
-    )
-    .unwrap();
-    std::fs::write(
-        work.join("Cargo.toml"),
-        "[workspace]\nresolver = \"3\"\nmembers = [\"plugin-api\", \"route\"]\n",
-    )
-    .unwrap();
-    std::fs::copy(root().join("Cargo.lock"), work.join("Cargo.lock")).unwrap();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "--offline", "--manifest-path"])
-        .arg(work.join("Cargo.toml"))
-        .env("CARGO_TARGET_DIR", base.join("target"))
-        .env("FIXTURE_ROUTE_NAME", name)
-        .status()
-        .unwrap();
-    assert!(status.success(), "the {name} fixture route builds");
-    let dir = work.join("plugins");
-    std::fs::create_dir_all(&dir).unwrap();
-    let lib = format!("libonebit_route_{name}.so");
-    std::fs::copy(base.join("target/debug").join(&lib), dir.join(&lib)).unwrap();
-    dir
+    route_fixture::Fixture::current(name, "tests/fixtures/route/src/lib.rs", version).build()
 }
 
 /// The three fixtures, built once per test run: (same ABI, newer minor, next major).
@@ -248,6 +184,11 @@ fn a_route_that_panics_is_an_error_not_a_crash() {
             .output()
             .contains("the outside route failed to plan: the route panicked in plan: the fixture was asked to panic"),
         "{}",
+        serve.output()
+    );
+    assert!(
+        !serve.output().contains("panicked at"),
+        "serve's line only, not Rust's panic message: {}",
         serve.output()
     );
 }
