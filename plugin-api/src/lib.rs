@@ -18,6 +18,9 @@ pub mod types;
 #[cfg(feature = "host")]
 pub mod loader;
 
+#[cfg(feature = "host")]
+mod legacy;
+
 #[doc(hidden)]
 pub mod export;
 

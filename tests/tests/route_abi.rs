@@ -192,3 +192,56 @@ fn a_route_that_panics_is_an_error_not_a_crash() {
         serve.output()
     );
 }
+
+/// The fixture route built against a frozen copy of an older plugin-api (`tests/fixtures/
+/// plugin-api-<minor>`), as route `name`.
+fn build_old_fixture(minor: &str, name: &str) -> PathBuf {
+    route_fixture::Fixture {
+        name,
+        route_source: route_fixture::root().join("tests/fixtures/route/src/lib.rs"),
+        api_source: route_fixture::root().join(format!("tests/fixtures/plugin-api-{minor}/src")),
+        api_version: &format!("{minor}.0"),
+    }
+    .build()
+}
+
+#[test]
+fn routes_built_against_plugin_api_1_0_and_1_1_load_and_serve() {
+    for (minor, name) in [("1.0", "v10"), ("1.1", "v11")] {
+        let dir = build_old_fixture(minor, name);
+        let listing = plugins(&dir);
+        let line = listing
+            .lines()
+            .find(|l| l.contains(&format!("libonebit_route_{name}.so")))
+            .unwrap_or_else(|| panic!("{listing}"));
+        assert!(
+            line.contains(&format!("ABI {minor}.0  loaded: ")),
+            "{listing}"
+        );
+
+        let tmp = temp_dir(name);
+        let model = dummy_model(&tmp, "m.gguf");
+        let serve = Serve::start(
+            &[
+                "-m",
+                model.to_str().unwrap(),
+                "--device",
+                name,
+                "--plugin-dir",
+                dir.to_str().unwrap(),
+                "--llama-server",
+                fake_backend().to_str().unwrap(),
+            ],
+            &[],
+        );
+        serve.ready();
+        let (status, body) = post(
+            &serve.url("/v1/chat/completions"),
+            r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        assert_eq!(status, 200, "{body}");
+        // Its health and metrics operations are called as a current route's are.
+        let (status, _) = get(&serve.url("/metrics"));
+        assert_eq!(status, 200);
+    }
+}
