@@ -51,7 +51,9 @@ pub struct PlanRequest {
 }
 
 /// The parsed `1bit serve` options a route may act on. Flags a later version adds arrive as new
-/// fields here; the whole command line is in `args` too, for a vendor's private flags.
+/// fields here. A route's own options (a vendor's, say) come as `--route-opt KEY=VALUE` or
+/// `--npu-opt KEY=VALUE` in [`ServeOptions::route_options`]: serve's command line parser
+/// refuses flags it does not know, so a private `--my-flag` never reaches a route.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ServeOptions {
@@ -108,9 +110,52 @@ pub struct ServeOptions {
     pub embed: Option<String>,
     /// `--rerank MODEL.gguf`: a reranking model served beside the chat model.
     pub rerank: Option<String>,
-    /// serve's whole command line after `serve`, for flags this version of the ABI does not
-    /// name.
+    /// serve's whole command line after `serve`, as given (every flag in it is one serve
+    /// knows; see `route_options` for a route's own).
     pub args: Vec<String>,
+    /// 1.2: `--route-opt KEY=VALUE` and `--npu-opt KEY=VALUE`, in the order given. Opaque to
+    /// serve: the route checks them in `plan` ([`ServeOptions::checked_route_options`]) and
+    /// refuses a key it does not know.
+    pub route_options: Vec<RouteOption>,
+}
+
+/// One `--route-opt` / `--npu-opt` pair.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouteOption {
+    /// The flag it came with: `--route-opt` or `--npu-opt`.
+    pub flag: String,
+    pub key: String,
+    pub value: String,
+}
+
+impl ServeOptions {
+    /// The route options as a map (a key given twice keeps its last value), after checking
+    /// that every key is one of `known`; else the one-line refusal (exit 2) that names the
+    /// keys the route knows. Called by a route at the start of `plan`; a route that takes no
+    /// options passes `&[]`, so any option is refused rather than ignored.
+    pub fn checked_route_options(
+        &self,
+        route: &str,
+        known: &[&str],
+    ) -> Result<BTreeMap<String, String>, Refusal> {
+        let mut options = BTreeMap::new();
+        for option in &self.route_options {
+            if !known.contains(&option.key.as_str()) {
+                let knows = if known.is_empty() {
+                    "it takes no options".to_string()
+                } else {
+                    format!("it knows {}", known.join(", "))
+                };
+                return Err(Refusal::usage(format!(
+                    "{} {}={}: the {route} route has no option {}; {knows}",
+                    option.flag, option.key, option.value, option.key
+                )));
+            }
+            options.insert(option.key.clone(), option.value.clone());
+        }
+        Ok(options)
+    }
 }
 
 /// What the host read from the model before planning.
@@ -171,17 +216,56 @@ pub enum PlanOutcome {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Refusal {
-    /// serve's exit status: 2 bad usage, 3 does not fit, 5 needs serve in the request path.
+    /// serve's exit status, one of a closed set: [`Refusal::ENGINE`] (1),
+    /// [`Refusal::USAGE`] (2), [`Refusal::NO_FIT`] (3), [`Refusal::NEEDS_SERVE`] (5). serve
+    /// exits 2 for any other value ([`Refusal::exit_status`]).
     pub exit_code: i32,
     /// One line: what was wrong and what to do instead.
     pub message: String,
 }
 
 impl Refusal {
+    /// The engine the route needs cannot be found or started (no `llama-server`, say).
+    pub const ENGINE: i32 = 1;
+    /// Bad usage: a flag, an option or a model this route does not take.
+    pub const USAGE: i32 = 2;
+    /// The model does not fit in memory.
+    pub const NO_FIT: i32 = 3;
+    /// `--print-backend` on a plan that needs serve in the request path.
+    pub const NEEDS_SERVE: i32 = 5;
+
+    /// Exit 2.
     pub fn usage(message: impl Into<String>) -> Self {
         Self {
-            exit_code: 2,
+            exit_code: Self::USAGE,
             message: message.into(),
+        }
+    }
+
+    /// Exit 1.
+    pub fn engine(message: impl Into<String>) -> Self {
+        Self {
+            exit_code: Self::ENGINE,
+            message: message.into(),
+        }
+    }
+
+    /// Exit 5, with serve's line for it: `what` (`--device ds4`, `an NPU model directory`)
+    /// needs serve in the request path.
+    pub fn needs_serve(what: &str) -> Self {
+        Self {
+            exit_code: Self::NEEDS_SERVE,
+            message: format!(
+                "--print-backend: {what} needs 1bit serve in the request path; run 1bit serve itself"
+            ),
+        }
+    }
+
+    /// The exit status serve uses: `exit_code` when it is one of the set, else 2.
+    pub fn exit_status(&self) -> i32 {
+        match self.exit_code {
+            Self::ENGINE | Self::USAGE | Self::NO_FIT | Self::NEEDS_SERVE => self.exit_code,
+            _ => Self::USAGE,
         }
     }
 }
@@ -214,6 +298,9 @@ pub struct Plan {
     /// Whether Lemonade may start `backends[0]` itself and forward to it (`--print-backend`);
     /// false means the route needs serve in the request path (exit 5).
     pub one_hop: bool,
+    /// 1.2: when not `one_hop`, what needs serve in the request path, for `--print-backend`'s
+    /// line (`--device ds4`, `--embed`); empty says `--device <device>`.
+    pub serve_in_path: String,
     /// Requests the host sends to `backends[0]` after it is ready and before serve says
     /// ready, in order.
     pub warmups: Vec<Warmup>,

@@ -245,3 +245,23 @@ fn routes_built_against_plugin_api_1_0_and_1_1_load_and_serve() {
         assert_eq!(status, 200);
     }
 }
+
+#[test]
+fn route_options_to_a_route_older_than_1_2_are_refused_not_ignored() {
+    let dir = build_old_fixture("1.1", "v11");
+    let tmp = temp_dir("old-opts");
+    let model = dummy_model(&tmp, "m.gguf");
+    let out = Command::new(onebit())
+        .args(["serve", "-m"])
+        .arg(&model)
+        .args(["--device", "v11", "--route-opt", "x=1", "--plugin-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--route-opt: the v11 route was built against route ABI 1.1.0, which takes no route options"),
+        "{stderr}"
+    );
+}

@@ -21,6 +21,18 @@ const PINS: &str = include_str!("../../../third_party/pins.json");
 /// (`registry/architectures.json`).
 const ARCHITECTURES: &str = include_str!("../../../registry/architectures.json");
 
+/// Refuse an H32 file (a Hadamard-rotated Q4_0 stamped `onebit.hadamard_q4_0`, a dropped
+/// format) on every route: each route's `plan` calls this first (exit 2).
+pub fn refuse_h32(request: &PlanRequest) -> Result<(), Refusal> {
+    if request.model.hadamard_q4_0 {
+        return Err(Refusal::usage(format!(
+            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the format is dropped; use the model's UD-Q4_K_XL or another standard GGUF",
+            request.options.model
+        )));
+    }
+    Ok(())
+}
+
 /// The architectures `route` builds, from `registry/architectures.json`; empty for a route the
 /// file does not list.
 pub fn architectures(route: &str) -> Vec<String> {
@@ -83,7 +95,7 @@ pub fn server_binary(request: &PlanRequest) -> Result<String, Refusal> {
         return Ok(found.to_string_lossy().into_owned());
     }
     Err(Refusal {
-        exit_code: 1,
+        exit_code: Refusal::ENGINE,
         message: "no llama-server found: run `cargo xtask setup` to build the pinned one, or pass --llama-server PATH (or set ONEBIT_LLAMA_SERVER)".to_string(),
     })
 }
