@@ -45,11 +45,6 @@ const HEALTH_EVERY: Duration = Duration::from_millis(250);
 /// Ports Lemonade scans for its own servers; backends never take one.
 const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
 
-/// Devices whose routes always need serve in the request path even in a build without their
-/// route, so `--print-backend` exits 5 for them. Every other route says so in its plan
-/// (`Plan::one_hop`, or a `Refusal::needs_serve` for `Purpose::PrintBackend`).
-const ONE_HOP_NEVER: [&str; 1] = ["npu"];
-
 /// Run `1bit serve` and return its exit status.
 pub fn run(args: ServeArgs) -> i32 {
     match prepare(&args) {
@@ -113,13 +108,8 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
         )));
     }
-    if printing {
-        if let Some(flag) = args.needs_serve_in_path() {
-            return Err(needs_serve(flag.to_string()));
-        }
-        if ONE_HOP_NEVER.contains(&args.device.as_str()) {
-            return Err(needs_serve(format!("--device {}", args.device)));
-        }
+    if printing && let Some(flag) = args.needs_serve_in_path() {
+        return Err(needs_serve(flag.to_string()));
     }
     let route_options = route_options(args)?;
     let facts = model::facts(&args.model)?;
