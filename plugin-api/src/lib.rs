@@ -86,8 +86,8 @@ pub trait DeviceRoute: Default + Send + Sync + 'static {
         LineVerdict::default()
     }
 
-    /// Decide what to do with one request. Called only when the plan sets `route_forwards`,
-    /// on a blocking thread, once per matching request; it may take as long as the request's
+    /// Decide what to do with one request. Called only for requests whose rule's action is
+    /// [`Action::AskRoute`], on a blocking thread, once per matching request; it may take as long as the request's
     /// own work (a prefill, say) and may call the backends through `host`.
     fn forward(&self, request: &ForwardRequest, host: &dyn HostServices) -> Forward {
         let _ = (request, host);

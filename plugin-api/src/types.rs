@@ -43,7 +43,9 @@ pub struct PlanRequest {
     /// serve's whole environment. A route reads its variables from here, not from the process,
     /// so a plan depends only on its request.
     pub env: BTreeMap<String, String>,
-    /// Loopback ports the host reserved for the plan's backends, in order. For
+    /// Loopback ports the host reserved for the plan's backends, in order: four for
+    /// [`Purpose::Serve`] and [`Purpose::MemCheck`] (free when asked, outside Lemonade's
+    /// 8001-9000; a plan with more backends than that needs a newer host). For
     /// [`Purpose::PrintBackend`] this is the one port the caller chose.
     pub ports: Vec<u16>,
     /// The directory serve may use for files that live as long as it does (slot files, say).
@@ -189,7 +191,9 @@ pub struct ModelFacts {
 pub struct Claim {
     /// 0 means no claim; the strongest claim wins. Conventions: 10 a route that runs any GGUF
     /// (cpu), 50 a route that needs present hardware (hrx), 90 a route that owns the model's
-    /// format (an NPU model directory).
+    /// format (an NPU model directory), 95 an add-on that serves a model better than the
+    /// public route for its format. Equal claims: the route found first wins (folders in
+    /// search order, `--plugin-dir` first; within a folder, by file name).
     pub strength: u8,
     /// Why, in a few words, for the start-up line.
     pub reason: String,
@@ -304,7 +308,10 @@ pub struct Plan {
     /// Requests the host sends to `backends[0]` after it is ready and before serve says
     /// ready, in order.
     pub warmups: Vec<Warmup>,
-    /// What the memory check needs; None skips it (an in-process route).
+    /// What the memory check needs. None skips the check: serve starts the backends without
+    /// judging whether the model fits, and `--mem-check` says there is nothing to check. Right
+    /// for an in-process route (its engine judges itself); a child-process route should give
+    /// its estimate, or serve admits a model that may not fit.
     pub memory: Option<MemoryNeed>,
     /// Lines serve prints before starting (a recipe applied, a setting chosen).
     pub notes: Vec<String>,
@@ -389,6 +396,41 @@ pub enum Action {
     /// 1.2: the route answers it itself, streaming ([`crate::DeviceRoute::respond`], on a
     /// blocking thread the host owns for the request).
     InProcess,
+}
+
+/// The request table of a route whose backend is a llama-server: the OpenAI routes (chat,
+/// completions, Responses, embeddings, rerank; inference marked) and llama-server's own
+/// (`/tokenize`, `/detokenize`, `/apply-template`, `GET /slots`, `GET /props`), each relayed
+/// unchanged to `backends[backend]`. A route adds its own rules before or after (the first
+/// match wins): the public llama-server routes answer `POST /slots/*` with 501, say. Called by
+/// a route's `plan`.
+pub fn llama_server_rules(backend: usize) -> Vec<Rule> {
+    let proxy = |method: &str, path: &str, inference: bool| Rule {
+        method: method.to_string(),
+        path: path.to_string(),
+        action: Action::Proxy { backend },
+        inference,
+    };
+    vec![
+        proxy("POST", "/v1/chat/completions", true),
+        proxy("POST", "/chat/completions", true),
+        proxy("POST", "/v1/completions", true),
+        proxy("POST", "/completions", true),
+        proxy("POST", "/completion", true),
+        proxy("POST", "/v1/responses", true),
+        proxy("POST", "/responses", true),
+        proxy("POST", "/v1/embeddings", false),
+        proxy("POST", "/embeddings", false),
+        proxy("POST", "/v1/rerank", false),
+        proxy("POST", "/rerank", false),
+        proxy("POST", "/v1/reranking", false),
+        proxy("POST", "/reranking", false),
+        proxy("POST", "/tokenize", false),
+        proxy("POST", "/detokenize", false),
+        proxy("POST", "/apply-template", false),
+        proxy("GET", "/slots", false),
+        proxy("GET", "/props", false),
+    ]
 }
 
 impl Default for Action {

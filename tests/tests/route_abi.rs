@@ -49,6 +49,7 @@ fn a_route_built_outside_the_workspace_loads_and_serves() {
     );
     let dir = temp_dir("outside");
     let model = dummy_model(&dir, "m.gguf");
+    let start = dir.join("start.json");
     let serve = Serve::start(
         &[
             "-m",
@@ -60,7 +61,7 @@ fn a_route_built_outside_the_workspace_loads_and_serves() {
             "--llama-server",
             fake_backend().to_str().unwrap(),
         ],
-        &[],
+        &[("FAKE_RECORD_START", start.to_str().unwrap())],
     );
     serve.ready();
     let (status, body) = post(
@@ -68,6 +69,18 @@ fn a_route_built_outside_the_workspace_loads_and_serves() {
         r#"{"messages":[{"role":"user","content":"hi"}]}"#,
     );
     assert_eq!(status, 200, "{body}");
+    // The fake backend recorded the argv and environment the route's plan gave it.
+    let started: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&start).unwrap()).unwrap();
+    let argv: Vec<&str> = started["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert_eq!(argv[1..3], ["-m", model.to_str().unwrap()], "{argv:?}");
+    assert_eq!(argv[3], "--port");
+    assert_eq!(started["env"]["FIXTURE_FROM_PLAN"], "plan", "{started}");
 }
 
 #[test]
@@ -263,5 +276,77 @@ fn route_options_to_a_route_older_than_1_2_are_refused_not_ignored() {
     assert!(
         stderr.contains("--route-opt: the v11 route was built against route ABI 1.1.0, which takes no route options"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn plugins_names_a_library_that_is_no_route_and_a_route_whose_name_is_not_its_files() {
+    let (same, _, _) = fixtures();
+    let dir = temp_dir("plugins-odd");
+    let built = same.join("libonebit_route_outside.so");
+    std::fs::copy(&built, dir.join("libonebit_route_renamed.so")).unwrap();
+    std::fs::copy(&built, dir.join("libhelper.so")).unwrap();
+    std::fs::write(dir.join("notes.so.txt"), "not a library").unwrap();
+    let listing = plugins(&dir);
+    let renamed = listing
+        .lines()
+        .find(|l| l.contains("libonebit_route_renamed.so"))
+        .unwrap_or_else(|| panic!("{listing}"));
+    assert!(
+        renamed.starts_with("outside ")
+            && renamed.ends_with(
+                "(the route names itself outside, its file says renamed: use --device outside)"
+            ),
+        "{listing}"
+    );
+    let helper = listing
+        .lines()
+        .find(|l| l.contains("libhelper.so"))
+        .unwrap_or_else(|| panic!("{listing}"));
+    assert!(
+        helper.ends_with(
+            "not loaded: a shared library, but not a route file (route files are named libonebit_route_<name>.so)"
+        ),
+        "{listing}"
+    );
+    assert!(!listing.contains("notes.so.txt"), "{listing}");
+}
+
+#[test]
+fn plugin_api_copied_out_of_the_workspace_is_a_crate_cargo_package_accepts() {
+    // A vendor copies the crate out (or depends on it by git or registry): it must stand
+    // alone, with nothing inherited from this workspace.
+    let copy = temp_dir("plugin-api-copy");
+    std::fs::create_dir_all(copy.join("src")).unwrap();
+    let api = route_fixture::root().join("plugin-api");
+    for file in ["Cargo.toml", "README.md"] {
+        std::fs::copy(api.join(file), copy.join(file)).unwrap();
+    }
+    for entry in std::fs::read_dir(api.join("src")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, copy.join("src").join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(
+        route_fixture::root().join("Cargo.lock"),
+        copy.join("Cargo.lock"),
+    )
+    .unwrap();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let out = Command::new(cargo)
+        .args([
+            "package",
+            "--no-verify",
+            "--offline",
+            "--allow-dirty",
+            "--manifest-path",
+        ])
+        .arg(copy.join("Cargo.toml"))
+        .env("CARGO_TARGET_DIR", bin_dir().join("package-check"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

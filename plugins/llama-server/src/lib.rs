@@ -194,32 +194,7 @@ pub fn backend(argv: Vec<String>, port: u16) -> BackendSpec {
 /// to backend 0; slot save and restore answered 501, since the backend runs without
 /// `--slot-save-path`.
 pub fn rules() -> Vec<Rule> {
-    let proxy = |method: &str, path: &str, inference: bool| Rule {
-        method: method.to_string(),
-        path: path.to_string(),
-        action: Action::Proxy { backend: 0 },
-        inference,
-    };
-    let mut rules = vec![
-        proxy("POST", "/v1/chat/completions", true),
-        proxy("POST", "/chat/completions", true),
-        proxy("POST", "/v1/completions", true),
-        proxy("POST", "/completions", true),
-        proxy("POST", "/completion", true),
-        proxy("POST", "/v1/responses", true),
-        proxy("POST", "/responses", true),
-        proxy("POST", "/v1/embeddings", false),
-        proxy("POST", "/embeddings", false),
-        proxy("POST", "/v1/rerank", false),
-        proxy("POST", "/rerank", false),
-        proxy("POST", "/v1/reranking", false),
-        proxy("POST", "/reranking", false),
-        proxy("POST", "/tokenize", false),
-        proxy("POST", "/detokenize", false),
-        proxy("POST", "/apply-template", false),
-        proxy("GET", "/slots", false),
-        proxy("GET", "/props", false),
-    ];
+    let mut rules = onebit_plugin_api::llama_server_rules(0);
     rules.push(Rule {
         method: "POST".to_string(),
         path: "/slots/*".to_string(),
