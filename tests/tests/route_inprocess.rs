@@ -253,3 +253,29 @@ fn a_panic_in_respond_is_a_500_or_a_cut_stream_in_one_line_and_serve_goes_on() {
         "{out}"
     );
 }
+
+#[test]
+fn print_backend_names_what_the_plan_says_needs_serve_and_exits_5() {
+    let dir = temp_dir("inproc-print");
+    let model = dummy_model(&dir, "m.gguf");
+    let out = std::process::Command::new(onebit())
+        .args(["serve", "-m"])
+        .arg(&model)
+        .args([
+            "--device",
+            "inproc",
+            "--port",
+            "8001",
+            "--print-backend",
+            "--plugin-dir",
+        ])
+        .arg(fixture())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert_eq!(
+        stderr,
+        "1bit serve: --print-backend: the inproc route (it answers in process) needs 1bit serve in the request path; run 1bit serve itself\n"
+    );
+}
