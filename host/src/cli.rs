@@ -128,9 +128,14 @@ pub struct ServeArgs {
     /// The model itself is a reranking model.
     #[arg(long)]
     pub reranking: bool,
-    /// An NPU option, KEY=VALUE (repeatable).
-    #[arg(long, value_name = "KEY=VALUE", num_args = 1..)]
+    /// An option for the NPU route (or an add-on's), KEY=VALUE; repeatable. Passed to the
+    /// route as it is; the route refuses a key it does not know.
+    #[arg(long, value_name = "KEY=VALUE")]
     pub npu_opt: Vec<String>,
+    /// An option for the chosen route, KEY=VALUE; repeatable. Passed to the route as it is;
+    /// the route refuses a key it does not know.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub route_opt: Vec<String>,
     /// Skip the memory check.
     #[arg(long, conflicts_with = "mem_check")]
     pub no_mem_check: bool,
@@ -240,7 +245,6 @@ impl ServeArgs {
         check(self.pm, "--pm");
         check(self.pm_experts.is_some(), "--pm-experts");
         check(self.lemonade_url.is_some(), "--lemonade-url");
-        check(!self.npu_opt.is_empty(), "--npu-opt");
         flags
     }
 

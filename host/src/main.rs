@@ -28,8 +28,12 @@ fn main() {
     let code = match cli.command {
         cli::Command::Serve(args) => serve::run(*args),
         cli::Command::Plugins(args) => {
-            let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
-            print!("{}", routes::listing(&found));
+            let dirs = routes::search_dirs(&args.plugin_dir);
+            let found = routes::discover(&dirs);
+            print!(
+                "{}",
+                routes::listing(&found, &routes::other_libraries(&dirs))
+            );
             error::exit::OK
         }
     };

@@ -9,7 +9,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nix::sys::signal::Signal;
 use onebit_plugin_api::loader::LoadedRoute;
-use onebit_plugin_api::{Plan, PlanOutcome, PlanRequest, Purpose, ServeOptions, Started};
+use onebit_plugin_api::{
+    Plan, PlanOutcome, PlanRequest, Purpose, RouteOption, ServeOptions, Started,
+};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -34,11 +36,6 @@ use crate::{admission, metrics, model, routes};
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Ports Lemonade scans for its own servers; backends never take one.
 const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
-
-/// Devices whose routes always need serve in the request path (NPU engines in process, the
-/// hybrid prefill handoff, ds4-server's renamed replies), so `--print-backend` exits 5 for them
-/// even in a build without their route.
-const ONE_HOP_NEVER: [&str; 3] = ["npu", "hybrid", "ds4"];
 
 /// Run `1bit serve` and return its exit status.
 pub fn run(args: ServeArgs) -> i32 {
@@ -106,21 +103,11 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     }
     let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
         .map_err(Fatal::usage)?;
-    if printing {
-        if let Some(flag) = args.needs_serve_in_path() {
-            return Err(needs_serve(flag.to_string()));
-        }
-        if ONE_HOP_NEVER.contains(&args.device.as_str()) {
-            return Err(needs_serve(format!("--device {}", args.device)));
-        }
+    if printing && let Some(flag) = args.needs_serve_in_path() {
+        return Err(needs_serve(flag.to_string()));
     }
+    let route_options = route_options(args)?;
     let facts = model::facts(&args.model)?;
-    if facts.hadamard_q4_0 {
-        return Err(Fatal::usage(format!(
-            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the engine dropped that format; use the model's UD-Q4_K_XL or another standard GGUF",
-            args.model.display()
-        )));
-    }
     if printing && facts.is_dir {
         return Err(needs_serve(format!(
             "the model directory {}",
@@ -180,6 +167,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             embed: args.embed.clone(),
             rerank: args.rerank.clone(),
             args: std::env::args().skip(2).collect(),
+            route_options,
         },
         model: facts,
         env: std::env::vars_os()
@@ -202,11 +190,18 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             route.info.name, claim.reason
         );
     }
+    if !request.options.route_options.is_empty() && !takes_route_options(route) {
+        let flag = &request.options.route_options[0].flag;
+        return Err(Fatal::usage(format!(
+            "{flag}: the {} route was built against route ABI {}, which takes no route options; remove {flag} or rebuild the route against onebit-plugin-api 1.2 or later",
+            route.info.name, route.abi_version
+        )));
+    }
     let plan = match route.plan(&request) {
         Ok(PlanOutcome::Plan(plan)) => plan,
         Ok(PlanOutcome::Refused(refusal)) => {
             return Err(Fatal {
-                code: refusal.exit_code,
+                code: refusal.exit_status(),
                 message: refusal.message,
             });
         }
@@ -244,6 +239,38 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         run_dir,
         api_key,
     })))
+}
+
+/// `--route-opt` and `--npu-opt` as the pairs a route gets, in order; a value without `=` is
+/// refused in one line.
+fn route_options(args: &ServeArgs) -> Result<Vec<RouteOption>, Fatal> {
+    let given = args
+        .route_opt
+        .iter()
+        .map(|o| ("--route-opt", o))
+        .chain(args.npu_opt.iter().map(|o| ("--npu-opt", o)));
+    let mut options = Vec::new();
+    for (flag, option) in given {
+        match option.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => options.push(RouteOption {
+                flag: flag.to_string(),
+                key: key.trim().to_string(),
+                value: value.to_string(),
+            }),
+            _ => {
+                return Err(Fatal::usage(format!(
+                    "{flag} {option}: not KEY=VALUE; pass it as {flag} KEY=VALUE"
+                )));
+            }
+        }
+    }
+    Ok(options)
+}
+
+/// Whether the route reads route options: built against ABI 1.2 or later (an older route
+/// would ignore them without a word).
+fn takes_route_options(route: &LoadedRoute) -> bool {
+    semver::Version::parse(&route.abi_version).is_ok_and(|v| v >= semver::Version::new(1, 2, 0))
 }
 
 /// A flag this build parses but refuses on every route, as the one line serve exits 2 with.
@@ -318,11 +345,15 @@ fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
     let backend = match plan.backends.as_slice() {
         [one] if plan.one_hop => one,
         _ => {
+            let what = if plan.serve_in_path.is_empty() {
+                format!("--device {}", plan.device)
+            } else {
+                plan.serve_in_path.clone()
+            };
             return Err(Fatal {
                 code: exit::NEEDS_SERVE,
                 message: format!(
-                    "--print-backend: --device {} needs 1bit serve in the request path; run 1bit serve itself",
-                    plan.device
+                    "--print-backend: {what} needs 1bit serve in the request path; run 1bit serve itself"
                 ),
             });
         }

@@ -4,6 +4,8 @@
 //! assert on what a client sees.
 #![forbid(unsafe_code)]
 
+pub mod route_fixture;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

@@ -10,6 +10,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Router, middleware};
 
+use onebit_plugin_api::Action;
+
 use crate::backends::health::Status;
 use crate::guard;
 use crate::metrics;
@@ -24,8 +26,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/v1/models", get(models));
-    if !app.metrics.backends.is_empty() {
-        // On every route that runs a child.
+    if !app.metrics.backends.is_empty() || app.rules.iter().any(|r| r.action == Action::InProcess) {
+        // On every route that runs a child or answers in process.
         router = router.route("/metrics", get(scrape));
     }
     router

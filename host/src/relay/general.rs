@@ -107,7 +107,9 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
                 Err(e) => return e.into_response(),
             }
         }
-        Target::InProcess => return in_process::respond(&app, &plan, parts, body).await,
+        Target::InProcess => {
+            return in_process::respond(&app, &plan, &parts, body, in_flight).await;
+        }
         Target::Answer { .. } => unreachable!("answered above"),
     };
     let Some(port) = app.ports.get(backend).copied() else {

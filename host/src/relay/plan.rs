@@ -94,6 +94,7 @@ impl RelayPlan {
         let target = match &rule.action {
             Action::Proxy { backend } => Target::Backend(*backend),
             Action::AskRoute => Target::AskRoute,
+            Action::InProcess => Target::InProcess,
             Action::Answer {
                 status,
                 content_type,
@@ -125,12 +126,15 @@ impl RelayPlan {
 
     /// Work out the rewrites, the watch and the engine from the target and the flags.
     fn settle(mut self, precise: bool, rename_in_streams: bool) -> RelayPlan {
+        // The served-name rules hold for an in-process answer as for a relayed one; the
+        // watchdog covers only a backend's progress (an in-process route has no child to kill).
         let relayed = matches!(self.target, Target::Backend(_) | Target::AskRoute);
-        let inference = relayed && self.inference;
+        let answered = relayed || self.target == Target::InProcess;
+        let inference = answered && self.inference;
         self.precise = inference && precise;
         self.name_reply = inference && !self.streamed;
         self.rename_stream = inference && self.streamed && rename_in_streams;
-        self.watched = inference;
+        self.watched = relayed && self.inference;
         self.engine = match self.target {
             Target::InProcess => Engine::InProcess,
             Target::Backend(_) if !self.precise && !self.name_reply && !self.rename_stream => {

@@ -38,6 +38,8 @@ impl DeviceRoute for CpuRoute {
     }
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
+        request.options.checked_route_options("cpu", &[])?;
+        llama_server::refuse_h32(request)?;
         if request.model.is_dir {
             return Err(Refusal::usage(format!(
                 "{} is a directory; --device cpu serves a .gguf file",

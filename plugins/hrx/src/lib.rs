@@ -128,6 +128,8 @@ impl DeviceRoute for HrxRoute {
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
         let o = &request.options;
+        o.checked_route_options("hrx", &[])?;
+        llama_server::refuse_h32(request)?;
         if request.model.is_dir {
             return Err(Refusal::usage(format!(
                 "{} is a directory; --device hrx serves a .gguf file",

@@ -92,6 +92,12 @@ impl DeviceRoute for HybridRoute {
     }
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
+        request.options.checked_route_options("hybrid", &[])?;
+        llama_server::refuse_h32(request)?;
+        if request.purpose == onebit_plugin_api::Purpose::PrintBackend {
+            // The prefill handoff happens in serve, between the provider and llama-server.
+            return Err(Refusal::needs_serve("--device hybrid"));
+        }
         if request.model.is_dir {
             return Err(Refusal::usage(format!(
                 "{} is a directory; --device hybrid serves a .gguf file",

@@ -22,6 +22,18 @@ const PINS: &str = include_str!("../../../third_party/pins.json");
 /// (`registry/architectures.json`).
 const ARCHITECTURES: &str = include_str!("../../../registry/architectures.json");
 
+/// Refuse an H32 file (a Hadamard-rotated Q4_0 stamped `onebit.hadamard_q4_0`, a dropped
+/// format) on every route: each route's `plan` calls this first (exit 2).
+pub fn refuse_h32(request: &PlanRequest) -> Result<(), Refusal> {
+    if request.model.hadamard_q4_0 {
+        return Err(Refusal::usage(format!(
+            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the engine dropped that format; use the model's UD-Q4_K_XL or another standard GGUF",
+            request.options.model
+        )));
+    }
+    Ok(())
+}
+
 /// The architectures `route` builds, from `registry/architectures.json`; empty for a route the
 /// file does not list.
 pub fn architectures(route: &str) -> Vec<String> {
@@ -84,7 +96,7 @@ pub fn server_binary(request: &PlanRequest) -> Result<String, Refusal> {
         return Ok(found.to_string_lossy().into_owned());
     }
     Err(Refusal {
-        exit_code: 1,
+        exit_code: Refusal::ENGINE,
         message: "no llama-server found: run `cargo xtask setup` to build the pinned one, or pass --llama-server PATH (or set ONEBIT_LLAMA_SERVER)".to_string(),
     })
 }
@@ -183,32 +195,7 @@ pub fn backend(argv: Vec<String>, port: u16) -> BackendSpec {
 /// to backend 0; slot save and restore answered 501, since the backend runs without
 /// `--slot-save-path`.
 pub fn rules() -> Vec<Rule> {
-    let proxy = |method: &str, path: &str, inference: bool| Rule {
-        method: method.to_string(),
-        path: path.to_string(),
-        action: Action::Proxy { backend: 0 },
-        inference,
-    };
-    let mut rules = vec![
-        proxy("POST", "/v1/chat/completions", true),
-        proxy("POST", "/chat/completions", true),
-        proxy("POST", "/v1/completions", true),
-        proxy("POST", "/completions", true),
-        proxy("POST", "/completion", true),
-        proxy("POST", "/v1/responses", true),
-        proxy("POST", "/responses", true),
-        proxy("POST", "/v1/embeddings", false),
-        proxy("POST", "/embeddings", false),
-        proxy("POST", "/v1/rerank", false),
-        proxy("POST", "/rerank", false),
-        proxy("POST", "/v1/reranking", false),
-        proxy("POST", "/reranking", false),
-        proxy("POST", "/tokenize", false),
-        proxy("POST", "/detokenize", false),
-        proxy("POST", "/apply-template", false),
-        proxy("GET", "/slots", false),
-        proxy("GET", "/props", false),
-    ];
+    let mut rules = onebit_plugin_api::llama_server_rules(0);
     rules.push(Rule {
         method: "POST".to_string(),
         path: "/slots/*".to_string(),
