@@ -1,4 +1,5 @@
-//! The backends serve runs: spawning and stopping them (`supervisor`), watching their
+//! The backends serve runs: spawning and stopping them (`supervisor`), whether they answer
+//! (`health`: the status, serve's own probe client, the health monitor), watching their
 //! progress (`watchdog`), and calls between the route and its backends (`route_calls`).
 //!
 //! This room knows nothing of how client requests are relayed.

@@ -1,8 +1,11 @@
-//! The browser guard: refuses, before routing, the requests a web page could make to a local
-//! serve (DNS rebinding through the Host header, cross-site writes through Origin).
+//! Who may call serve, judged before routing. The browser guard refuses the requests a web page
+//! could make to a local serve (DNS rebinding through the Host header, cross-site writes
+//! through Origin) and a request naming its host twice; the API key (`key`, with `--api-key`)
+//! keeps out callers without it.
 //!
 //! The rules are in `docs/security.md` and in [`rules`], a pure function the fuzz target and
-//! the unit tests call directly; this file is the axum middleware around it.
+//! the unit tests call directly; this file is the axum middleware around both. This room sits
+//! below the relay: both relay engines call [`check`] and the key themselves.
 
 pub mod key;
 mod rules;
