@@ -167,3 +167,42 @@ fn a_bind_beyond_loopback_without_a_key_says_who_can_reach_it() {
         loopback.output()
     );
 }
+
+/// The OpenAI Python SDK, given serve's key as its `api_key`, is served (whole and streamed);
+/// given another, it raises its own `AuthenticationError` from serve's 401.
+#[test]
+fn the_openai_sdk_with_the_key_is_served_and_without_it_is_refused() {
+    let python = installed(
+        "ONEBIT_TEST_OPENAI_PYTHON",
+        "venvs/openai-3.51.0/bin/python",
+    );
+    let dir = temp_dir("key-sdk");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &["--api-key", KEY], &[]);
+    serve.ready();
+    const SCRIPT: &str = r#"
+import sys, openai
+base = "http://127.0.0.1:%s/v1" % sys.argv[1]
+client = openai.OpenAI(base_url=base, api_key=sys.argv[2], max_retries=0)
+hi = [{"role": "user", "content": "hi"}]
+print("whole", client.chat.completions.create(model="m", messages=hi).model)
+events = list(client.chat.completions.create(model="m", messages=hi, stream=True))
+print("streamed", len(events) > 0)
+try:
+    openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0).models.list()
+    print("wrong key accepted")
+except openai.AuthenticationError as e:
+    print("refused", e.status_code)
+"#;
+    let out = std::process::Command::new(python)
+        .args(["-c", SCRIPT, &serve.port.to_string(), KEY])
+        .output()
+        .expect("python runs");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(text, "whole m\nstreamed True\nrefused 401\n");
+}

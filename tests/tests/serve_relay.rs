@@ -322,6 +322,10 @@ fn streamed_events_arrive_one_by_one_as_the_backend_sends_them() {
     assert!(events.len() >= 6, "{}", String::from_utf8_lossy(&text));
     events.truncate(6);
     none_held_back(&events);
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "chat"), ("engine", "fast")]),
+        1
+    );
 }
 
 #[test]
@@ -354,6 +358,9 @@ fn a_body_written_apart_from_its_head_is_relayed() {
         .map(|l| l["body"].as_str().unwrap_or("").to_string())
         .collect();
     assert_eq!(bodies, vec![TOKENIZE.to_string(); 3]);
+    // The first two on the fast engine; the slow body went, with its plan, to the general one.
+    let engine = |e| requests_total(&serve, &[("path_class", "other"), ("engine", e)]);
+    assert_eq!((engine("fast"), engine("general")), (2, 1));
 }
 
 #[test]

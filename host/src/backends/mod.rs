@@ -1,6 +1,7 @@
-//! The backends serve runs: spawning and stopping them (`supervisor`), watching their
-//! progress (`watchdog`), calls between the route and its backends (`route_calls`), and whether what answers on a
-//! backend's port is the backend (`port_owner`).
+//! The backends serve runs: spawning and stopping them (`supervisor`), whether they answer
+//! (`health`: the status, serve's own probe client, the health monitor), whether what answers
+//! on a backend's port is the backend (`port_owner`), watching their progress (`watchdog`),
+//! and calls between the route and its backends (`route_calls`).
 //!
 //! This room knows nothing of how client requests are relayed.
 

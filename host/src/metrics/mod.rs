@@ -1,6 +1,7 @@
-//! `GET /metrics`: serve's own series (Prometheus text 0.0.4, through prometheus-client), then
-//! the route's own, then the backend's own `/metrics` text when it answers; and the state file
-//! that keeps serve's counters across restarts.
+//! What `GET /metrics` says: serve's own series (Prometheus text 0.0.4, through
+//! prometheus-client; `requests` for the request counter and added-time histogram both relay
+//! engines record), the backend's own `/metrics` text when it answers, and the state file that
+//! keeps serve's counters across restarts. The handler itself is the front's (`front::own`).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

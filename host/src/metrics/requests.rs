@@ -10,6 +10,7 @@
 //! happen outside serve's code. `cargo xtask bench hop` measures the whole hop from outside.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -140,6 +141,9 @@ fn added_histogram() -> Histogram {
 pub struct RequestSeries {
     requests: Family<RequestLabels, Counter>,
     added: Family<EngineLabels, Histogram, fn() -> Histogram>,
+    /// Whether each has a sample yet: a series without one is left out, not shown empty.
+    counted: AtomicBool,
+    timed: AtomicBool,
 }
 
 impl Default for RequestSeries {
@@ -147,6 +151,8 @@ impl Default for RequestSeries {
         RequestSeries {
             requests: Family::default(),
             added: Family::new_with_constructor(added_histogram),
+            counted: AtomicBool::new(false),
+            timed: AtomicBool::new(false),
         }
     }
 }
@@ -161,6 +167,9 @@ impl RequestSeries {
                 engine,
             })
             .inc();
+        if !self.counted.load(Ordering::Relaxed) {
+            self.counted.store(true, Ordering::Relaxed);
+        }
     }
 
     /// The time serve added to one relayed request (see the module's text).
@@ -168,21 +177,28 @@ impl RequestSeries {
         self.added
             .get_or_create(&EngineLabels { engine })
             .observe(added.as_secs_f64());
+        if !self.timed.load(Ordering::Relaxed) {
+            self.timed.store(true, Ordering::Relaxed);
+        }
     }
 
-    /// The series as Prometheus text (none until a request was counted).
+    /// The series as Prometheus text; each is left out until it has a sample.
     pub fn render(&self) -> String {
         let mut registry = Registry::default();
-        registry.register(
-            "onebit_requests",
-            "Requests answered, by route path class, status class and the relay engine that carried them",
-            self.requests.clone(),
-        );
-        registry.register(
-            "onebit_request_added_seconds",
-            "serve's own time on a relayed request, the backend's time left out",
-            self.added.clone(),
-        );
+        if self.counted.load(Ordering::Relaxed) {
+            registry.register(
+                "onebit_requests",
+                "Requests answered, by route path class, status class and the relay engine that carried them",
+                self.requests.clone(),
+            );
+        }
+        if self.timed.load(Ordering::Relaxed) {
+            registry.register(
+                "onebit_request_added_seconds",
+                "serve's own time on a relayed request, the backend's time left out",
+                self.added.clone(),
+            );
+        }
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
         out
@@ -207,6 +223,7 @@ mod tests {
     #[test]
     fn the_series_render_with_typed_labels() {
         let series = RequestSeries::default();
+        assert_eq!(series.render(), "", "no sample, no series");
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Other, 404, Engine::General);

@@ -1,18 +1,17 @@
-//! The relay's fast path: a client connection is served here first, on the raw socket, and a
-//! plain proxied request (a `Proxy` rule, HTTP/1.1, all of it read within 100 ms of its head,
-//! a JSON body that needs no rewriting) goes to its backend and back without hyper, axum or a
-//! task hand-off: one read, one write to the backend, one read, one write to the client.
-//! Anything else (serve's own routes, a refusal, an error to report, a route that must be
-//! asked, a reply serve must rewrite, a body slower than that) hands the connection, with
-//! every byte read so far, to the hyper/axum stack in `proxy`, which serves it from then on. So
-//! every rule and every error reply has one implementation, in `proxy`; this file only decides
-//! when it can step aside from it, and the tests of both paths are the same tests.
+//! The fast engine: a client connection is served here first, on the raw socket. A request
+//! whose [`RelayPlan`] the fast engine can carry (a backend target, no rewrite, HTTP/1.1, all
+//! of it read within 100 ms of its head; `relay::wire` reads the head) goes to its backend and
+//! back without hyper, axum or a task hand-off: one read, one write to the backend, one read,
+//! one write to the client. Anything else (serve's own routes, a refusal, an error to report,
+//! a route that must be asked, a reply serve must rewrite, a body slower than that) hands the
+//! connection, with every byte read so far and the plan when there is one, to the general
+//! engine (`relay::general`), which serves it from then on. So every rule and every error
+//! reply has one implementation, there; this file only carries what the plan gives it.
 //!
-//! What it keeps of the general path: the browser guard (the same `guard::check`), the route's
-//! rules, the status check, the JSON checks (a request that fails one is handed over and gets
-//! its refusal there), the hop-by-hop and CORS headers removed, the watchdog ticket of a
-//! streamed inference request, a client that leaves closing the backend connection, the header
-//! timeout, and a graceful stop between requests.
+//! What it shares with the general engine: the browser guard and the API key (`guard`), the
+//! plan (`relay::plan`: the route's rules, the status check, the JSON checks, the headers that
+//! pass), the watchdog ticket of a streamed inference request, a client that leaves closing the
+//! backend connection, the header timeout, and a graceful stop between requests.
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -34,7 +33,7 @@ const MAX_FAST_BODY: usize = 256 * 1024;
 /// How long the rest of a fast request's body may take, from its head, before the general
 /// path takes the request (and times the body itself).
 const BODY_GRACE: Duration = Duration::from_millis(100);
-/// What became of one request on the fast path.
+/// What became of one request on the fast engine.
 enum Outcome {
     /// Answered; the connection stays open for the next request.
     KeepAlive,
@@ -96,7 +95,7 @@ pub async fn serve_connection<F, Fut>(
                     }
                 }
                 // Many clients write the body apart from the head; it follows at once. A body
-                // that is not all there within the grace is the general path's to time.
+                // that is not all there within the grace is the general engine's to time.
                 Outcome::BodyDue(plan) => {
                     let until = *body_deadline
                         .get_or_insert_with(|| tokio::time::Instant::now() + BODY_GRACE);
@@ -533,7 +532,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     }
     if !dated {
         // A proxy with a clock dates a reply that came without a date (RFC 9110, 6.6.1), as
-        // the general path's replies are dated.
+        // the general engine's replies are dated.
         append_date(&mut lines);
     }
     let framing = if code == 204 || code == 304 {
@@ -587,7 +586,7 @@ fn append_date(out: &mut Vec<u8>) {
     });
 }
 
-/// Answer 502 as the general path would, after the request was committed to a backend.
+/// Answer 502 as the general engine would, after the request was committed to a backend.
 async fn bad_gateway(app: &App, client: &mut BusyPollStream, fast: &Fast, why: &str) -> Outcome {
     app.requests.count(fast.path, 502, Engine::Fast);
     let close = fast.close;
@@ -607,7 +606,7 @@ async fn bad_gateway(app: &App, client: &mut BusyPollStream, fast: &Fast, why: &
     }
 }
 
-/// A client connection handed to the general path: the bytes already read come first.
+/// A client connection handed to the general engine: the bytes already read come first.
 pub struct Prefixed {
     read: BytesMut,
     stream: BusyPollStream,

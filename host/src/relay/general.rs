@@ -1,5 +1,8 @@
-//! The HTTP front: serve's own routes (/health, /v1/models) and the relay of everything the
-//! route's table names to its backend, streamed through unchanged.
+//! The general engine: the axum handler that relays, by its [`RelayPlan`], every request the
+//! fast engine does not carry: the route's table answers, route forwards (`forward` on a
+//! blocking thread), in-process routes, and the rewrites (`--precise`, the served name in a
+//! whole reply and in each streamed event); and every refusal. Replies stream through as the
+//! backend sends them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
