@@ -130,9 +130,14 @@ pub struct ServeArgs {
     /// The model itself is a reranking model.
     #[arg(long)]
     pub reranking: bool,
-    /// An NPU option, KEY=VALUE (repeatable).
-    #[arg(long, value_name = "KEY=VALUE", num_args = 1..)]
+    /// An option for the NPU route (or an add-on's), KEY=VALUE; repeatable. Passed to the
+    /// route as it is; the route refuses a key it does not know.
+    #[arg(long, value_name = "KEY=VALUE")]
     pub npu_opt: Vec<String>,
+    /// An option for the chosen route, KEY=VALUE; repeatable. Passed to the route as it is;
+    /// the route refuses a key it does not know.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub route_opt: Vec<String>,
     /// Skip the memory check.
     #[arg(long, conflicts_with = "mem_check")]
     pub no_mem_check: bool,
@@ -163,6 +168,17 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "ONEBIT_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Read the API key from the first line of FILE (kept out of the process list).
+    #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
+    pub api_key_file: Option<PathBuf>,
     /// Print the backend serve would start as one JSON line, and exit.
     #[arg(long, conflicts_with = "print_backend_env")]
     pub print_backend: bool,
@@ -225,7 +241,6 @@ impl ServeArgs {
             }
         };
         check(self.hrx_cwsr_placement.is_some(), "--hrx-cwsr-placement");
-        check(!self.npu_opt.is_empty(), "--npu-opt");
         flags
     }
 

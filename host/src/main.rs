@@ -1,25 +1,27 @@
 //! `1bit`: serve one local model behind an OpenAI-compatible API.
 //!
 //! `unsafe` is denied in this crate; the one exception is the pre-exec hook that makes a
-//! backend die with serve (`supervisor::die_with_serve`), which has no safe equivalent.
+//! backend die with serve (`backends::supervisor::die_with_serve`), which has no safe equivalent.
+//!
+//! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
+//! rooms below it: `serve` > `front` > `relay` > `pm`, `laya` > `metrics` > `backends` > `guard`,
+//! `admission`, `settings`, `model`, `routes` > `error`, `cli` (docs/architecture.md).
 #![deny(unsafe_code)]
 
 mod admission;
-mod busy_poll;
+mod backends;
 mod cli;
 mod error;
-mod fast_path;
+mod front;
 mod guard;
 mod laya;
 mod metrics;
 mod model;
 mod pm;
-mod proxy;
-mod route_calls;
+mod relay;
 mod routes;
 mod serve;
-mod supervisor;
-mod watchdog;
+mod settings;
 
 use clap::Parser;
 
@@ -28,8 +30,12 @@ fn main() {
     let code = match cli.command {
         cli::Command::Serve(args) => serve::run(*args),
         cli::Command::Plugins(args) => {
-            let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
-            print!("{}", routes::listing(&found));
+            let dirs = routes::search_dirs(&args.plugin_dir);
+            let found = routes::discover(&dirs);
+            print!(
+                "{}",
+                routes::listing(&found, &routes::other_libraries(&dirs))
+            );
             error::exit::OK
         }
     };

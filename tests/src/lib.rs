@@ -4,6 +4,8 @@
 //! assert on what a client sees.
 #![forbid(unsafe_code)]
 
+pub mod route_fixture;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -541,6 +543,35 @@ pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option
                     .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
         })
         .map(|s| s.value)
+}
+
+/// `onebit_requests_total` from serve's `/metrics`, summed over the series whose labels
+/// include `labels` (e.g. `[("engine", "fast"), ("path_class", "chat")]`). Read with a plain
+/// line parser, so the relay tests need no Python.
+pub fn requests_total(serve: &Serve, labels: &[(&str, &str)]) -> u64 {
+    let (status, text) = get(&serve.url("/metrics"));
+    assert_eq!(status, 200, "{text}");
+    requests_total_in(&text, labels)
+}
+
+/// [`requests_total`] of a `/metrics` text already read.
+pub fn requests_total_in(text: &str, labels: &[(&str, &str)]) -> u64 {
+    let mut total = 0;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("onebit_requests_total{") else {
+            continue;
+        };
+        let Some((set, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let matches = labels
+            .iter()
+            .all(|(k, v)| set.split(',').any(|pair| pair == format!("{k}=\"{v}\"")));
+        if matches {
+            total += value.trim().parse::<f64>().unwrap_or(0.0) as u64;
+        }
+    }
+    total
 }
 
 /// How [`FakeLemonade`] answers a chat.

@@ -145,6 +145,19 @@ fn each_class_reaches_the_device_its_policy_names_and_says_so() {
         "x-1bit-route",
     );
     assert_eq!((status, route.as_str()), (200, ""));
+
+    // Laya reads each chat's body, so the general engine carried all six, streamed or not, and
+    // counted them; the tokenize request it does not decide went fast.
+    let general = [("engine", "general"), ("path_class", "chat")];
+    assert_eq!(requests_total(&serve, &general), 6);
+    assert_eq!(
+        requests_total(&serve, &[("engine", "fast"), ("path_class", "chat")]),
+        0
+    );
+    assert_eq!(
+        requests_total(&serve, &[("engine", "fast"), ("path_class", "other")]),
+        1
+    );
 }
 
 #[test]

@@ -198,6 +198,9 @@ fn streamed_the_final_answer_arrives_as_chunks() {
     assert_eq!(last["choices"][0]["finish_reason"], "stop");
     assert_eq!(last["pm"]["delegations"][0]["ok"], true);
     assert_eq!(lemonade.received().len(), 1);
+    // A streamed chat is the PM's, never the fast engine's; the general engine counted it.
+    let chats = |engine| requests_total(&serve, &[("engine", engine), ("path_class", "chat")]);
+    assert_eq!((chats("general"), chats("fast")), (1, 0));
 }
 
 #[test]

@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 
 use super::calls::content_text;
 use super::experts::Experts;
-use crate::proxy::BackendClient;
+use crate::backends::health::ProbeClient;
+use crate::error::error_chain;
 
 /// Lemonade's address as `--lemonade-url` gave it, checked at start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +58,7 @@ pub struct Delegation {
 pub async fn delegate(
     experts: &Experts,
     url: &LemonadeUrl,
-    client: &BackendClient,
+    client: &ProbeClient,
     args: &serde_json::Map<String, Value>,
 ) -> (String, Delegation) {
     let text = |k: &str| match args.get(k) {
@@ -165,7 +166,7 @@ pub async fn delegate(
 
 /// The request itself: the expert's answer text, or why there is none.
 async fn ask(
-    client: &BackendClient,
+    client: &ProbeClient,
     url: &LemonadeUrl,
     path: &str,
     body: Value,
@@ -179,7 +180,7 @@ async fn ask(
         format!(
             "Lemonade at {} did not answer ({})",
             url.as_str(),
-            crate::proxy::error_chain(&e)
+            error_chain(&e)
         )
     })?;
     let status = reply.status();

@@ -10,7 +10,7 @@ pub mod start;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -19,8 +19,11 @@ use serde_json::{Map, Value, json};
 pub use experts::Experts;
 pub use lemonade::{DEFAULT_URL, LemonadeUrl};
 
-use crate::error::ApiError;
-use crate::proxy::BackendClient;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::Connect;
+
+use crate::backends::health::ProbeClient;
+use crate::error::{ApiError, error_chain};
 use calls::{ToolCall, content_text, tool_calls};
 use lemonade::Delegation;
 
@@ -47,7 +50,7 @@ pub struct Pm {
     lemonade: LemonadeUrl,
     served_name: String,
     /// serve's client for Lemonade: not a relayed request, so it never busy-polls.
-    lemonade_client: BackendClient,
+    lemonade_client: ProbeClient,
     system_prompt: String,
     tools: Value,
 }
@@ -67,7 +70,7 @@ impl Pm {
         experts: Experts,
         lemonade: LemonadeUrl,
         served_name: String,
-        lemonade_client: BackendClient,
+        lemonade_client: ProbeClient,
     ) -> Pm {
         let system_prompt = format!(
             "{}\n\nYour experts:\n{}",
@@ -112,14 +115,26 @@ impl Pm {
     }
 
     /// Whether the PM answers this request (a chat); anything else is relayed as without --pm.
-    pub fn takes(method: &Method, path: &str) -> bool {
-        method == Method::POST && path == CHAT_PATH
+    /// Called by the relay's plan (`relay::plan`) per request; never blocks. The method is
+    /// matched as the route's rules match it (any case).
+    pub fn takes(method: &str, path: &str) -> bool {
+        method.eq_ignore_ascii_case("POST") && path == CHAT_PATH
     }
 
     /// Answer one chat through the tool loop, the PM's rounds on the backend at `port` with
-    /// `client`. Called by the relay on the request's task; it waits for every round and
-    /// delegation (dropping the future, as a client that leaves does, stops the loop).
-    pub async fn answer(&self, client: &BackendClient, port: u16, body: Bytes) -> Response {
+    /// `client` (the general engine's; any pooled hyper client toward loopback). Called by the
+    /// general engine for a plan whose target is `Target::ToolLoop`, on the request's task; it
+    /// waits for every round and delegation (dropping the future, as a client that leaves
+    /// does, stops the loop).
+    pub async fn answer<C>(
+        &self,
+        client: &Client<C, Full<Bytes>>,
+        port: u16,
+        body: Bytes,
+    ) -> Response
+    where
+        C: Connect + Clone + Send + Sync + 'static,
+    {
         let request: Value = match serde_json::from_slice(&body) {
             Ok(Value::Object(o)) => Value::Object(o),
             Ok(_) => return ApiError::BadJson("expected an object".into()).into_response(),
@@ -192,13 +207,16 @@ impl Pm {
 
     /// The rounds: each one non-streamed chat on the backend; a round without a tool call (or
     /// the last, which offers none) is the answer. A backend error is relayed as it came.
-    async fn run(
+    async fn run<C>(
         &self,
-        client: &BackendClient,
+        client: &Client<C, Full<Bytes>>,
         port: u16,
         request: &Value,
         mut messages: Vec<Value>,
-    ) -> Result<Outcome, Response> {
+    ) -> Result<Outcome, Response>
+    where
+        C: Connect + Clone + Send + Sync + 'static,
+    {
         let mut delegations = Vec::new();
         let max = self.experts.max_rounds;
         for round in 1..=max {
@@ -418,14 +436,22 @@ fn pieces(text: &str) -> Vec<&str> {
 
 /// One round on the backend: its JSON reply, or the response to give the client (the
 /// backend's own error as it came, or 502 when it did not answer).
-async fn backend_chat(client: &BackendClient, port: u16, body: Value) -> Result<Value, Response> {
+async fn backend_chat<C>(
+    client: &Client<C, Full<Bytes>>,
+    port: u16,
+    body: Value,
+) -> Result<Value, Response>
+where
+    C: Connect + Clone + Send + Sync + 'static,
+{
     let request = hyper::Request::post(format!("http://127.0.0.1:{port}{CHAT_PATH}"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| ApiError::BadGateway(e.to_string()).into_response())?;
-    let reply = client.request(request).await.map_err(|e| {
-        crate::proxy::no_answer("PM", &crate::proxy::error_chain(&e)).into_response()
-    })?;
+    let reply = client
+        .request(request)
+        .await
+        .map_err(|e| ApiError::no_answer("PM", &error_chain(&e)).into_response())?;
     let status = reply.status();
     let content_type = reply.headers().get(header::CONTENT_TYPE).cloned();
     let bytes = reply
@@ -470,7 +496,7 @@ mod tests {
             experts,
             LemonadeUrl::parse(DEFAULT_URL).unwrap(),
             "served".into(),
-            crate::proxy::probe_client(),
+            crate::backends::health::probe_client(),
         )
     }
 
