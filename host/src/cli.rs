@@ -21,6 +21,13 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// List the device routes found, with their files, ABI versions, and whether they loaded.
     Plugins(PluginArgs),
+    /// llama-server's own command line (as Lemonade's llamacpp backend builds it), served by
+    /// `1bit serve`; also what `1bit` does when run under the name `llama-server`.
+    #[command(name = "llama-server", disable_help_flag = true)]
+    LlamaServer {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Args, Debug, Default)]
@@ -170,6 +177,12 @@ pub struct ServeArgs {
     /// Also look for route files in DIR.
     #[arg(long, value_name = "DIR")]
     pub plugin_dir: Vec<PathBuf>,
+    /// Arguments after `--` go to the llama-server backend unchanged (`-- --temp 0.6`).
+    #[arg(last = true, value_name = "LLAMA_SERVER_ARGS")]
+    pub backend_args: Vec<String>,
+    /// serve's whole command line after `serve` (for a route's private flags); set by `main`.
+    #[arg(skip)]
+    pub command_line: Vec<String>,
 
     // Removed flags, parsed only to refuse them with their reason (`ServeArgs::removed`).
     #[arg(long, hide = true)]

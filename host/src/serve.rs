@@ -29,7 +29,7 @@ use crate::proxy::{self, App, BackendClient, Status};
 use crate::route_calls::{RouteCalls, install_host_services};
 use crate::supervisor::{self, Backend, Event};
 use crate::watchdog::{self, Watchdog};
-use crate::{admission, metrics, model, routes};
+use crate::{admission, llama_server_cli, metrics, model, routes};
 
 /// A backend that does not answer its health route within this long is reported down.
 const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -185,7 +185,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             reranking: args.reranking,
             embed: args.embed.clone(),
             rerank: args.rerank.clone(),
-            args: std::env::args().skip(2).collect(),
+            args: args.command_line.clone(),
         },
         model: facts,
         env: std::env::vars_os()
@@ -208,7 +208,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             route.info.name, claim.reason
         );
     }
-    let plan = match route.plan(&request) {
+    let mut plan = match route.plan(&request) {
         Ok(PlanOutcome::Plan(plan)) => plan,
         Ok(PlanOutcome::Refused(refusal)) => {
             return Err(Fatal {
@@ -229,6 +229,8 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(refused) = refused_flag {
         return Err(refused);
     }
+    llama_server_cli::pass_to_backend(&mut plan, &args.backend_args)?;
+    llama_server_cli::refuse_self(&plan)?;
 
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));

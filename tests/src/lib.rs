@@ -168,6 +168,16 @@ impl Serve {
         for (k, v) in env {
             command.env(k, v);
         }
+        Serve::spawn(command, port)
+    }
+
+    /// Start `command` (a `1bit` that listens on `port`, under any name and argv) with its
+    /// stdout and stderr captured.
+    pub fn spawn(mut command: Command, port: u16) -> Serve {
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let mut child = command.spawn().expect("1bit starts");
         let stderr = Arc::new(Mutex::new(String::new()));
         for stream in [
