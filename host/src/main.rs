@@ -12,6 +12,7 @@ mod fast_path;
 mod guard;
 mod llama_server_cli;
 mod metrics;
+mod metrics_text;
 mod model;
 mod proxy;
 mod route_calls;
@@ -71,6 +72,7 @@ fn drop_in(args: &[String]) -> i32 {
             command: cli::Command::Serve(mut serve_args),
         }) => {
             serve_args.command_line = translated;
+            metrics_text::set_under_lemonade();
             serve::run(*serve_args)
         }
         Ok(_) => error::exit::USAGE,

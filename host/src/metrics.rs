@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::metrics_text;
 use crate::proxy::{App, BackendClient, Status};
 
 /// The content type of Prometheus text format 0.0.4.
@@ -213,11 +214,6 @@ pub fn tctl_celsius(root: &Path) -> Option<f64> {
     None
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DeviceLabel {
-    device: String,
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
 enum GttKind {
@@ -233,11 +229,9 @@ struct GttLabel {
 /// serve's own series as Prometheus text: every series with a source, and none without.
 pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Machine) -> String {
     let mut registry = Registry::default();
-    let up_family = Family::<DeviceLabel, Gauge>::default();
+    let up_family = Family::<Vec<(&'static str, String)>, Gauge>::default();
     up_family
-        .get_or_create(&DeviceLabel {
-            device: device.to_string(),
-        })
+        .get_or_create(&vec![(metrics_text::route_label(), device.to_string())])
         .set(i64::from(up));
     registry.register(
         "onebit_up",
@@ -300,7 +294,7 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
     }
     let mut out = String::new();
     let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
-    out
+    metrics_text::strict_004(&out)
 }
 
 /// `GET /metrics`. File reads and the route's call run on blocking threads; the backend's
