@@ -150,6 +150,10 @@ pub struct ServeArgs {
     /// Prompt tokens per second the watchdog allows before a request's first byte.
     #[arg(long, value_name = "N")]
     pub watchdog_prompt_tps: Option<f64>,
+    /// Send an SSE comment (`: keep-alive`) on a stream whose backend has been silent this many
+    /// seconds (a long prefill), between events; 0 turns it off.
+    #[arg(long, value_name = "SECS", default_value_t = crate::sse_keepalive::DEFAULT_SECS)]
+    pub sse_keepalive_s: u64,
     /// Refuse a model with any node off the device.
     #[arg(long, conflicts_with = "no_strict_device")]
     pub strict_device: bool,

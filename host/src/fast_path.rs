@@ -26,6 +26,7 @@ use crate::guard::{self, Seen};
 use crate::proxy::{
     App, RequestShape, Status, is_cors_header, is_hop_header, json_content_type, no_answer,
 };
+use crate::sse_keepalive::{self, SseEdge};
 use onebit_plugin_api::Action;
 
 /// Header lines a fast request may have; more go the general way.
@@ -390,6 +391,10 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     // answering is retried once on a new one, as hyper's pool does.
     let mut reply = BytesMut::with_capacity(8 * 1024);
     let mut fresh_tries = 0;
+    // A streamed inference request gets comments in its backend's silences (keep-alive on);
+    // `early` once serve began the reply itself, before the backend's head.
+    let keepalive = fast.watched.as_ref().and(sse_keepalive::every());
+    let mut early = false;
     let (mut backend, head) = loop {
         reply.clear();
         let (mut conn, reused) = match app.pool.checkout(fast.port).await {
@@ -402,7 +407,32 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         }
         .await;
         let head = match sent {
-            Ok(()) => read_reply_head(&mut conn, &mut reply).await,
+            Ok(()) => match keepalive {
+                None => read_reply_head(&mut conn, &mut reply).await,
+                Some(every) => {
+                    let head = read_reply_head(&mut conn, &mut reply);
+                    tokio::pin!(head);
+                    loop {
+                        tokio::select! {
+                            h = &mut head => break h,
+                            () = tokio::time::sleep(every) => {
+                                let mut out = Vec::new();
+                                if !early {
+                                    out.extend_from_slice(sse_keepalive::EARLY_HEAD);
+                                    append_date(&mut out);
+                                    out.extend_from_slice(b"connection: close\r\n\r\n");
+                                    early = true;
+                                }
+                                sse_keepalive::count();
+                                out.extend_from_slice(sse_keepalive::COMMENT_CHUNK);
+                                if client.write_all(&out).await.is_err() {
+                                    return Outcome::Close;
+                                }
+                            }
+                        }
+                    }
+                }
+            },
             // The backend closed the connection before it took the request.
             Err(e)
                 if matches!(
@@ -417,9 +447,20 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         match head {
             Ok(head) => break (conn, head),
             Err(ReplyError::ClosedEarly) if reused && fresh_tries == 0 => fresh_tries += 1,
+            Err(e) if early => {
+                let why = format!("the {} backend did not answer ({e})", app.device);
+                let mut out = Vec::new();
+                sse_keepalive::as_chunk(&sse_keepalive::error_event(502, why.as_bytes()), &mut out);
+                out.extend_from_slice(b"0\r\n\r\n");
+                let _ = client.write_all(&out).await;
+                return Outcome::Close;
+            }
             Err(e) => return bad_gateway(app, client, fast.close, &e.to_string()).await,
         }
     };
+    if early {
+        return after_early_head(client, backend, reply, head, keepalive, ticket, in_flight).await;
+    }
     if let Some(ticket) = &ticket {
         ticket.progress(0);
     }
@@ -444,6 +485,14 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     // The body: what came with the head, then as it arrives, each read written at once.
     let mut body = Body::new(head.framing);
     let mut watch_client = true;
+    // Comments go only into an event stream whose framing has room for them.
+    let mut edge = keepalive
+        .filter(|_| head.event_stream)
+        .and_then(|every| match head.framing {
+            Framing::Chunked => Some((every, SseEdge::new(sse_keepalive::Framing::Chunked))),
+            Framing::UntilClose => Some((every, SseEdge::new(sse_keepalive::Framing::Payload))),
+            _ => None,
+        });
     loop {
         let end = body.feed(&reply);
         let Some(end) = end else {
@@ -451,6 +500,9 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         let done = end.is_some();
         let take = end.unwrap_or(reply.len());
+        if let Some((_, edge)) = &mut edge {
+            edge.feed(&reply[..take]);
+        }
         out.extend_from_slice(&reply[..take]);
         let leftover = reply.len() > take;
         reply.clear();
@@ -474,9 +526,19 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         }
         // More to come: wait for it, and for a client that leaves meanwhile (its backend
         // connection is then dropped, which stops the engine).
+        let silence = tokio::time::sleep(edge.as_ref().map_or(Duration::MAX / 4, |e| e.0));
+        tokio::pin!(silence);
         loop {
             tokio::select! {
                 biased;
+                () = &mut silence, if edge.is_some() => {
+                    if let Some((every, edge)) = &mut edge {
+                        silence.as_mut().reset(tokio::time::Instant::now() + *every);
+                        if edge.at_boundary() && client.write_all(edge.comment()).await.is_err() {
+                            return Outcome::Close;
+                        }
+                    }
+                },
                 read = backend.read_buf(&mut reply) => match read {
                     Ok(0) if body.framing == Framing::UntilClose => {
                         drop(ticket);
@@ -508,6 +570,10 @@ struct ReplyHead {
     lines: Vec<u8>,
     framing: Framing,
     backend_close: bool,
+    /// The status code.
+    status: u16,
+    /// `Content-Type: text/event-stream`.
+    event_stream: bool,
 }
 
 enum ReplyError {
@@ -581,6 +647,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     let mut chunked = false;
     let mut backend_close = false;
     let mut dated = false;
+    let mut event_stream = false;
     for header in response.headers.iter() {
         let name = header.name;
         let value = header.value;
@@ -614,6 +681,8 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
             continue;
         }
         dated |= name.eq_ignore_ascii_case("date");
+        event_stream |=
+            name.eq_ignore_ascii_case("content-type") && value.starts_with(b"text/event-stream");
         lines.extend_from_slice(name.as_bytes());
         lines.extend_from_slice(b": ");
         lines.extend_from_slice(value);
@@ -637,7 +706,93 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
         lines,
         framing,
         backend_close: backend_close || framing == Framing::UntilClose,
+        status: code,
+        event_stream,
     })
+}
+
+/// The rest of a streamed reply whose head serve already sent (`sse_keepalive::EARLY_HEAD`):
+/// the backend's events re-framed as chunks, with comments in its silences; a backend that
+/// answered other than 200 becomes one error event. A reply that breaks off leaves the
+/// client's reply without its last chunk, and the connection closes.
+async fn after_early_head(
+    client: &mut BusyPollStream,
+    mut backend: BusyPollStream,
+    mut reply: BytesMut,
+    head: ReplyHead,
+    keepalive: Option<Duration>,
+    ticket: Option<crate::watchdog::Ticket>,
+    in_flight: InFlight,
+) -> Outcome {
+    let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
+    let mut body = Body::new(head.framing);
+    let mut edge = SseEdge::new(if head.framing == Framing::Chunked {
+        sse_keepalive::Framing::Chunked
+    } else {
+        sse_keepalive::Framing::Payload
+    });
+    let ok = head.status == 200;
+    let mut kept = Vec::new();
+    let mut ended = head.framing == Framing::None;
+    loop {
+        let mut payload = Vec::new();
+        if !ended {
+            let Some(end) = body.feed(&reply) else {
+                return Outcome::Close;
+            };
+            ended = end.is_some();
+            edge.feed_payload(&reply[..end.unwrap_or(reply.len())], &mut payload);
+            reply.clear();
+        }
+        let mut out = Vec::new();
+        if ok {
+            sse_keepalive::as_chunk(&payload, &mut out);
+        } else if kept.len() < 64 * 1024 {
+            kept.extend_from_slice(&payload);
+        }
+        if ended {
+            if !ok {
+                sse_keepalive::as_chunk(&sse_keepalive::error_event(head.status, &kept), &mut out);
+            }
+            out.extend_from_slice(b"0\r\n\r\n");
+        }
+        if !out.is_empty() && client.write_all(&out).await.is_err() {
+            return Outcome::Close;
+        }
+        if ended {
+            drop(ticket);
+            drop(in_flight);
+            return Outcome::Close;
+        }
+        let silence = tokio::time::sleep(every);
+        tokio::pin!(silence);
+        loop {
+            tokio::select! {
+                read = backend.read_buf(&mut reply) => match read {
+                    Ok(0) if head.framing == Framing::UntilClose => {
+                        ended = true;
+                        break;
+                    }
+                    Ok(0) | Err(_) => return Outcome::Close,
+                    Ok(n) => {
+                        if let Some(ticket) = &ticket {
+                            ticket.progress(n);
+                        }
+                        break;
+                    }
+                },
+                () = &mut silence => {
+                    silence.as_mut().reset(tokio::time::Instant::now() + every);
+                    if ok && edge.at_boundary() {
+                        sse_keepalive::count();
+                        if client.write_all(sse_keepalive::COMMENT_CHUNK).await.is_err() {
+                            return Outcome::Close;
+                        }
+                    }
+                },
+            }
+        }
+    }
 }
 
 /// `Date: <now>`, formatted once a second.

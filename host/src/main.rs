@@ -18,6 +18,7 @@ mod proxy;
 mod route_calls;
 mod routes;
 mod serve;
+mod sse_keepalive;
 mod supervisor;
 mod watchdog;
 

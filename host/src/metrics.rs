@@ -261,6 +261,13 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
             registry.register(name, help, counter);
         }
     }
+    let keepalives = Counter::<u64>::default();
+    keepalives.inc_by(crate::sse_keepalive::sent());
+    registry.register(
+        "onebit_sse_keepalives",
+        "SSE keep-alive comments sent on streams whose backend was silent",
+        keepalives,
+    );
     if machine.gtt_total.is_some() || machine.gtt_used.is_some() {
         let gtt = Family::<GttLabel, Gauge>::default();
         for (kind, v) in [

@@ -23,6 +23,7 @@ use crate::error::ApiError;
 use crate::guard::{self, Guard};
 use crate::metrics;
 use crate::route_calls::RouteCalls;
+use crate::sse_keepalive;
 use crate::watchdog::{Ticket, Watchdog};
 
 /// The pooled client toward the backends.
@@ -365,9 +366,16 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let reply = match app.client.request(upstream).await {
-        Ok(reply) => reply,
-        Err(e) => return no_answer(&app.device, &error_chain(&e)).into_response(),
+    let pending = app.client.request(upstream);
+    let reply = match sse_keepalive::wait_head(pending, rule.inference && streamed).await {
+        sse_keepalive::Waited::Arrived(Ok(reply)) => reply,
+        sse_keepalive::Waited::Arrived(Err(e)) => {
+            return no_answer(&app.device, &error_chain(&e)).into_response();
+        }
+        sse_keepalive::Waited::Silent(pending) => {
+            let wrap = move |body| watched(body, ticket, on_first_byte, in_flight);
+            return sse_keepalive::early_stream(pending, wrap, app.device.clone());
+        }
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
     strip_hop_headers(&mut reply_parts.headers);
@@ -401,15 +409,17 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes.
         let mut events = SseRenamer::new(app.served_name.clone());
-        return Response::from_parts(
-            reply_parts,
-            Body::new(reply_body.map_frame(move |frame| match frame.into_data() {
-                Ok(data) => hyper::body::Frame::data(events.feed(&data)),
-                Err(frame) => frame,
-            })),
-        );
+        let renamed = reply_body.map_frame(move |frame| match frame.into_data() {
+            Ok(data) => hyper::body::Frame::data(events.feed(&data)),
+            Err(frame) => frame,
+        });
+        return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
-    Response::from_parts(reply_parts, Body::new(reply_body))
+    let streamed_inference = rule.inference && streamed;
+    Response::from_parts(
+        reply_parts,
+        sse_keepalive::during(reply_body, streamed_inference),
+    )
 }
 
 /// Rewrites the `model` field of each SSE `data:` event to the served name, event by event:

@@ -468,6 +468,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         served_name,
         run_dir,
     } = p;
+    crate::sse_keepalive::configure(args.sse_keepalive_s);
     let addr = format!("{}:{}", args.host, args.port);
     let listener = match tokio::net::TcpListener::bind(&addr).await {
         Ok(l) => l,
