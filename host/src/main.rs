@@ -7,6 +7,7 @@
 mod admission;
 mod busy_poll;
 mod cli;
+mod drain;
 mod error;
 mod fast_path;
 mod guard;

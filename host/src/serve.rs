@@ -22,6 +22,7 @@ use tokio::sync::mpsc::unbounded_channel;
 
 use crate::busy_poll::{BusyPollStream, Side};
 use crate::cli::ServeArgs;
+use crate::drain::Drain;
 use crate::error::{Fatal, exit};
 use crate::fast_path;
 use crate::guard::Guard;
@@ -110,6 +111,12 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     {
         return Err(Fatal::usage(format!(
             "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
+        )));
+    }
+    if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
+        return Err(Fatal::usage(format!(
+            "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
+            args.drain_s
         )));
     }
     if printing {
@@ -553,10 +560,9 @@ async fn serve_plan(p: ServePlan) -> i32 {
         shutdown_rx,
     ));
 
-    let code = supervise(&args, &route, &plan, &app, &client).await;
-
-    let _ = shutdown_tx.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    let mut drain = Drain::new(shutdown_tx, server, Duration::from_secs_f64(args.drain_s));
+    let code = supervise(&args, &route, &plan, &app, &client, &mut drain).await;
+    drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
 }
@@ -568,6 +574,7 @@ async fn supervise(
     plan: &Plan,
     app: &Arc<App>,
     client: &BackendClient,
+    drain: &mut Drain,
 ) -> i32 {
     let (Ok(mut sigterm), Ok(mut sigint)) = (
         signal(SignalKind::terminate()),
@@ -681,10 +688,17 @@ async fn supervise(
         .watchdog
         .get()
         .map(|dog| tokio::spawn(dog.clone().run(client.clone(), events_tx.clone())));
-    let code = tokio::select! {
-        event = events.recv() => fail(event, &backends, app, plan, grace).await,
-        _ = sigterm.recv() => stop(&backends, grace, "SIGTERM").await,
-        _ = sigint.recv() => stop(&backends, grace, "SIGINT").await,
+    let signal = tokio::select! {
+        event = events.recv() => Err(event),
+        _ = sigterm.recv() => Ok("SIGTERM"),
+        _ = sigint.recv() => Ok("SIGINT"),
+    };
+    let code = match signal {
+        Err(event) => fail(event, &backends, app, plan, grace).await,
+        Ok(what) => {
+            drain.run(what).await;
+            stop(&backends, grace, what).await
+        }
     };
     monitor.abort();
     if let Some(dog) = dog {
