@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use onebit_plugin_api::Plan;
+use onebit_plugin_api::{Action, Plan};
 
 use crate::error::Fatal;
 
@@ -369,6 +369,59 @@ pub fn pass_to_backend(plan: &mut Plan, args: &[String]) -> Result<(), Fatal> {
             args.join(" "),
             plan.device
         ))),
+    }
+}
+
+/// The role routes llama-server serves only when started with one of its flags, and serve's
+/// own ways to get each: (paths, llama-server's flags, what serve answers instead of
+/// llama-server's "Start it with `--embeddings`").
+const ROLE_ROUTES: [(&[&str], &[&str], &str); 2] = [
+    (
+        &["/v1/embeddings", "/embeddings"],
+        &["--embedding", "--embeddings"],
+        "this server does not serve embeddings: start 1bit serve with --embedding (the model itself is an embedding model) or --embed MODEL.gguf (an embedding model beside it)",
+    ),
+    (
+        &["/v1/rerank", "/rerank", "/v1/reranking", "/reranking"],
+        &["--reranking", "--rerank"],
+        "this server does not rerank: start 1bit serve with --reranking (the model itself is a reranking model) or --rerank MODEL.gguf (a reranking model beside it)",
+    ),
+];
+
+/// Make the plan's rules say what its llama-server backend was started with: a role route the
+/// backend would refuse naming llama-server's own flag is answered 501 in serve's words
+/// (`--embedding`, `--embed FILE`), and slot actions reach a backend given `--slot-save-path`
+/// (passed after `--`). Called by serve's `prepare` once the plan is final; does not block.
+pub fn align_rules(plan: &mut Plan) {
+    let Some(backend) = plan.backends.first().filter(|b| b.engine == LLAMA_SERVER) else {
+        return;
+    };
+    let has = |flags: &[&str]| backend.argv.iter().any(|a| flags.contains(&a.as_str()));
+    let answers: Vec<(&[&str], &str)> = ROLE_ROUTES
+        .iter()
+        .filter(|(_, flags, _)| !has(flags))
+        .map(|(paths, _, message)| (*paths, *message))
+        .collect();
+    let slots = has(&["--slot-save-path"]);
+    for rule in &mut plan.rules {
+        let to_backend = rule.action == (Action::Proxy { backend: 0 });
+        let refused = answers
+            .iter()
+            .find(|(paths, _)| to_backend && paths.contains(&rule.path.as_str()));
+        if let Some((_, message)) = refused {
+            rule.action = Action::Answer {
+                status: 501,
+                content_type: "application/json".to_string(),
+                body: serde_json::json!({"error": {
+                    "message": message,
+                    "type": "not_supported_error",
+                    "code": 501
+                }})
+                .to_string(),
+            };
+        } else if slots && rule.path == "/slots/*" && matches!(rule.action, Action::Answer { .. }) {
+            rule.action = Action::Proxy { backend: 0 };
+        }
     }
 }
 

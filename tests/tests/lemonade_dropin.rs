@@ -251,3 +251,44 @@ fn the_real_llama_server_takes_lemonades_command_line_and_custom_arguments() {
         "{argv:?}"
     );
 }
+
+/// llama-server's refusal names its own flag (`--embeddings`); serve's names serve's ways.
+fn assert_serves_words(status: u16, body: &str) {
+    assert_eq!(status, 501, "{body}");
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("--embedding (the model itself"),
+        "{message}"
+    );
+    assert!(message.contains("--embed MODEL.gguf"), "{message}");
+    assert!(!message.contains("--embeddings"), "{message}");
+}
+
+#[test]
+fn embeddings_from_a_chat_model_are_refused_in_serves_words_and_served_with_embedding() {
+    let dir = temp_dir("embed-words");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let (status, body) = post(&serve.url("/v1/embeddings"), r#"{"input":"hello"}"#);
+    assert_serves_words(status, &body);
+    let (status, body) = post(
+        &serve.url("/v1/rerank"),
+        r#"{"query":"a","documents":["b"]}"#,
+    );
+    assert_eq!(status, 501, "{body}");
+    assert!(body.contains("--rerank MODEL.gguf"), "{body}");
+    drop(serve);
+    let serve = Serve::with_fake(&model, &["--embedding"], &[]);
+    serve.ready();
+    let (status, body) = post(&serve.url("/v1/embeddings"), r#"{"input":"hello"}"#);
+    assert_eq!(status, 200, "{body}");
+}
+
+#[test]
+fn the_real_llama_servers_embeddings_refusal_is_answered_in_serves_words() {
+    let serve = serve_smollm2(&[]);
+    let (status, body) = post(&serve.url("/v1/embeddings"), r#"{"input":"hello"}"#);
+    assert_serves_words(status, &body);
+}
