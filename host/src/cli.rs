@@ -152,11 +152,11 @@ pub struct ServeArgs {
     pub watchdog_prompt_tps: Option<f64>,
     /// Send an SSE comment (`: keep-alive`) on a stream whose backend has been silent this many
     /// seconds (a long prefill), between events; 0 turns it off.
-    #[arg(long, value_name = "SECS", default_value_t = crate::sse_keepalive::DEFAULT_SECS)]
+    #[arg(long, value_name = "SECS", env = "ONEBIT_SSE_KEEPALIVE_S", default_value_t = crate::sse_keepalive::DEFAULT_SECS)]
     pub sse_keepalive_s: u64,
     /// On SIGTERM, let requests in flight finish for up to this many seconds before the
     /// backends stop (0: stop at once).
-    #[arg(long, value_name = "SECS", default_value_t = crate::drain::DEFAULT_SECS)]
+    #[arg(long, value_name = "SECS", env = "ONEBIT_DRAIN_S", default_value_t = crate::drain::DEFAULT_SECS)]
     pub drain_s: f64,
     /// Refuse a model with any node off the device.
     #[arg(long, conflicts_with = "no_strict_device")]

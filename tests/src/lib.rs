@@ -268,16 +268,19 @@ impl Serve {
             return self.status;
         }
         let deadline = Instant::now() + limit;
-        while Instant::now() < deadline {
+        // Asked at least once, so a zero limit is a look without waiting.
+        loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 self.status = Some(status);
                 // Let the output threads drain what is left.
                 std::thread::sleep(Duration::from_millis(50));
                 return self.status;
             }
+            if Instant::now() >= deadline {
+                return None;
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
-        None
     }
 
     /// The pids of serve's direct children (its backends).
