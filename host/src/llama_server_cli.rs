@@ -425,6 +425,26 @@ pub fn align_rules(plan: &mut Plan) {
     }
 }
 
+/// The real llama-server `cargo xtask install` put beside this `1bit`
+/// (`<prefix>/lib/1bit/llama-server/llama-server`, apart from the `llama-server` link in
+/// `<prefix>/bin`), unless `ONEBIT_LLAMA_SERVER` names another. Called by serve's `prepare`
+/// when no `--llama-server` was given; reads the file system.
+pub fn installed_beside() -> Option<String> {
+    if std::env::var_os("ONEBIT_LLAMA_SERVER").is_some_and(|v| !v.is_empty()) {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    let path = exe
+        .parent()?
+        .parent()?
+        .join("lib/1bit/llama-server")
+        .join(LLAMA_SERVER);
+    use std::os::unix::fs::PermissionsExt;
+    let meta = path.metadata().ok()?;
+    (meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        .then(|| path.to_string_lossy().into_owned())
+}
+
 /// Refuse a plan whose backend program is this very `1bit` (a `llama-server` on PATH that is
 /// the drop-in link to serve): it would start itself again and again. Called by serve's
 /// `prepare`; reads the file system.

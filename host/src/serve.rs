@@ -172,7 +172,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             port: args.port,
             device: args.device.clone(),
             ctx_size: args.ctx_size,
-            llama_server: args.llama_server.clone(),
+            llama_server: args
+                .llama_server
+                .clone()
+                .or_else(llama_server_cli::installed_beside),
             ds4: args.ds4.clone(),
             parallel: args.parallel,
             ssd_streaming: args.ssd_streaming,
