@@ -306,6 +306,12 @@ pub fn translate(args: &[String]) -> Result<Vec<String>, String> {
             }
         }
     }
+    if !serve.iter().any(|a| a == "-m") {
+        return Err(
+            "no model: pass -m MODEL.gguf (llama-server's -m/--model; 1bit downloads nothing)"
+                .to_string(),
+        );
+    }
     if !port {
         serve.extend(["--port".to_string(), LLAMA_SERVER_PORT.to_string()]);
     }

@@ -85,3 +85,9 @@ fn the_name_llama_server_is_recognised_from_any_directory() {
     assert!(invoked_as_llama_server("llama-server"));
     assert!(!invoked_as_llama_server("/usr/bin/1bit"));
 }
+
+#[test]
+fn a_command_line_without_a_model_is_refused_saying_what_to_pass() {
+    let err = translate(&words("--port 8003 --jinja")).unwrap_err();
+    assert!(err.starts_with("no model: pass -m MODEL.gguf"), "{err}");
+}
