@@ -396,9 +396,10 @@ const ROLE_ROUTES: [(&[&str], &[&str], &str); 2] = [
 
 /// Make the plan's rules say what its llama-server backend was started with: a role route the
 /// backend would refuse naming llama-server's own flag is answered 501 in serve's words
-/// (`--embedding`, `--embed FILE`), and slot actions reach a backend given `--slot-save-path`
-/// (passed after `--`). Called by serve's `prepare` once the plan is final; does not block.
-pub fn align_rules(plan: &mut Plan) {
+/// (`--embedding`, `--embed FILE`), and slot actions reach a backend the user gave
+/// `--slot-save-path` (in `passed`, the arguments after `--`; a route's own slot directory stays
+/// the route's). Called by serve's `prepare` once the plan is final; does not block.
+pub fn align_rules(plan: &mut Plan, passed: &[String]) {
     let Some(backend) = plan.backends.first().filter(|b| b.engine == LLAMA_SERVER) else {
         return;
     };
@@ -408,7 +409,9 @@ pub fn align_rules(plan: &mut Plan) {
         .filter(|(_, flags, _)| !has(flags))
         .map(|(paths, _, message)| (*paths, *message))
         .collect();
-    let slots = has(&["--slot-save-path"]);
+    let slots = passed
+        .iter()
+        .any(|a| a == "--slot-save-path" || a.starts_with("--slot-save-path="));
     for rule in &mut plan.rules {
         let to_backend = rule.action == (Action::Proxy { backend: 0 });
         let refused = answers

@@ -241,7 +241,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     }
     llama_server_cli::pass_to_backend(&mut plan, &args.backend_args)?;
     llama_server_cli::refuse_self(&plan)?;
-    llama_server_cli::align_rules(&mut plan);
+    llama_server_cli::align_rules(&mut plan, &args.backend_args);
 
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
