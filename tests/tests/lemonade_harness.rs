@@ -75,8 +75,10 @@ impl LlamaCppServer {
         self.process.pid()
     }
 
-    /// `wait_for_ready("/health")`: Err is what lemond logs when the process ended first.
-    fn wait_for_ready(&mut self) -> Result<(), String> {
+    /// `wait_for_ready("/health")`: Err is what lemond logs when the process ended first; Ok
+    /// says how many probes answered 503 (loading) first.
+    fn wait_for_ready(&mut self) -> Result<usize, String> {
+        let mut loading = 0;
         for _ in 0..6000 {
             if let Some(status) = self.process.wait_exit(Duration::ZERO) {
                 return Err(format!(
@@ -84,8 +86,10 @@ impl LlamaCppServer {
                     status.code().unwrap_or(-1)
                 ));
             }
-            if status(&self.url("/health"), Duration::from_secs(1)) == Some(200) {
-                return Ok(());
+            match status(&self.url("/health"), Duration::from_secs(1)) {
+                Some(200) => return Ok(loading),
+                Some(503) => loading += 1,
+                _ => {}
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -217,18 +221,25 @@ fn lemonade_loads_chats_keeps_a_long_prefill_alive_reaches_slots_and_unloads_lea
     std::fs::create_dir_all(&slots).unwrap();
     let port = free_port();
     let custom = ["--temp", "0.6", "--slot-save-path", slots.to_str().unwrap()];
-    let env = lemond_env(&state, &record);
+    let mut env = lemond_env(&state, &record);
+    env.push(("FAKE_LOAD_MS", "800".into()));
     let mut server = LlamaCppServer::spawn(
         &cpu_bin(&dir),
         &load_argv(&model, port, &custom),
         port,
         &borrowed(&env),
     );
-    server
+    let loading = server
         .wait_for_ready()
         .unwrap_or_else(|e| panic!("{e}: {}", server.process.output()));
+    assert!(loading > 0, "/health never said 503 while the model loaded");
     let backend = children_of(server.pid());
     assert_eq!(backend.len(), 1, "{}", server.process.output());
+    // No process group of its own: Lemonade signals the PID, and a group it shares with lemond.
+    let group = |pid: Option<u32>| {
+        nix::unistd::getpgid(pid.map(|p| nix::unistd::Pid::from_raw(p as i32))).unwrap()
+    };
+    assert_eq!(group(Some(server.pid())), group(None));
 
     // Chat, not streamed and streamed, under Lemonade's name for the model.
     let chat = serde_json::json!({
