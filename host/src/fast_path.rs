@@ -493,6 +493,12 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             Framing::UntilClose => Some((every, SseEdge::new(sse_keepalive::Framing::Payload))),
             _ => None,
         });
+    // One timer for the whole reply, moved on lazily: a read only notes its time, and the
+    // timer, when it fires early, is set again for `every` after the last byte.
+    let mut silence = edge
+        .as_ref()
+        .map(|(every, _)| Box::pin(tokio::time::sleep(*every)));
+    let mut last_byte = tokio::time::Instant::now();
     loop {
         let end = body.feed(&reply);
         let Some(end) = end else {
@@ -526,16 +532,26 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         }
         // More to come: wait for it, and for a client that leaves meanwhile (its backend
         // connection is then dropped, which stops the engine).
-        let silence = tokio::time::sleep(edge.as_ref().map_or(Duration::MAX / 4, |e| e.0));
-        tokio::pin!(silence);
         loop {
             tokio::select! {
                 biased;
-                () = &mut silence, if edge.is_some() => {
-                    if let Some((every, edge)) = &mut edge {
-                        silence.as_mut().reset(tokio::time::Instant::now() + *every);
-                        if edge.at_boundary() && client.write_all(edge.comment()).await.is_err() {
-                            return Outcome::Close;
+                () = async {
+                    match silence.as_mut() {
+                        Some(timer) => timer.as_mut().await,
+                        None => std::future::pending().await,
+                    }
+                }, if silence.is_some() => {
+                    if let (Some((every, edge)), Some(timer)) = (&mut edge, silence.as_mut()) {
+                        let now = tokio::time::Instant::now();
+                        let due = last_byte + *every;
+                        if now < due {
+                            timer.as_mut().reset(due);
+                        } else {
+                            if edge.at_boundary() && client.write_all(edge.comment()).await.is_err() {
+                                return Outcome::Close;
+                            }
+                            last_byte = now;
+                            timer.as_mut().reset(now + *every);
                         }
                     }
                 },
@@ -550,6 +566,9 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                     Ok(n) => {
                         if let Some(ticket) = &ticket {
                             ticket.progress(n);
+                        }
+                        if silence.is_some() {
+                            last_byte = tokio::time::Instant::now();
                         }
                         break;
                     }

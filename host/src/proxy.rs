@@ -415,10 +415,14 @@ async fn relay(State(app): State<Arc<App>>, request: Request) -> Response {
         });
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
-    let streamed_inference = rule.inference && streamed;
+    // Comments go only into an event stream (a streamed request's error reply is JSON).
+    let event_stream = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     Response::from_parts(
         reply_parts,
-        sse_keepalive::during(reply_body, streamed_inference),
+        sse_keepalive::during(reply_body, rule.inference && streamed && event_stream),
     )
 }
 

@@ -320,6 +320,13 @@ where
     fn is_end_stream(&self) -> bool {
         self.inner.is_end_stream()
     }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        // Comments may be added: an exact size would no longer hold.
+        let mut hint = hyper::body::SizeHint::new();
+        hint.set_lower(self.inner.size_hint().lower());
+        hint
+    }
 }
 
 /// What came first while waiting for a streamed reply's head: the head, or `every` of silence.
