@@ -458,11 +458,11 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             Err(e) => return bad_gateway(app, client, fast.close, &e.to_string()).await,
         }
     };
-    if early {
-        return after_early_head(client, backend, reply, head, keepalive, ticket, in_flight).await;
-    }
     if let Some(ticket) = &ticket {
         ticket.progress(0);
+    }
+    if early {
+        return after_early_head(client, backend, reply, head, keepalive, ticket, in_flight).await;
     }
 
     let close = fast.close || head.framing == Framing::UntilClose;
