@@ -25,11 +25,12 @@ use crate::backends::watchdog::{self, Watchdog};
 use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
 use crate::front::accept::accept_loop;
+use crate::front::drain::Drain;
 use crate::guard::Guard;
 use crate::guard::key::ApiKey;
 use crate::relay::{App, pool};
 use crate::settings::{self, Settings};
-use crate::{admission, metrics, model, routes};
+use crate::{admission, llama_server_cli, metrics, model, routes};
 
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
@@ -103,6 +104,12 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     }
     let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
         .map_err(Fatal::usage)?;
+    if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
+        return Err(Fatal::usage(format!(
+            "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
+            args.drain_s
+        )));
+    }
     if printing && let Some(flag) = args.needs_serve_in_path() {
         return Err(needs_serve(flag.to_string()));
     }
@@ -146,7 +153,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             port: args.port,
             device: args.device.clone(),
             ctx_size: args.ctx_size,
-            llama_server: args.llama_server.clone(),
+            llama_server: args
+                .llama_server
+                .clone()
+                .or_else(llama_server_cli::installed_beside),
             ds4: args.ds4.clone(),
             parallel: args.parallel,
             ssd_streaming: args.ssd_streaming,
@@ -166,7 +176,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             reranking: args.reranking,
             embed: args.embed.clone(),
             rerank: args.rerank.clone(),
-            args: std::env::args().skip(2).collect(),
+            args: args.command_line.clone(),
             route_options,
         },
         model: facts,
@@ -197,7 +207,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             route.info.name, route.abi_version
         )));
     }
-    let plan = match route.plan(&request) {
+    let mut plan = match route.plan(&request) {
         Ok(PlanOutcome::Plan(plan)) => plan,
         Ok(PlanOutcome::Refused(refusal)) => {
             return Err(Fatal {
@@ -218,6 +228,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(refused) = refused_flag {
         return Err(refused);
     }
+    llama_server_cli::pass_to_backend(&mut plan, &args.backend_args)?;
+    llama_server_cli::refuse_self(&plan)?;
+    llama_server_cli::align_rules(&mut plan, &args.backend_args);
 
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
@@ -444,6 +457,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         run_dir,
         api_key,
     } = p;
+    crate::relay::sse_keepalive::configure(args.sse_keepalive_s);
     let addr = format!("{}:{}", args.host, args.port);
     let listener = match tokio::net::TcpListener::bind(&addr).await {
         Ok(l) => l,
@@ -540,10 +554,9 @@ async fn serve_plan(p: ServePlan) -> i32 {
         shutdown_rx,
     ));
 
-    let code = supervise(&args, &route, &plan, &app, &client).await;
-
-    let _ = shutdown_tx.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    let mut drain = Drain::new(shutdown_tx, server, Duration::from_secs_f64(args.drain_s));
+    let code = supervise(&args, &route, &plan, &app, &client, &mut drain).await;
+    drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
 }
@@ -555,6 +568,7 @@ async fn supervise(
     plan: &Plan,
     app: &Arc<App>,
     client: &ProbeClient,
+    drain: &mut Drain,
 ) -> i32 {
     let (Ok(mut sigterm), Ok(mut sigint)) = (
         signal(SignalKind::terminate()),
@@ -673,10 +687,17 @@ async fn supervise(
         .watchdog
         .get()
         .map(|dog| tokio::spawn(dog.clone().run(client.clone(), events_tx.clone())));
-    let code = tokio::select! {
-        event = events.recv() => fail(event, &backends, app, plan, grace).await,
-        _ = sigterm.recv() => stop(&backends, grace, "SIGTERM").await,
-        _ = sigint.recv() => stop(&backends, grace, "SIGINT").await,
+    let signal = tokio::select! {
+        event = events.recv() => Err(event),
+        _ = sigterm.recv() => Ok("SIGTERM"),
+        _ = sigint.recv() => Ok("SIGINT"),
+    };
+    let code = match signal {
+        Err(event) => fail(event, &backends, app, plan, grace).await,
+        Ok(what) => {
+            drain.run(what).await;
+            stop(&backends, grace, what).await
+        }
     };
     monitor.abort();
     if let Some(dog) = dog {
