@@ -25,12 +25,13 @@ use crate::backends::watchdog::{self, Watchdog};
 use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
 use crate::front::accept::accept_loop;
+use crate::front::drain::Drain;
 use crate::guard::Guard;
 use crate::guard::key::ApiKey;
 use crate::laya::start::Placed;
 use crate::relay::{App, pool};
 use crate::settings::{self, Settings};
-use crate::{admission, metrics, model, routes};
+use crate::{admission, llama_server_cli, metrics, model, routes};
 
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
@@ -109,6 +110,12 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     }
     let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
         .map_err(Fatal::usage)?;
+    if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
+        return Err(Fatal::usage(format!(
+            "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
+            args.drain_s
+        )));
+    }
     if printing && let Some(flag) = args.needs_serve_in_path() {
         return Err(needs_serve(flag.to_string()));
     }
@@ -154,7 +161,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             port: args.port,
             device: args.device.clone(),
             ctx_size: args.ctx_size,
-            llama_server: args.llama_server.clone(),
+            llama_server: args
+                .llama_server
+                .clone()
+                .or_else(llama_server_cli::installed_beside),
             ds4: args.ds4.clone(),
             parallel: args.parallel,
             ssd_streaming: args.ssd_streaming,
@@ -174,7 +184,7 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             reranking: args.reranking,
             embed: args.embed.clone(),
             rerank: args.rerank.clone(),
-            args: std::env::args().skip(2).collect(),
+            args: args.command_line.clone(),
             route_options,
         },
         model: facts,
@@ -226,12 +236,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(refused) = refused_flag {
         return Err(refused);
     }
-    if pm.is_some() {
-        crate::pm::start::check_plan(&plan)?;
-    }
     // --laya: the device --device auto chose is one candidate; every other device the policy
     // names is planned too, and the memory check counts them together.
-    let (route, mut plan, laya) = match policy {
+    let (route, mut plan, mut laya) = match policy {
         Some(policy) => {
             let auto = (route.clone(), plan);
             let (first, more) =
@@ -240,6 +247,17 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
         None => (route.clone(), plan, None),
     };
+    // The drop-in's llama-server arguments reach every plan's llama-server (one per device
+    // with --laya).
+    let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
+    for each in std::iter::once(&mut plan).chain(more.map(|(_, p)| p)) {
+        llama_server_cli::pass_to_backend(each, &args.backend_args)?;
+        llama_server_cli::refuse_self(each)?;
+        llama_server_cli::align_rules(each, &args.backend_args);
+    }
+    if pm.is_some() {
+        crate::pm::start::check_plan(&plan)?;
+    }
     let checked = match &laya {
         Some((_, more)) => crate::laya::start::needs_together(&plan, more),
         None => plan.clone(),
@@ -479,6 +497,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         laya,
         api_key,
     } = p;
+    crate::relay::sse_keepalive::configure(args.sse_keepalive_s);
     let (policy, more) = match laya {
         Some((policy, more)) => (Some(policy), more),
         None => (None, Vec::new()),
@@ -592,10 +611,9 @@ async fn serve_plan(p: ServePlan) -> i32 {
         shutdown_rx,
     ));
 
-    let code = supervise(&args, &placed, &app, &client).await;
-
-    let _ = shutdown_tx.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    let mut drain = Drain::new(shutdown_tx, server, Duration::from_secs_f64(args.drain_s));
+    let code = supervise(&args, &placed, &app, &client, &mut drain).await;
+    drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
 }
@@ -607,6 +625,7 @@ async fn supervise(
     placed: &[Placed],
     app: &Arc<App>,
     client: &ProbeClient,
+    drain: &mut Drain,
 ) -> i32 {
     let plan = &placed[0].1;
     // Each backend's device, in serve's order, for what is said about it.
@@ -741,10 +760,17 @@ async fn supervise(
         .watchdog
         .get()
         .map(|dog| tokio::spawn(dog.clone().run(client.clone(), events_tx.clone())));
-    let code = tokio::select! {
-        event = events.recv() => fail(event, &backends, app, &devices, grace).await,
-        _ = sigterm.recv() => stop(&backends, grace, "SIGTERM").await,
-        _ = sigint.recv() => stop(&backends, grace, "SIGINT").await,
+    let signal = tokio::select! {
+        event = events.recv() => Err(event),
+        _ = sigterm.recv() => Ok("SIGTERM"),
+        _ = sigint.recv() => Ok("SIGINT"),
+    };
+    let code = match signal {
+        Err(event) => fail(event, &backends, app, &devices, grace).await,
+        Ok(what) => {
+            drain.run(what).await;
+            stop(&backends, grace, what).await
+        }
     };
     monitor.abort();
     if let Some(dog) = dog {

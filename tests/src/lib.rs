@@ -170,6 +170,16 @@ impl Serve {
         for (k, v) in env {
             command.env(k, v);
         }
+        Serve::spawn(command, port)
+    }
+
+    /// Start `command` (a `1bit` that listens on `port`, under any name and argv) with its
+    /// stdout and stderr captured.
+    pub fn spawn(mut command: Command, port: u16) -> Serve {
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let mut child = command.spawn().expect("1bit starts");
         let stderr = Arc::new(Mutex::new(String::new()));
         for stream in [
@@ -260,16 +270,19 @@ impl Serve {
             return self.status;
         }
         let deadline = Instant::now() + limit;
-        while Instant::now() < deadline {
+        // Asked at least once, so a zero limit is a look without waiting.
+        loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 self.status = Some(status);
                 // Let the output threads drain what is left.
                 std::thread::sleep(Duration::from_millis(50));
                 return self.status;
             }
+            if Instant::now() >= deadline {
+                return None;
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
-        None
     }
 
     /// The pids of serve's direct children (its backends).

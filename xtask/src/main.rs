@@ -3,6 +3,7 @@
 
 mod bench;
 mod cache;
+mod install;
 mod laya_eval;
 mod paths;
 mod pins;
@@ -27,7 +28,9 @@ usage: cargo xtask <subcommand>
   bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/)
   laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
-  paths             print cache_dir, llama_server and model paths, one name=value per line";
+  paths             print cache_dir, llama_server and model paths, one name=value per line
+  install [--prefix DIR] [--debug]  build and install 1bit, its routes, the pinned llama-server
+                    and the llama-server link to 1bit under DIR (default ~/.local)";
 
 /// Why a subcommand stopped: one line saying what failed and what to do about it.
 #[derive(Debug)]
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
         Some("laya-eval") => no_arguments("laya-eval", &rest)
             .and_then(|()| Workspace::load())
             .and_then(|ws| laya_eval::run(&ws)),
+        Some("install") => Workspace::load().and_then(|ws| install::run(&ws, &rest)),
         Some("paths") => no_arguments("paths", &rest)
             .and_then(|()| Workspace::load())
             .map(|ws| paths::run(&ws)),
@@ -91,7 +95,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, laya-eval, paths (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, laya-eval, paths, install (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

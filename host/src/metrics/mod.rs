@@ -20,6 +20,7 @@ use sha2::{Digest, Sha256};
 use crate::backends::health::ProbeClient;
 
 pub mod requests;
+pub mod text;
 
 /// The content type of Prometheus text format 0.0.4.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -212,11 +213,6 @@ pub fn tctl_celsius(root: &Path) -> Option<f64> {
     None
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DeviceLabel {
-    device: String,
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
 enum GttKind {
@@ -232,11 +228,9 @@ struct GttLabel {
 /// serve's own series as Prometheus text: every series with a source, and none without.
 pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Machine) -> String {
     let mut registry = Registry::default();
-    let up_family = Family::<DeviceLabel, Gauge>::default();
+    let up_family = Family::<Vec<(&'static str, String)>, Gauge>::default();
     up_family
-        .get_or_create(&DeviceLabel {
-            device: device.to_string(),
-        })
+        .get_or_create(&vec![(text::route_label(), device.to_string())])
         .set(i64::from(up));
     registry.register(
         "onebit_up",
@@ -266,6 +260,13 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
             registry.register(name, help, counter);
         }
     }
+    let keepalives = Counter::<u64>::default();
+    keepalives.inc_by(crate::relay::sse_keepalive::sent());
+    registry.register(
+        "onebit_sse_keepalives",
+        "SSE keep-alive comments sent on streams whose backend was silent",
+        keepalives,
+    );
     if machine.gtt_total.is_some() || machine.gtt_used.is_some() {
         let gtt = Family::<GttLabel, Gauge>::default();
         for (kind, v) in [
@@ -299,7 +300,7 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
     }
     let mut out = String::new();
     let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
-    out
+    text::strict_004(&out)
 }
 
 pub fn append(body: &mut String, text: &str) {

@@ -201,13 +201,25 @@ impl RequestSeries {
         }
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
-        out
+        super::text::strict_004(&out)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_request_counter_is_typed_under_its_sample_name() {
+        let requests = RequestSeries::default();
+        requests.count(PathClass::Chat, 200, Engine::Fast);
+        let text = requests.render();
+        assert!(
+            text.contains("# TYPE onebit_requests_total counter"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"), "{text}");
+    }
 
     #[test]
     fn paths_fall_in_a_closed_set_of_classes() {

@@ -62,6 +62,11 @@ fn parse_budget(value: Option<&str>) -> Duration {
         .map_or(DEFAULT_BUDGET, |us| Duration::from_micros(us.min(10_000)))
 }
 
+/// Relayed requests in flight now (the drain on SIGTERM says how many it waits for).
+pub fn in_flight() -> usize {
+    IN_FLIGHT.load(Ordering::Relaxed)
+}
+
 /// One relayed request, counted from reading the client's request until its reply body is
 /// finished or dropped.
 pub struct InFlight(());

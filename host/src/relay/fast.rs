@@ -26,6 +26,7 @@ use crate::metrics::requests::PathClass;
 use crate::relay::App;
 use crate::relay::busy_poll::{BusyPollStream, InFlight};
 use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
+use crate::relay::sse_keepalive::{self, SseEdge};
 use crate::relay::wire::{self, Body, Framing, Head, MAX_CONNECTION, MAX_HEAD, MAX_HEADERS};
 
 /// A body larger than this goes the general way: it takes several reads to arrive anyway.
@@ -256,6 +257,11 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     let mut reply = BytesMut::with_capacity(8 * 1024);
     let mut retried = false;
     let mut sent_at;
+    // A watched request here is a streamed inference request (a whole one is the general
+    // engine's, to name its reply): it gets comments in its backend's silences (keep-alive
+    // on); `early` once serve began the reply itself, before the backend's head.
+    let keepalive = fast.watched.as_ref().and(sse_keepalive::every());
+    let mut early = false;
     let (mut backend, head) = loop {
         reply.clear();
         let taken = if retried {
@@ -274,7 +280,32 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         .await;
         sent_at = Instant::now();
         let head = match sent {
-            Ok(()) => read_reply_head(&mut conn, &mut reply).await,
+            Ok(()) => match keepalive {
+                None => read_reply_head(&mut conn, &mut reply).await,
+                Some(every) => {
+                    let head = read_reply_head(&mut conn, &mut reply);
+                    tokio::pin!(head);
+                    loop {
+                        tokio::select! {
+                            h = &mut head => break h,
+                            () = tokio::time::sleep(every) => {
+                                let mut out = Vec::new();
+                                if !early {
+                                    out.extend_from_slice(sse_keepalive::EARLY_HEAD);
+                                    append_date(&mut out);
+                                    out.extend_from_slice(b"connection: close\r\n\r\n");
+                                    early = true;
+                                }
+                                sse_keepalive::count();
+                                out.extend_from_slice(sse_keepalive::COMMENT_CHUNK);
+                                if client.write_all(&out).await.is_err() {
+                                    return Outcome::Close;
+                                }
+                            }
+                        }
+                    }
+                }
+            },
             // The backend had closed the connection: the request went unread.
             Err(e)
                 if matches!(
@@ -288,13 +319,27 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         match head {
             Ok(head) => break (conn, head),
-            Err(ReplyError::Unread) if reused && !retried => retried = true,
+            Err(ReplyError::Unread) if reused && !retried && !early => retried = true,
+            Err(e) if early => {
+                // The client already has a 200 event stream: the failure is its last event.
+                let why = format!("the {} backend did not answer ({e})", app.device);
+                let mut out = Vec::new();
+                sse_keepalive::as_chunk(&sse_keepalive::error_event(502, why.as_bytes()), &mut out);
+                out.extend_from_slice(b"0\r\n\r\n");
+                let _ = client.write_all(&out).await;
+                app.requests.count(fast.path, 200, Engine::Fast);
+                return Outcome::Close;
+            }
             Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
         }
     };
     let backend_time = sent_at.elapsed();
     if let Some(ticket) = &ticket {
         ticket.progress(0);
+    }
+    if early {
+        app.requests.count(fast.path, 200, Engine::Fast);
+        return after_early_head(client, backend, reply, head, keepalive, ticket, in_flight).await;
     }
     app.requests.count(fast.path, head.status, Engine::Fast);
     let mut head_written = false;
@@ -323,6 +368,21 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     // The body: what came with the head, then as it arrives, each read written at once.
     let mut body = Body::new(head.framing);
     let mut watch_client = true;
+    // Comments go only into an event stream whose framing has room for them: chunks, or a
+    // body that ends at the close (which the client gets chunked).
+    let mut edge = keepalive
+        .filter(|_| head.event_stream)
+        .and_then(|every| match head.framing {
+            Framing::Chunked => Some((every, SseEdge::new(sse_keepalive::Framing::Chunked))),
+            Framing::UntilClose => Some((every, SseEdge::new(sse_keepalive::Framing::Payload))),
+            _ => None,
+        });
+    // One timer for the whole reply, moved on lazily: a read only notes its time, and the
+    // timer, when it fires early, is set again for `every` after the last byte.
+    let mut silence = edge
+        .as_ref()
+        .map(|(every, _)| Box::pin(tokio::time::sleep(*every)));
+    let mut last_byte = tokio::time::Instant::now();
     loop {
         let end = body.feed(&reply);
         let Some(end) = end else {
@@ -330,6 +390,9 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         let done = end.is_some();
         let take = end.unwrap_or(reply.len());
+        if let Some((_, edge)) = &mut edge {
+            edge.feed(&reply[..take]);
+        }
         if body.framing == Framing::UntilClose {
             append_chunk(&mut out, &reply[..take]);
         } else {
@@ -364,6 +427,31 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         loop {
             tokio::select! {
                 biased;
+                () = async {
+                    match silence.as_mut() {
+                        Some(timer) => timer.as_mut().await,
+                        None => std::future::pending().await,
+                    }
+                }, if silence.is_some() => {
+                    if let (Some((every, edge)), Some(timer)) = (&mut edge, silence.as_mut()) {
+                        let now = tokio::time::Instant::now();
+                        let due = last_byte + *every;
+                        if now < due {
+                            timer.as_mut().reset(due);
+                        } else {
+                            // The client's reply is chunked either way (a body to the close
+                            // is re-framed), so the comment goes as a chunk.
+                            if edge.at_boundary() {
+                                sse_keepalive::count();
+                                if client.write_all(sse_keepalive::COMMENT_CHUNK).await.is_err() {
+                                    return Outcome::Close;
+                                }
+                            }
+                            last_byte = now;
+                            timer.as_mut().reset(now + *every);
+                        }
+                    }
+                },
                 read = backend.read_buf(&mut reply) => match read {
                     Ok(0) if body.framing == Framing::UntilClose => {
                         // The backend's close ends the body: so does the last chunk.
@@ -379,6 +467,9 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                     Ok(n) => {
                         if let Some(ticket) = &ticket {
                             ticket.progress(n);
+                        }
+                        if silence.is_some() {
+                            last_byte = tokio::time::Instant::now();
                         }
                         break;
                     }
@@ -400,6 +491,8 @@ struct ReplyHead {
     lines: Vec<u8>,
     framing: Framing,
     backend_close: bool,
+    /// `Content-Type: text/event-stream`.
+    event_stream: bool,
 }
 
 enum ReplyError {
@@ -477,6 +570,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     let mut backend_close = false;
     let mut keep_alive = false;
     let mut dated = false;
+    let mut event_stream = false;
     let mut connection: [&[u8]; MAX_CONNECTION] = [b""; MAX_CONNECTION];
     let mut n_connection = 0;
     for header in response.headers.iter() {
@@ -525,6 +619,8 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
             continue;
         }
         dated |= name.eq_ignore_ascii_case("date");
+        event_stream |=
+            name.eq_ignore_ascii_case("content-type") && value.starts_with(b"text/event-stream");
         lines.extend_from_slice(name.as_bytes());
         lines.extend_from_slice(b": ");
         lines.extend_from_slice(value);
@@ -551,6 +647,7 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
         lines,
         framing,
         backend_close: backend_close || framing == Framing::UntilClose,
+        event_stream,
     })
 }
 
@@ -562,6 +659,90 @@ fn append_chunk(out: &mut Vec<u8>, bytes: &[u8]) {
     let _ = write!(out, "{:x}\r\n", bytes.len());
     out.extend_from_slice(bytes);
     out.extend_from_slice(b"\r\n");
+}
+
+/// The rest of a streamed reply whose head serve already sent (`sse_keepalive::EARLY_HEAD`):
+/// the backend's events re-framed as chunks, with comments in its silences; a backend that
+/// answered other than 200 becomes one error event. A reply that breaks off leaves the
+/// client's reply without its last chunk, and the connection closes.
+async fn after_early_head(
+    client: &mut BusyPollStream,
+    mut backend: BusyPollStream,
+    mut reply: BytesMut,
+    head: ReplyHead,
+    keepalive: Option<Duration>,
+    ticket: Option<crate::backends::watchdog::Ticket>,
+    in_flight: InFlight,
+) -> Outcome {
+    let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
+    let mut body = Body::new(head.framing);
+    let mut edge = SseEdge::new(if head.framing == Framing::Chunked {
+        sse_keepalive::Framing::Chunked
+    } else {
+        sse_keepalive::Framing::Payload
+    });
+    let ok = head.status == 200;
+    let mut kept = Vec::new();
+    let mut ended = head.framing == Framing::None;
+    loop {
+        let mut payload = Vec::new();
+        if !ended {
+            let Some(end) = body.feed(&reply) else {
+                return Outcome::Close;
+            };
+            ended = end.is_some();
+            edge.feed_payload(&reply[..end.unwrap_or(reply.len())], &mut payload);
+            reply.clear();
+        }
+        let mut out = Vec::new();
+        if ok {
+            sse_keepalive::as_chunk(&payload, &mut out);
+        } else if kept.len() < 64 * 1024 {
+            kept.extend_from_slice(&payload);
+        }
+        if ended {
+            if !ok {
+                sse_keepalive::as_chunk(&sse_keepalive::error_event(head.status, &kept), &mut out);
+            }
+            out.extend_from_slice(b"0\r\n\r\n");
+        }
+        if !out.is_empty() && client.write_all(&out).await.is_err() {
+            return Outcome::Close;
+        }
+        if ended {
+            drop(ticket);
+            drop(in_flight);
+            return Outcome::Close;
+        }
+        let silence = tokio::time::sleep(every);
+        tokio::pin!(silence);
+        loop {
+            tokio::select! {
+                read = backend.read_buf(&mut reply) => match read {
+                    Ok(0) if head.framing == Framing::UntilClose => {
+                        ended = true;
+                        break;
+                    }
+                    Ok(0) | Err(_) => return Outcome::Close,
+                    Ok(n) => {
+                        if let Some(ticket) = &ticket {
+                            ticket.progress(n);
+                        }
+                        break;
+                    }
+                },
+                () = &mut silence => {
+                    silence.as_mut().reset(tokio::time::Instant::now() + every);
+                    if ok && edge.at_boundary() {
+                        sse_keepalive::count();
+                        if client.write_all(sse_keepalive::COMMENT_CHUNK).await.is_err() {
+                            return Outcome::Close;
+                        }
+                    }
+                },
+            }
+        }
+    }
 }
 
 /// `Date: <now>`, formatted once a second.

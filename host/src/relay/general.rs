@@ -20,8 +20,8 @@ use crate::backends::watchdog::Ticket;
 use crate::error::{ApiError, error_chain};
 use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
-use crate::relay::in_process;
 use crate::relay::plan::{self, Decided, DeviceChoice, Engine, RelayPlan, Target, Way};
+use crate::relay::{in_process, sse_keepalive};
 
 /// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
 /// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
@@ -159,9 +159,22 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         Err(e) => return e.into_response(),
     };
     let sent_at = Instant::now();
-    let reply = match app.client.request(upstream).await {
-        Ok(reply) => reply,
-        Err(e) => return ApiError::no_answer(&app.device, &error_chain(&e)).into_response(),
+    let pending = app.client.request(upstream);
+    // A streamed inference request whose backend stays silent before its head (a long
+    // prefill) gets its reply begun by serve, with comments in the silences.
+    let reply = match sse_keepalive::wait_head(pending, plan.inference && plan.streamed).await {
+        sse_keepalive::Waited::Arrived(Ok(reply)) => reply,
+        sse_keepalive::Waited::Arrived(Err(e)) => {
+            return ApiError::no_answer(&app.device, &error_chain(&e)).into_response();
+        }
+        sse_keepalive::Waited::Silent(pending) => {
+            app.requests.added(
+                Engine::General,
+                began.elapsed().saturating_sub(sent_at.elapsed()),
+            );
+            let wrap = move |body| watched(body, ticket, on_first_byte, in_flight);
+            return sse_keepalive::early_stream(pending, wrap, app.device.clone());
+        }
     };
     let mut backend_time = sent_at.elapsed();
     let added = |backend_time: Duration| {
@@ -207,16 +220,22 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         // every event as it passes.
         let mut events = SseRenamer::new(app.served_name.clone());
         added(backend_time);
-        return Response::from_parts(
-            reply_parts,
-            Body::new(reply_body.map_frame(move |frame| match frame.into_data() {
-                Ok(data) => hyper::body::Frame::data(events.feed(&data)),
-                Err(frame) => frame,
-            })),
-        );
+        let renamed = reply_body.map_frame(move |frame| match frame.into_data() {
+            Ok(data) => hyper::body::Frame::data(events.feed(&data)),
+            Err(frame) => frame,
+        });
+        return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
     added(backend_time);
-    Response::from_parts(reply_parts, Body::new(reply_body))
+    // Comments go only into an event stream (a streamed request's error reply is JSON).
+    let event_stream = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    Response::from_parts(
+        reply_parts,
+        sse_keepalive::during(reply_body, plan.inference && plan.streamed && event_stream),
+    )
 }
 
 /// What happens when a route-forwarded reply's first byte arrives: the route's line is said,

@@ -7,7 +7,8 @@
 //! read so far, to the general engine (`general`: hyper and axum), which carries the rest
 //! (the rewrites, the route's `forward`, `in_process`). Which headers pass and the backend's
 //! request head are `plan`'s one function each; the backend connections are `pool`'s; both
-//! engines read and write through `busy_poll`.
+//! engines read and write through `busy_poll`, and both put SSE comments in a stream's
+//! silences through `sse_keepalive`.
 
 pub mod app;
 pub mod busy_poll;
@@ -16,6 +17,7 @@ pub mod general;
 pub mod in_process;
 pub mod plan;
 pub mod pool;
+pub mod sse_keepalive;
 pub mod wire;
 
 pub use app::App;
