@@ -1,6 +1,7 @@
 //! `1bit serve --laya` on fake backends, one per device the policy picks (cpu, and hrx with
 //! `ONEBIT_HRX_PRESENT=1`): each class reaches its device, the `X-1bit-Route` header, the
-//! decision reused on a later turn, the fallbacks, and the refusals (docs/laya.md).
+//! decision reused on a later turn, the engine that carries them, any device's backend in
+//! `/health`, the fallbacks, and the refusals (docs/laya.md).
 
 use std::path::Path;
 use std::process::Command;
@@ -310,4 +311,55 @@ fn the_memory_check_counts_every_device_together() {
         (kv_both - 2.0 * kv_one).abs() < 0.02,
         "cpu and hrx together: {one} / {both}"
     );
+}
+
+#[test]
+fn a_device_whose_backend_stops_answering_health_takes_serve_down() {
+    // serve runs a plan per device; the health monitor asks every route about its own
+    // backends, so the hrx backend (not the first plan's) going silent is /health's 503.
+    let dir = temp_dir("laya-health");
+    let model = dummy_model(&dir, "Qwen3-4B-Q4_K_M.gguf");
+    let policy = dir.join("policy.json");
+    std::fs::write(
+        &policy,
+        json!({"min_confidence": 0.0, "default": "cpu", "classes": {
+            "code": {"device": "hrx", "why": "test"}}})
+        .to_string(),
+    )
+    .unwrap();
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--llama-server",
+            fake_backend().to_str().unwrap(),
+            "--laya",
+            "--route-policy",
+            policy.to_str().unwrap(),
+        ],
+        &[("ONEBIT_HRX_PRESENT", "1")],
+    );
+    serve.ready();
+    let out = serve.output();
+    let (cpu, hrx) = (port_of(&out, "cpu"), port_of(&out, "hrx"));
+    let body =
+        json!({"messages": user("Write a Rust function that sums a slice. fake_health_hang")})
+            .to_string();
+    let (status, route, _) =
+        post_with_header(&serve.url("/v1/chat/completions"), &body, "x-1bit-route");
+    assert_eq!(status, 200);
+    assert!(route.ends_with(" hrx"), "{route:?}");
+    let mut last = (0, String::new());
+    let went_down = wait_until(std::time::Duration::from_secs(8), || {
+        last = get(&serve.url("/health"));
+        last.0 == 503
+    });
+    assert!(went_down, "{last:?}");
+    assert!(
+        last.1
+            .contains(&format!("the backend on port {hrx} did not answer")),
+        "{}",
+        last.1
+    );
+    assert!(!last.1.contains(&cpu), "{}", last.1);
 }
