@@ -21,6 +21,8 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// List the device routes found, with their files, ABI versions, and whether they loaded.
     Plugins(PluginArgs),
+    /// Run a llama.cpp RPC worker (ggml-rpc-server) that holds layers for `serve --rpc`.
+    RpcWorker(crate::rpc::worker::WorkerArgs),
 }
 
 #[derive(Args, Debug, Default)]
@@ -131,6 +133,9 @@ pub struct ServeArgs {
     /// An NPU option, KEY=VALUE (repeatable).
     #[arg(long, value_name = "KEY=VALUE", num_args = 1..)]
     pub npu_opt: Vec<String>,
+    /// llama.cpp RPC workers that take layers (`1bit rpc-worker`), each HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT[,...]", value_delimiter = ',')]
+    pub rpc: Vec<String>,
     /// Skip the memory check.
     #[arg(long, conflicts_with = "mem_check")]
     pub no_mem_check: bool,

@@ -15,6 +15,7 @@ mod model;
 mod proxy;
 mod route_calls;
 mod routes;
+mod rpc;
 mod serve;
 mod supervisor;
 mod watchdog;
@@ -30,6 +31,7 @@ fn main() {
             print!("{}", routes::listing(&found));
             error::exit::OK
         }
+        cli::Command::RpcWorker(args) => rpc::worker::run(args),
     };
     std::process::exit(code);
 }

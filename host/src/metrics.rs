@@ -331,6 +331,7 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         }
         Err(_) => {}
     }
+    append(&mut body, &crate::rpc::watch::render());
     for text in backend_texts.into_iter().flatten() {
         append(&mut body, &text);
     }

@@ -230,10 +230,14 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         return Err(refused);
     }
 
+    let workers = crate::rpc::before_start(args, &plan)?;
+    if let Some(code) = crate::rpc::split::admit(args, &served_name, &plan, &workers)? {
+        return Ok(Prepared::Exit(code));
+    }
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &plan)?));
     }
-    if !admission::skipped(args.no_mem_check) {
+    if workers.is_empty() && !admission::skipped(args.no_mem_check) {
         admit(args, &served_name, &plan)?;
     }
     for note in &plan.notes {
@@ -665,6 +669,7 @@ async fn supervise(
         args.port
     );
 
+    crate::rpc::watch::spawn();
     let monitor = tokio::spawn(monitor_health(
         app.clone(),
         client.clone(),
@@ -739,6 +744,13 @@ async fn fail(
             format!("{reason}; killing the {} backend and exiting", plan.device)
         }
         None => "the backends' event channel closed; exiting".to_string(),
+    };
+    let message = match tokio::task::spawn_blocking(crate::rpc::watch::name_lost).await {
+        Ok(Some(lost)) => format!(
+            "{lost}: the {} backend cannot go on without the layers it held; {message}",
+            plan.device
+        ),
+        _ => message,
     };
     app.set_status(Status::Failed(message.clone()));
     eprintln!("1bit serve: {message}");
@@ -881,8 +893,11 @@ async fn monitor_health(
                 reason: format!("the route's health check failed: {e}"),
             },
         };
+        let worker_down = crate::rpc::watch::down();
         if matches!(app.status(), Status::Down(_) | Status::Ready) {
-            app.set_status(if health.ok {
+            app.set_status(if let Some(why) = worker_down {
+                Status::Down(why)
+            } else if health.ok {
                 Status::Ready
             } else {
                 Status::Down(health.reason)

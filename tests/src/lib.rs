@@ -4,6 +4,8 @@
 //! assert on what a client sees.
 #![forbid(unsafe_code)]
 
+pub mod rpc_worker;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

@@ -76,6 +76,7 @@ impl DeviceRoute for CpuRoute {
         argv.extend(asked.argv);
         let mut env = asked.env;
         let mut notes = asked.notes;
+        notes.extend(llama_server::rpc::apply(request, &mut argv));
         notes.extend(llama_server::recipes::apply(
             request, "cpu", &mut argv, &mut env,
         )?);
@@ -108,7 +109,7 @@ impl DeviceRoute for CpuRoute {
         self.log.observe(&line.line);
         LineVerdict {
             say: Vec::new(),
-            stop: lost_device(&line.line),
+            stop: lost_device(&line.line).or_else(|| llama_server::rpc::lost_worker(&line.line)),
         }
     }
 

@@ -183,6 +183,7 @@ impl DeviceRoute for HrxRoute {
             }
         }
         let mut notes = asked.notes;
+        notes.extend(llama_server::rpc::apply(request, &mut argv));
         notes.extend(llama_server::recipes::apply(
             request, "hrx", &mut argv, &mut env,
         )?);
@@ -249,6 +250,12 @@ impl DeviceRoute for HrxRoute {
     }
 
     fn on_backend_line(&self, line: &BackendLine) -> LineVerdict {
+        if let Some(stop) = llama_server::rpc::lost_worker(&line.line) {
+            return LineVerdict {
+                say: Vec::new(),
+                stop: Some(stop),
+            };
+        }
         match placement::parse(&line.line) {
             None => LineVerdict::default(),
             Some(PlacementLine::StrictAbort(what)) => LineVerdict {

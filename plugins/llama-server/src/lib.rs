@@ -8,6 +8,7 @@ pub mod options;
 pub mod placement;
 pub mod rag;
 pub mod recipes;
+pub mod rpc;
 
 use std::path::{Path, PathBuf};
 
