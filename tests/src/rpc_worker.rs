@@ -153,3 +153,25 @@ impl Drop for RpcWorker {
         }
     }
 }
+
+/// POST `body` (a streamed chat) to serve on `port` and return the connection once the first
+/// content event arrived, with what was read; the caller reads the rest (or sees it cut).
+pub fn stream_started(port: u16, body: &str) -> (std::net::TcpStream, String) {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("serve listens");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while !seen.contains("\"content\":\"") {
+        let n = s.read(&mut buf).expect("the stream starts");
+        assert!(n > 0, "the stream ended before its first token: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    (s, seen)
+}

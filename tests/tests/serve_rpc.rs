@@ -1,0 +1,259 @@
+//! `1bit serve --rpc`: every worker asked before anything starts, the memory counted where
+//! llama.cpp puts the layers, and the workers watched while serve runs (real workers, the real
+//! llama-server and SmolLM2 on loopback; the two-namespace test is in serve_rpc_netns.rs).
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use onebit_tests::rpc_worker::RpcWorker;
+use onebit_tests::*;
+
+fn refused(model: &Path, extra: &[&str]) -> (Option<i32>, String, Duration, PathBuf) {
+    let dir = temp_dir("rpc-refused");
+    let record = dir.join("record.jsonl");
+    let fake = fake_backend();
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        fake.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let began = Instant::now();
+    let mut serve = Serve::start(&args, &[("FAKE_RECORD", record.to_str().unwrap())]);
+    let exit = serve
+        .wait_exit(Duration::from_secs(20))
+        .expect("serve exits");
+    (exit.code(), serve.output(), began.elapsed(), record)
+}
+
+fn smol_shaped(dir: &Path, name: &str, total: u64) -> PathBuf {
+    let path = dir.join(name);
+    gguf::writer::Builder::smollm2_shaped()
+        .total_size(total)
+        .write(&path)
+        .unwrap();
+    path
+}
+
+#[test]
+fn a_worker_that_is_not_there_is_named_and_nothing_starts() {
+    let dir = temp_dir("rpc-missing");
+    let model = smol_shaped(&dir, "small.gguf", 100 << 20);
+    let port = free_port();
+    let missing = format!("127.0.0.1:{port}");
+    let worker = RpcWorker::start(&["--threads", "1"], None);
+    let list = format!("{},{missing}", worker.endpoint);
+    let (code, out, took, record) = refused(&model, &["--rpc", &list]);
+    assert_eq!(code, Some(3), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {out}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "1bit serve: RPC worker {missing} does not answer ("
+        )),
+        "{out}"
+    );
+    assert!(
+        lines[0].ends_with("start it (1bit rpc-worker) or drop it from --rpc; nothing was started"),
+        "{out}"
+    );
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    assert!(!record.exists(), "the backend never started");
+}
+
+#[test]
+fn a_worker_that_accepts_but_never_answers_is_refused_within_a_second() {
+    let dir = temp_dir("rpc-silent");
+    let model = smol_shaped(&dir, "small.gguf", 100 << 20);
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let (code, out, took, record) = refused(&model, &["--rpc", &endpoint]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(
+        out.contains(&format!(
+            "RPC worker {endpoint} accepted the connection but did not answer within 1 s"
+        )),
+        "{out}"
+    );
+    assert!(
+        took >= Duration::from_secs(1) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    assert!(!record.exists());
+}
+
+#[test]
+fn a_malformed_rpc_entry_is_bad_usage() {
+    let dir = temp_dir("rpc-usage");
+    let model = smol_shaped(&dir, "small.gguf", 100 << 20);
+    let (code, out, _, _) = refused(&model, &["--rpc", "10.0.0.1"]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(
+        out.starts_with("1bit serve: --rpc 10.0.0.1: not HOST:PORT;"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_model_too_big_for_the_worker_is_refused_naming_it_before_anything_starts() {
+    // A worker offers the machine's RAM; a 4 TiB header-only model lands almost wholly on it
+    // (only the input layer stays here), so it is the worker that cannot hold it.
+    let dir = temp_dir("rpc-big");
+    let model = smol_shaped(&dir, "huge.gguf", 4 << 40);
+    let worker = RpcWorker::start(&["--threads", "1"], None);
+    let (code, out, _, record) = refused(&model, &["--rpc", &worker.endpoint]);
+    assert_eq!(code, Some(3), "{out}");
+    let line = out.lines().next().unwrap_or_default();
+    assert!(
+        line.starts_with(&format!(
+            "1bit serve: huge does not fit on {0}: RPC worker {0} needs 40",
+            worker.endpoint
+        )),
+        "{out}"
+    );
+    assert!(
+        line.contains("(layers 0-29 of 30 and the output layer: weights 4096.00 + KV"),
+        "{line}"
+    );
+    assert!(
+        line.ends_with(
+            "add RPC workers or free memory there, lower --ctx-size, or pass --no-mem-check"
+        ),
+        "{line}"
+    );
+    assert!(
+        !line.contains("this machine needs"),
+        "the local part fits: {line}"
+    );
+    assert!(!record.exists());
+
+    // --mem-check says the same on stdout and exits 3.
+    let (code, out, _, _) = refused(&model, &["--rpc", &worker.endpoint, "--mem-check"]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(
+        out.starts_with(&format!("huge does not fit on {}", worker.endpoint)),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_model_that_fits_across_two_workers_says_where_each_part_goes() {
+    let dir = temp_dir("rpc-fits");
+    let model = smol_shaped(&dir, "small.gguf", 100 << 20);
+    let a = RpcWorker::start(&["--threads", "1"], None);
+    let b = RpcWorker::start(&["--threads", "1"], None);
+    let list = format!("{},{}", a.endpoint, b.endpoint);
+    let (code, out, _, _) = refused(&model, &["--rpc", &list, "--mem-check"]);
+    assert_eq!(code, Some(0), "{out}");
+    // Equal workers: llama.cpp gives the first layers 0-15, the second 16-29 and the output.
+    assert!(
+        out.starts_with("small: fits across this machine and 2 RPC workers: this machine needs"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("RPC worker {} needs 0.", a.endpoint)),
+        "{out}"
+    );
+    assert!(out.contains("(layers 0-15 of 30: weights"), "{out}");
+    assert!(
+        out.contains("(layers 16-29 of 30 and the output layer: weights"),
+        "{out}"
+    );
+}
+
+fn smollm2_over(workers: &[&RpcWorker], extra: &[&str]) -> Serve {
+    let list = workers
+        .iter()
+        .map(|w| w.endpoint.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut args = vec!["--ctx-size", "1024", "--rpc", &list];
+    args.extend_from_slice(extra);
+    serve_smollm2(&args)
+}
+
+#[test]
+fn health_names_a_worker_that_stops_and_metrics_carry_one_series_per_worker() {
+    let a = RpcWorker::start(&["--threads", "1"], None);
+    let serve = smollm2_over(&[&a], &[]);
+    let (_, metrics) = get(&serve.url("/metrics"));
+    let samples = parse_prometheus(&metrics);
+    assert_eq!(
+        sample(&samples, "onebit_rpc_worker_up", &[("worker", &a.endpoint)]),
+        Some(1.0),
+        "{metrics}"
+    );
+    let offered = sample(
+        &samples,
+        "onebit_rpc_worker_offered_bytes",
+        &[("worker", &a.endpoint)],
+    )
+    .unwrap();
+    assert!(offered > 1e9, "{offered}");
+
+    // Killed while idle: /health says which worker within a few seconds, before any request.
+    let server = a.server_pid().unwrap();
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(server as i32), Signal::SIGKILL);
+    assert!(
+        serve.wait_health(503, Duration::from_secs(5)),
+        "{}",
+        serve.output()
+    );
+    let (status, body) = get(&serve.url("/health"));
+    assert_eq!(status, 503);
+    assert!(
+        body.contains(&format!("RPC worker {}", a.endpoint)),
+        "{body}"
+    );
+    let (_, metrics) = get(&serve.url("/metrics"));
+    assert_eq!(
+        sample(
+            &parse_prometheus(&metrics),
+            "onebit_rpc_worker_up",
+            &[("worker", &a.endpoint)]
+        ),
+        Some(0.0),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn a_worker_lost_mid_stream_ends_serve_with_a_line_naming_it() {
+    let a = RpcWorker::start(&["--threads", "1"], None);
+    let mut serve = smollm2_over(&[&a], &[]);
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "Count from one to two hundred in words."}],
+        "temperature": 0,
+        "max_tokens": 400,
+        "stream": true,
+    })
+    .to_string();
+    let (mut stream, _) = onebit_tests::rpc_worker::stream_started(serve.port, &body);
+    let server = a.server_pid().unwrap();
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(server as i32), Signal::SIGKILL);
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut stream, &mut rest);
+    assert!(
+        !rest.contains("[DONE]"),
+        "the stream was cut, not finished: {rest}"
+    );
+    let exit = serve
+        .wait_exit(Duration::from_secs(30))
+        .expect("serve exits");
+    assert_eq!(exit.code(), Some(1), "{}", serve.output());
+    let out = serve.output();
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&format!("1bit serve: RPC worker {} ", a.endpoint)))
+        .unwrap_or_else(|| panic!("no line naming the worker:\n{out}"));
+    assert!(
+        line.contains("cannot go on without the layers it held"),
+        "{line}"
+    );
+    eprintln!("{line}");
+}
