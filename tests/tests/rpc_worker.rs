@@ -114,8 +114,8 @@ fn bad_usage_is_refused_in_one_line_with_status_2() {
             "--threads 0: pass a positive number",
         ),
         (
-            vec!["--mem", "4"],
-            "--mem 4: the pinned ggml-rpc-server cannot cap",
+            vec!["--mem", "0"],
+            "--mem 0: pass the GiB to offer as a positive number",
         ),
         (
             vec!["--rpc-server", "/nonexistent/x"],
@@ -123,11 +123,21 @@ fn bad_usage_is_refused_in_one_line_with_status_2() {
         ),
     ] {
         let started = Instant::now();
-        let out = Command::new(onebit())
+        let mut child = Command::new(onebit())
             .arg("rpc-worker")
             .args(&args)
-            .output()
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
             .unwrap();
+        // Bounded: a refusal that regressed into a running worker must not hang the suite.
+        let exited = wait_until(Duration::from_secs(10), || {
+            child.try_wait().ok().flatten().is_some()
+        });
+        if !exited {
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert_eq!(err.lines().count(), 1, "{err}");
@@ -137,4 +147,23 @@ fn bad_usage_is_refused_in_one_line_with_status_2() {
         );
         assert!(started.elapsed() < Duration::from_secs(5));
     }
+}
+
+#[test]
+fn mem_caps_what_the_worker_offers_through_its_relay() {
+    let worker = RpcWorker::start(&["--mem", "0.5", "--threads", "1"], None);
+    assert!(
+        worker
+            .announcement
+            .contains("offering 0.5 GiB (device 0: 0.5 GiB free of 0.5)"),
+        "{}",
+        worker.announcement
+    );
+    // The worker itself listens on a private loopback port behind the relay.
+    let server = worker.server_pid().unwrap();
+    let cmdline = std::fs::read_to_string(format!("/proc/{server}/cmdline")).unwrap();
+    assert!(
+        !cmdline.contains(worker.endpoint.rsplit(':').next().unwrap()),
+        "{cmdline:?}"
+    );
 }

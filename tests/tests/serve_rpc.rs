@@ -142,6 +142,35 @@ fn a_model_too_big_for_the_worker_is_refused_naming_it_before_anything_starts() 
 }
 
 #[test]
+fn a_worker_offering_little_is_named_when_its_share_does_not_fit() {
+    // An 8 GiB header-only model over a worker offering the machine's RAM and one capped at
+    // 1 GiB (--mem 1): llama.cpp gives the small one only the output layer, a 31st of the
+    // weights, which with its compute buffer and the margin is still more than 1 GiB.
+    let dir = temp_dir("rpc-small");
+    let model = smol_shaped(&dir, "eight.gguf", 8 << 30);
+    let big = RpcWorker::start(&["--threads", "1"], None);
+    let small = RpcWorker::start(&["--threads", "1", "--mem", "1"], None);
+    let list = format!("{},{}", big.endpoint, small.endpoint);
+    let (code, out, _, record) = refused(&model, &["--rpc", &list]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(
+        out.starts_with(&format!(
+            "1bit serve: eight does not fit on {0}: RPC worker {0} needs 0.7",
+            small.endpoint
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "(the output layer: weights 0.26 + KV 0.00 + compute 0.50) of 1.00 GiB it offers"
+        ),
+        "{out}"
+    );
+    assert!(!out.contains(&format!("on {}", big.endpoint)), "{out}");
+    assert!(!record.exists());
+}
+
+#[test]
 fn a_model_that_fits_across_two_workers_says_where_each_part_goes() {
     let dir = temp_dir("rpc-fits");
     let model = smol_shaped(&dir, "small.gguf", 100 << 20);

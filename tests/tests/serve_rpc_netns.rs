@@ -107,8 +107,9 @@ fn smollm2_split_across_two_namespaced_workers_answers_as_the_local_cpu_route() 
         &["--host", &ns_a.address, "--threads", "1"],
         Some(&ns_a.name),
     );
+    // b offers 2 GiB through its --mem relay, so llama.cpp gives it the last layers only.
     let b = RpcWorker::start(
-        &["--host", &ns_b.address, "--threads", "1"],
+        &["--host", &ns_b.address, "--threads", "1", "--mem", "2"],
         Some(&ns_b.name),
     );
     assert!(

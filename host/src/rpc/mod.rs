@@ -2,6 +2,7 @@
 //! the layer split serve counts memory by, and watching the workers while serve runs.
 
 pub mod probe;
+pub mod relay;
 pub mod split;
 pub mod watch;
 pub mod worker;

@@ -129,22 +129,39 @@ pub fn down() -> Option<String> {
 }
 
 /// When a backend ended and serve was given workers: the line naming the worker it lost, or
-/// None when every worker still answers. A worker not already seen gone is asked again (a
-/// connection within a second). Blocks the calling thread for up to a second per worker.
+/// None when every worker still answers. A worker the watchers have not seen go is asked
+/// again (a connection), a few times over [`LOST_WITHIN`]: the backend may notice a dying
+/// worker's closed connection before the watcher thread has run or the worker's port has
+/// closed. Blocks the calling thread for up to that long (more for a worker that times out).
 pub fn name_lost() -> Option<String> {
-    let workers: Vec<Worker> = board().lock().ok()?.clone();
-    let lost: Vec<String> = workers
-        .iter()
-        .filter_map(|w| {
-            w.lost.clone().or_else(|| {
-                probe::connect(&w.endpoint, probe::ANSWER_WITHIN)
-                    .err()
-                    .inspect(|e| mark_lost(&w.endpoint, e.clone()))
+    let started = std::time::Instant::now();
+    loop {
+        let workers: Vec<Worker> = board().lock().ok()?.clone();
+        if workers.is_empty() {
+            return None;
+        }
+        let lost: Vec<String> = workers
+            .iter()
+            .filter_map(|w| {
+                w.lost.clone().or_else(|| {
+                    probe::connect(&w.endpoint, probe::ANSWER_WITHIN)
+                        .err()
+                        .inspect(|e| mark_lost(&w.endpoint, e.clone()))
+                })
             })
-        })
-        .collect();
-    (!lost.is_empty()).then(|| lost.join("; "))
+            .collect();
+        if !lost.is_empty() {
+            return Some(lost.join("; "));
+        }
+        if started.elapsed() >= LOST_WITHIN {
+            return None;
+        }
+        std::thread::sleep(LOOK_EVERY);
+    }
 }
+
+/// How long [`name_lost`] keeps asking before it says no worker was lost.
+const LOST_WITHIN: Duration = Duration::from_millis(1500);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerLabel {

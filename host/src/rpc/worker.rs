@@ -38,7 +38,8 @@ pub struct WorkerArgs {
     /// The port to listen on (0: a free port the kernel picks).
     #[arg(long, default_value_t = DEFAULT_PORT)]
     pub port: u16,
-    /// Offer at most this many GiB. Not supported by the pinned ggml-rpc-server: refused.
+    /// Offer at most this many GiB per device: a relay in front of the worker caps what it
+    /// reports (the pinned ggml-rpc-server reports its devices' own memory).
     #[arg(long, value_name = "GiB")]
     pub mem: Option<f64>,
     /// CPU threads for the worker's CPU device (default: ggml-rpc-server's, half the cores).
@@ -66,11 +67,15 @@ pub fn run(args: WorkerArgs) -> i32 {
 
 fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
     let usage = |m: String| (exit::USAGE, m);
-    if let Some(mem) = args.mem {
-        return Err(usage(format!(
-            "--mem {mem}: the pinned ggml-rpc-server cannot cap the memory it offers (it reports its devices' own); drop --mem, or pick the devices with the worker's environment"
-        )));
-    }
+    let cap = match args.mem {
+        None => None,
+        Some(gib) if gib.is_finite() && gib > 0.0 && gib < 1e9 => Some((gib * GIB) as u64),
+        Some(gib) => {
+            return Err(usage(format!(
+                "--mem {gib}: pass the GiB to offer as a positive number, such as 8 or 0.5"
+            )));
+        }
+    };
     let host: Ipv4Addr = args.host.parse().map_err(|_| {
         usage(format!(
             "--host {}: ggml-rpc-server listens on an IPv4 address only; pass one such as 127.0.0.1 or 192.168.1.20",
@@ -83,9 +88,36 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
         ));
     }
     let binary = rpc_server_binary(args.rpc_server.as_deref()).map_err(usage)?;
-    let port = match args.port {
-        0 => free_port(host).map_err(|e| (exit::BACKEND, e))?,
-        p => p,
+    // With --mem, the address given is the relay's and the worker listens on a private
+    // loopback port behind it.
+    let relay = match cap {
+        Some(_) => Some(TcpListener::bind((host, args.port)).map_err(|e| {
+            (
+                exit::BACKEND,
+                format!(
+                    "cannot listen on {host}:{} ({e}); pass another --port",
+                    args.port
+                ),
+            )
+        })?),
+        None => None,
+    };
+    let port = match (&relay, args.port) {
+        (Some(l), _) => l.local_addr().map(|a| a.port()).unwrap_or(args.port),
+        (None, 0) => free_port(host).map_err(|e| (exit::BACKEND, e))?,
+        (None, p) => p,
+    };
+    let (worker_host, worker_port) = match (&relay, cap) {
+        (Some(listener), Some(cap)) => {
+            let private = free_port(Ipv4Addr::LOCALHOST).map_err(|e| (exit::BACKEND, e))?;
+            let listener = listener
+                .try_clone()
+                .map_err(|e| (exit::BACKEND, e.to_string()))?;
+            crate::rpc::relay::spawn(listener, (Ipv4Addr::LOCALHOST, private).into(), cap)
+                .map_err(|e| (exit::BACKEND, format!("cannot start the --mem relay: {e}")))?;
+            (Ipv4Addr::LOCALHOST, private)
+        }
+        _ => (host, port),
     };
     let endpoint = format!("{host}:{port}");
     if !host.is_loopback() {
@@ -108,7 +140,12 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
 
     let mut command = Command::new(&binary);
     command
-        .args(["--host", &host.to_string(), "--port", &port.to_string()])
+        .args([
+            "--host",
+            &worker_host.to_string(),
+            "--port",
+            &worker_port.to_string(),
+        ])
         .stdin(Stdio::null())
         .stderr(Stdio::inherit());
     if let Some(n) = args.threads {
