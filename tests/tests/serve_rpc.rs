@@ -286,3 +286,29 @@ fn a_worker_lost_mid_stream_ends_serve_with_a_line_naming_it() {
     );
     eprintln!("{line}");
 }
+
+#[test]
+fn rpc_on_a_route_that_does_not_run_llama_cpp_is_bad_usage() {
+    let dir = temp_dir("rpc-ds4");
+    let model = smol_shaped(&dir, "small.gguf", 100 << 20);
+    let fake = fake_backend();
+    let mut serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "ds4",
+            "--ds4",
+            fake.to_str().unwrap(),
+            "--rpc",
+            "127.0.0.1:1",
+        ],
+        &[],
+    );
+    let exit = serve.wait_exit(Duration::from_secs(10)).expect("refused");
+    assert_eq!(exit.code(), Some(2), "{}", serve.output());
+    assert_eq!(
+        serve.output().trim(),
+        "1bit serve: --rpc: the ds4 route does not run llama.cpp's RPC workers; use --device cpu or --device hrx"
+    );
+}
