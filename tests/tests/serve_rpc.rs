@@ -312,3 +312,77 @@ fn rpc_on_a_route_that_does_not_run_llama_cpp_is_bad_usage() {
         "1bit serve: --rpc: the ds4 route does not run llama.cpp's RPC workers; use --device cpu or --device hrx"
     );
 }
+
+#[test]
+fn serve_counts_each_layer_where_llama_server_then_puts_it() {
+    // Two workers, one offering the machine's memory and one capped at 8 GiB (so the split is
+    // uneven): serve's check says which layers each holds, and
+    // llama-server's own debug log (verbosity 5) says where it put them.
+    let a = RpcWorker::start(&["--threads", "1"], None);
+    let b = RpcWorker::start(&["--threads", "1", "--mem", "8"], None);
+    let list = format!("{},{}", a.endpoint, b.endpoint);
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let server = installed_llama_server();
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            server.to_str().unwrap(),
+            "--ctx-size",
+            "1024",
+            "--rpc",
+            &list,
+        ],
+        &[("LLAMA_ARG_LOG_VERBOSITY", "5")],
+    );
+    assert!(
+        serve.wait_health(200, Duration::from_secs(120)),
+        "{}",
+        serve.output()
+    );
+    let out = serve.output();
+    // "load_tensors: layer  24 assigned to device RPC1, is_swa = 0"
+    let mut placed: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+    for line in out.lines() {
+        let Some(rest) = line.split("load_tensors: layer").nth(1) else {
+            continue;
+        };
+        let mut words = rest.split_whitespace();
+        let layer: usize = words.next().unwrap().parse().unwrap();
+        let device = words.nth(3).unwrap().trim_end_matches(',');
+        let k = match device {
+            "RPC0" => 0,
+            "RPC1" => 1,
+            other => panic!("layer {layer} on {other}: {line}"),
+        };
+        if !placed[k].contains(&layer) {
+            placed[k].push(layer);
+        }
+    }
+    assert_eq!(placed[0].len() + placed[1].len(), 31, "{out}");
+    for (k, worker) in [&a, &b].iter().enumerate() {
+        let layers = &placed[k];
+        let blocks: Vec<usize> = layers.iter().copied().filter(|l| *l < 30).collect();
+        let mut text = format!("layers {}-{} of 30", blocks[0], blocks[blocks.len() - 1]);
+        if layers.contains(&30) {
+            text.push_str(" and the output layer");
+        }
+        let said = format!("RPC worker {} needs ", worker.endpoint);
+        let part = out
+            .split(&said)
+            .nth(1)
+            .unwrap_or_else(|| panic!("{said} in {out}"));
+        assert!(
+            part.contains(&format!("({text}: weights")),
+            "llama-server put {text} on {}: {out}",
+            worker.endpoint
+        );
+    }
+    assert!(
+        !placed[1].is_empty() && placed[1].len() < placed[0].len(),
+        "{placed:?}"
+    );
+}
