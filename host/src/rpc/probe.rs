@@ -54,7 +54,8 @@ impl Offer {
 }
 
 /// Check one `--rpc` entry: `HOST:PORT` with a port in 1..=65535, split at the first `:` as
-/// llama.cpp splits it (so no IPv6 literals). Returns the entry unchanged when valid.
+/// llama.cpp splits it (so no IPv6 literals). Returns the host and port, or the one-line
+/// refusal. Pure; serve calls it for each entry before probing.
 pub fn parse_endpoint(entry: &str) -> Result<(String, u16), String> {
     let bad = || {
         format!(

@@ -278,7 +278,7 @@ pub fn parts(
 }
 
 /// The check's outcome: whether every part fits, and the one line that says so or names
-/// where it does not.
+/// where it does not. Pure.
 pub fn judge(name: &str, parts: &[Part], n_layer: usize) -> (bool, String) {
     let workers = parts.len() - 1;
     let short: Vec<&Part> = parts.iter().filter(|p| !p.fits()).collect();

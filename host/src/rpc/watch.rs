@@ -118,7 +118,8 @@ fn watch_one(endpoint: &str) {
     }
 }
 
-/// Why /health should answer 503: the first worker that stopped answering, or None.
+/// Why /health should answer 503: the first worker that stopped answering, or None. Called by
+/// serve's health monitor each round; takes a lock, never blocks on the network.
 pub fn down() -> Option<String> {
     board()
         .lock()
@@ -168,7 +169,8 @@ struct WorkerLabel {
     worker: String,
 }
 
-/// The per-worker series as Prometheus text; empty without workers.
+/// The per-worker series as Prometheus text; empty without workers. Called by `GET /metrics`
+/// on a runtime worker; takes a lock, never blocks on the network.
 pub fn render() -> String {
     let workers = board().lock().map(|b| b.clone()).unwrap_or_default();
     if workers.is_empty() {
