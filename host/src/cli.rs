@@ -4,6 +4,12 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+/// `--sse-keepalive-s`'s default: well under the stall window of Lemonade 11.8 and later.
+pub const SSE_KEEPALIVE_DEFAULT_S: u64 = 15;
+/// `--drain-s`'s default: with llama-server's own stop (well under a second) it fits the 5 s
+/// Lemonade leaves between SIGTERM and SIGKILL.
+pub const DRAIN_DEFAULT_S: f64 = 3.0;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "1bit",
@@ -23,6 +29,13 @@ pub enum Command {
     Plugins(PluginArgs),
     /// Run a llama.cpp RPC worker (ggml-rpc-server) that holds layers for `serve --rpc`.
     RpcWorker(crate::rpc::worker::WorkerArgs),
+    /// llama-server's own command line (as Lemonade's llamacpp backend builds it), served by
+    /// `1bit serve`; also what `1bit` does when run under the name `llama-server`.
+    #[command(name = "llama-server", disable_help_flag = true)]
+    LlamaServer {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Args, Debug, Default)]
@@ -130,12 +143,17 @@ pub struct ServeArgs {
     /// The model itself is a reranking model.
     #[arg(long)]
     pub reranking: bool,
-    /// An NPU option, KEY=VALUE (repeatable).
-    #[arg(long, value_name = "KEY=VALUE", num_args = 1..)]
+    /// An option for the NPU route (or an add-on's), KEY=VALUE; repeatable. Passed to the
+    /// route as it is; the route refuses a key it does not know.
+    #[arg(long, value_name = "KEY=VALUE")]
     pub npu_opt: Vec<String>,
     /// llama.cpp RPC workers that take layers (`1bit rpc-worker`), each HOST:PORT.
     #[arg(long, value_name = "HOST:PORT[,...]", value_delimiter = ',')]
     pub rpc: Vec<String>,
+    /// An option for the chosen route, KEY=VALUE; repeatable. Passed to the route as it is;
+    /// the route refuses a key it does not know.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub route_opt: Vec<String>,
     /// Skip the memory check.
     #[arg(long, conflicts_with = "mem_check")]
     pub no_mem_check: bool,
@@ -148,6 +166,14 @@ pub struct ServeArgs {
     /// Prompt tokens per second the watchdog allows before a request's first byte.
     #[arg(long, value_name = "N")]
     pub watchdog_prompt_tps: Option<f64>,
+    /// Send an SSE comment (`: keep-alive`) on a stream whose backend has been silent this many
+    /// seconds (a long prefill), between events; 0 turns it off.
+    #[arg(long, value_name = "SECS", env = "ONEBIT_SSE_KEEPALIVE_S", default_value_t = SSE_KEEPALIVE_DEFAULT_S)]
+    pub sse_keepalive_s: u64,
+    /// On SIGTERM, let requests in flight finish for up to this many seconds before the
+    /// backends stop (0: stop at once).
+    #[arg(long, value_name = "SECS", env = "ONEBIT_DRAIN_S", default_value_t = DRAIN_DEFAULT_S)]
+    pub drain_s: f64,
     /// Refuse a model with any node off the device.
     #[arg(long, conflicts_with = "no_strict_device")]
     pub strict_device: bool,
@@ -166,6 +192,17 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "ONEBIT_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Read the API key from the first line of FILE (kept out of the process list).
+    #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
+    pub api_key_file: Option<PathBuf>,
     /// Print the backend serve would start as one JSON line, and exit.
     #[arg(long, conflicts_with = "print_backend_env")]
     pub print_backend: bool,
@@ -175,6 +212,12 @@ pub struct ServeArgs {
     /// Also look for route files in DIR.
     #[arg(long, value_name = "DIR")]
     pub plugin_dir: Vec<PathBuf>,
+    /// Arguments after `--` go to the llama-server backend unchanged (`-- --temp 0.6`).
+    #[arg(last = true, value_name = "LLAMA_SERVER_ARGS")]
+    pub backend_args: Vec<String>,
+    /// serve's whole command line after `serve` (for a route's private flags); set by `main`.
+    #[arg(skip)]
+    pub command_line: Vec<String>,
 
     // Removed flags, parsed only to refuse them with their reason (`ServeArgs::removed`).
     #[arg(long, hide = true)]
@@ -234,7 +277,6 @@ impl ServeArgs {
         check(self.pm, "--pm");
         check(self.pm_experts.is_some(), "--pm-experts");
         check(self.lemonade_url.is_some(), "--lemonade-url");
-        check(!self.npu_opt.is_empty(), "--npu-opt");
         flags
     }
 

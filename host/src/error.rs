@@ -60,6 +60,12 @@ pub enum ApiError {
     BadContentType(String),
     /// The client sent its body too slowly.
     BodyTimeout { after: std::time::Duration },
+    /// serve has an API key and the request sent none.
+    NoKey,
+    /// serve has an API key and the request sent another.
+    WrongKey,
+    /// More than one Host header (RFC 9112 3.2).
+    SeveralHosts { count: usize },
     /// The guard: on a loopback bind, a Host header that does not name loopback (DNS rebinding).
     ForeignHost { host: String },
     /// The guard: a write whose Origin is neither loopback nor this server (a web page).
@@ -73,9 +79,17 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// The error of a request that reached no answer from the backend.
+    pub fn no_answer(device: &str, why: &str) -> ApiError {
+        ApiError::BadGateway(format!(
+            "the {device} backend did not answer ({why}); see serve's log"
+        ))
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadJson(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadJson(_) | ApiError::SeveralHosts { .. } => StatusCode::BAD_REQUEST,
+            ApiError::NoKey | ApiError::WrongKey => StatusCode::UNAUTHORIZED,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadContentType(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -90,6 +104,9 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             ApiError::BadJson(_)
+            | ApiError::SeveralHosts { .. }
+            | ApiError::NoKey
+            | ApiError::WrongKey
             | ApiError::TooLarge { .. }
             | ApiError::BadContentType(_)
             | ApiError::BodyTimeout { .. } => "invalid_request_error",
@@ -114,6 +131,11 @@ impl ApiError {
             ApiError::BodyTimeout { after } => format!(
                 "the request body did not arrive within {} s; send it at once, or raise ONEBIT_BODY_READ_TIMEOUT_S",
                 after.as_secs_f64()
+            ),
+            ApiError::NoKey => "no API key was sent; send it in an Authorization header as Bearer auth (Authorization: Bearer YOUR_KEY), the key serve was started with (--api-key)".to_string(),
+            ApiError::WrongKey => "the API key sent is not serve's; send the key serve was started with (--api-key) as Authorization: Bearer YOUR_KEY".to_string(),
+            ApiError::SeveralHosts { count } => format!(
+                "the request has {count} Host headers; send exactly one (RFC 9112, section 3.2)"
             ),
             ApiError::ForeignHost { host } => format!(
                 "the Host header does not name this server (Host: {host:?}); call it as localhost or 127.0.0.1, or bind --host 0.0.0.0 to serve other names"

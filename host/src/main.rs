@@ -1,37 +1,97 @@
 //! `1bit`: serve one local model behind an OpenAI-compatible API.
 //!
 //! `unsafe` is denied in this crate; the one exception is the pre-exec hook that makes a
-//! backend die with serve (`supervisor::die_with_serve`), which has no safe equivalent.
+//! backend die with serve (`backends::supervisor::die_with_serve`), which has no safe equivalent.
+//!
+//! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
+//! rooms below it: `serve` > `front` > `relay` > `metrics` > `backends` > `guard`, `admission`,
+//! `settings`, `model`, `routes` > `error`, `cli` (docs/architecture.md).
 #![deny(unsafe_code)]
 
 mod admission;
-mod busy_poll;
+mod backends;
 mod cli;
 mod error;
-mod fast_path;
+mod front;
 mod guard;
+mod llama_server_cli;
 mod metrics;
 mod model;
-mod proxy;
-mod route_calls;
+mod relay;
 mod routes;
 mod rpc;
 mod serve;
-mod supervisor;
-mod watchdog;
+mod settings;
 
 use clap::Parser;
 
 fn main() {
-    let cli = cli::Cli::parse();
-    let code = match cli.command {
-        cli::Command::Serve(args) => serve::run(*args),
+    let argv: Vec<String> = std::env::args().collect();
+    let cli = if argv
+        .first()
+        .is_some_and(|a| llama_server_cli::invoked_as_llama_server(a))
+    {
+        cli::Command::LlamaServer {
+            args: argv[1..].to_vec(),
+        }
+    } else {
+        cli::Cli::parse().command
+    };
+    let code = match cli {
+        cli::Command::Serve(mut args) => {
+            args.command_line = argv.iter().skip(2).cloned().collect();
+            serve::run(*args)
+        }
+        cli::Command::LlamaServer { args } => drop_in(&args),
         cli::Command::Plugins(args) => {
-            let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
-            print!("{}", routes::listing(&found));
+            let dirs = routes::search_dirs(&args.plugin_dir);
+            let found = routes::discover(&dirs);
+            print!(
+                "{}",
+                routes::listing(&found, &routes::other_libraries(&dirs))
+            );
             error::exit::OK
         }
         cli::Command::RpcWorker(args) => rpc::worker::run(args),
     };
     std::process::exit(code);
+}
+
+/// `1bit llama-server ARGS…`: llama-server's arguments, translated, then `1bit serve`.
+fn drop_in(args: &[String]) -> i32 {
+    let translated = match llama_server_cli::translate(args) {
+        Ok(t) => t,
+        Err(line) => {
+            eprintln!("1bit llama-server: {line}");
+            return error::exit::USAGE;
+        }
+    };
+    if translated == ["--version"] {
+        eprintln!(
+            "version: 1bit {} (llama-server drop-in)",
+            env!("CARGO_PKG_VERSION")
+        );
+        return error::exit::OK;
+    }
+    let words = ["1bit", "serve"].into_iter().map(String::from);
+    match cli::Cli::try_parse_from(words.chain(translated.iter().cloned())) {
+        Ok(cli::Cli {
+            command: cli::Command::Serve(mut serve_args),
+        }) => {
+            serve_args.command_line = translated;
+            metrics::text::set_under_lemonade();
+            serve::run(*serve_args)
+        }
+        Ok(_) => error::exit::USAGE,
+        Err(e) => {
+            let text = e.to_string();
+            let first = text
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim_start_matches("error: ");
+            eprintln!("1bit llama-server: {first}");
+            error::exit::USAGE
+        }
+    }
 }

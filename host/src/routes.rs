@@ -79,14 +79,63 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
     found
 }
 
+/// Shared libraries in `dirs` that are not route files by name (an ELF `.so` not named
+/// `libonebit_route_<name>.so`): never loaded, but `1bit plugins` names them, since a route
+/// library renamed by hand would otherwise vanish without a word.
+pub fn other_libraries(dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| is_shared_library(p) && !is_route_file(p))
+            .collect();
+        files.sort();
+        for file in files {
+            if seen.insert(file.canonicalize().unwrap_or_else(|_| file.clone())) {
+                out.push(file);
+            }
+        }
+    }
+    out
+}
+
+/// A file named `*.so` or `*.so.N` that starts with the ELF magic.
+fn is_shared_library(path: &Path) -> bool {
+    let named = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.ends_with(FILE_SUFFIX) || n.contains(".so."));
+    let mut magic = [0u8; 4];
+    named
+        && path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok()
+        && magic == *b"\x7fELF"
+}
+
+/// The route name a file's name promises: `libonebit_route_<name>.so` gives `<name>`.
+fn name_in_file(path: &Path) -> Option<&str> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix(FILE_PREFIX)?
+        .strip_suffix(FILE_SUFFIX)
+}
+
 fn is_route_file(path: &Path) -> bool {
     path.file_name()
         .and_then(|n| n.to_str())
         .is_some_and(|n| n.starts_with(FILE_PREFIX) && n.ends_with(FILE_SUFFIX))
 }
 
-/// The table `1bit plugins` prints: name, file, ABI version, and whether it loaded.
-pub fn listing(found: &[Found]) -> String {
+/// The table `1bit plugins` prints: name, file, ABI version, and whether it loaded; a route
+/// whose own name differs from its file's says so (`--device` takes the route's name); then
+/// the shared libraries that are not route files.
+pub fn listing(found: &[Found], others: &[PathBuf]) -> String {
     let mut out = format!("host route ABI {ABI_VERSION}\n");
     if found.is_empty() {
         out.push_str(
@@ -95,13 +144,22 @@ pub fn listing(found: &[Found]) -> String {
     }
     for f in found {
         match &f.outcome {
-            Ok(route) => out.push_str(&format!(
-                "{:<8} {}  ABI {}  loaded: {}\n",
-                route.info.name,
-                f.file.display(),
-                route.abi_version,
-                route.info.summary
-            )),
+            Ok(route) => {
+                let renamed = match name_in_file(&f.file) {
+                    Some(file_name) if file_name != route.info.name => format!(
+                        " (the route names itself {}, its file says {file_name}: use --device {})",
+                        route.info.name, route.info.name
+                    ),
+                    _ => String::new(),
+                };
+                out.push_str(&format!(
+                    "{:<8} {}  ABI {}  loaded: {}{renamed}\n",
+                    route.info.name,
+                    f.file.display(),
+                    route.abi_version,
+                    route.info.summary
+                ))
+            }
             Err(e) => out.push_str(&format!(
                 "{:<8} {}  not loaded: {e}\n",
                 "-",
@@ -109,10 +167,18 @@ pub fn listing(found: &[Found]) -> String {
             )),
         }
     }
+    for other in others {
+        out.push_str(&format!(
+            "{:<8} {}  not loaded: a shared library, but not a route file (route files are named {FILE_PREFIX}<name>{FILE_SUFFIX})\n",
+            "-",
+            other.display()
+        ));
+    }
     out
 }
 
-/// The route for `--device`: the one of that name, or for `auto` the strongest claim.
+/// The route for `--device`: the one of that name, or for `auto` the strongest claim; of
+/// equal claims, the route found first (`routes` is in search order).
 pub fn choose<'a>(
     device: &str,
     routes: &'a [LoadedRoute],
@@ -186,7 +252,7 @@ mod tests {
         std::fs::write(dir.join("libonebit_route_broken.so"), b"not a library").unwrap();
         let found = discover(std::slice::from_ref(&dir));
         assert_eq!(found.len(), 1);
-        let text = listing(&found);
+        let text = listing(&found, &[]);
         assert!(
             text.contains("libonebit_route_broken.so  not loaded: "),
             "{text}"

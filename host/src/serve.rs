@@ -3,51 +3,40 @@
 
 use std::collections::BTreeMap;
 use std::net::TcpListener as StdListener;
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use nix::sys::signal::Signal;
 use onebit_plugin_api::loader::LoadedRoute;
 use onebit_plugin_api::{
-    BackendHealth, HealthProbe, Plan, PlanOutcome, PlanRequest, Purpose, ServeOptions, Started,
+    Plan, PlanOutcome, PlanRequest, Purpose, RouteOption, ServeOptions, Started,
 };
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
-use crate::busy_poll::{BusyPollStream, Side};
+use crate::backends::health::{
+    self, ProbeClient, Status, StatusCell, backend_post, monitor_health, wait_ready,
+};
+use crate::backends::port_owner;
+use crate::backends::route_calls::{RouteCalls, install_host_services};
+use crate::backends::supervisor::{self, Backend, Event};
+use crate::backends::watchdog::{self, Watchdog};
 use crate::cli::ServeArgs;
 use crate::error::{Fatal, exit};
-use crate::fast_path;
+use crate::front::accept::accept_loop;
+use crate::front::drain::Drain;
 use crate::guard::Guard;
-use crate::proxy::{self, App, BackendClient, Status};
-use crate::route_calls::{RouteCalls, install_host_services};
-use crate::supervisor::{self, Backend, Event};
-use crate::watchdog::{self, Watchdog};
-use crate::{admission, metrics, model, routes};
+use crate::guard::key::ApiKey;
+use crate::relay::{App, pool};
+use crate::settings::{self, Settings};
+use crate::{admission, llama_server_cli, metrics, model, routes};
 
-/// A backend that does not answer its health route within this long is reported down.
-const HEALTH_TIMEOUT: Duration = Duration::from_millis(1500);
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often serve asks a loading backend's health route (see `wait_ready`).
-const READY_POLL: Duration = Duration::from_millis(5);
-/// The pause between two rounds of health questions once ready. With the timeout this puts a
-/// backend that stops answering in `/health` within 1.75 s (Lemonade's probe gives up at 2 s).
-const HEALTH_EVERY: Duration = Duration::from_millis(250);
 /// Ports Lemonade scans for its own servers; backends never take one.
 const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
-
-/// Devices whose routes always need serve in the request path (NPU engines in process, the
-/// hybrid prefill handoff, ds4-server's renamed replies), so `--print-backend` exits 5 for them
-/// even in a build without their route.
-const ONE_HOP_NEVER: [&str; 3] = ["npu", "hybrid", "ds4"];
 
 /// Run `1bit serve` and return its exit status.
 pub fn run(args: ServeArgs) -> i32 {
@@ -91,6 +80,7 @@ struct ServePlan {
     plan: Plan,
     served_name: String,
     run_dir: PathBuf,
+    api_key: Option<ApiKey>,
 }
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
@@ -112,21 +102,19 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
         )));
     }
-    if printing {
-        if let Some(flag) = args.needs_serve_in_path() {
-            return Err(needs_serve(flag.to_string()));
-        }
-        if ONE_HOP_NEVER.contains(&args.device.as_str()) {
-            return Err(needs_serve(format!("--device {}", args.device)));
-        }
-    }
-    let facts = model::facts(&args.model)?;
-    if facts.hadamard_q4_0 {
+    let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
+        .map_err(Fatal::usage)?;
+    if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
         return Err(Fatal::usage(format!(
-            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the format is dropped; use the model's UD-Q4_K_XL or another standard GGUF",
-            args.model.display()
+            "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
+            args.drain_s
         )));
     }
+    if printing && let Some(flag) = args.needs_serve_in_path() {
+        return Err(needs_serve(flag.to_string()));
+    }
+    let route_options = route_options(args)?;
+    let facts = model::facts(&args.model)?;
     if printing && facts.is_dir {
         return Err(needs_serve(format!(
             "the model directory {}",
@@ -165,7 +153,10 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             port: args.port,
             device: args.device.clone(),
             ctx_size: args.ctx_size,
-            llama_server: args.llama_server.clone(),
+            llama_server: args
+                .llama_server
+                .clone()
+                .or_else(llama_server_cli::installed_beside),
             ds4: args.ds4.clone(),
             parallel: args.parallel,
             ssd_streaming: args.ssd_streaming,
@@ -185,7 +176,8 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             reranking: args.reranking,
             embed: args.embed.clone(),
             rerank: args.rerank.clone(),
-            args: std::env::args().skip(2).collect(),
+            args: args.command_line.clone(),
+            route_options,
         },
         model: facts,
         env: std::env::vars_os()
@@ -208,11 +200,18 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             route.info.name, claim.reason
         );
     }
-    let plan = match route.plan(&request) {
+    if !request.options.route_options.is_empty() && !takes_route_options(route) {
+        let flag = &request.options.route_options[0].flag;
+        return Err(Fatal::usage(format!(
+            "{flag}: the {} route was built against route ABI {}, which takes no route options; remove {flag} or rebuild the route against onebit-plugin-api 1.2 or later",
+            route.info.name, route.abi_version
+        )));
+    }
+    let mut plan = match route.plan(&request) {
         Ok(PlanOutcome::Plan(plan)) => plan,
         Ok(PlanOutcome::Refused(refusal)) => {
             return Err(Fatal {
-                code: refusal.exit_code,
+                code: refusal.exit_status(),
                 message: refusal.message,
             });
         }
@@ -229,6 +228,9 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(refused) = refused_flag {
         return Err(refused);
     }
+    llama_server_cli::pass_to_backend(&mut plan, &args.backend_args)?;
+    llama_server_cli::refuse_self(&plan)?;
+    llama_server_cli::align_rules(&mut plan, &args.backend_args);
 
     let workers = crate::rpc::before_start(args, &plan)?;
     if let Some(code) = crate::rpc::split::admit(args, &served_name, &plan, &workers)? {
@@ -252,14 +254,47 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         plan,
         served_name,
         run_dir,
+        api_key,
     })))
+}
+
+/// `--route-opt` and `--npu-opt` as the pairs a route gets, in order; a value without `=` is
+/// refused in one line.
+fn route_options(args: &ServeArgs) -> Result<Vec<RouteOption>, Fatal> {
+    let given = args
+        .route_opt
+        .iter()
+        .map(|o| ("--route-opt", o))
+        .chain(args.npu_opt.iter().map(|o| ("--npu-opt", o)));
+    let mut options = Vec::new();
+    for (flag, option) in given {
+        match option.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => options.push(RouteOption {
+                flag: flag.to_string(),
+                key: key.trim().to_string(),
+                value: value.to_string(),
+            }),
+            _ => {
+                return Err(Fatal::usage(format!(
+                    "{flag} {option}: not KEY=VALUE; pass it as {flag} KEY=VALUE"
+                )));
+            }
+        }
+    }
+    Ok(options)
+}
+
+/// Whether the route reads route options: built against ABI 1.2 or later (an older route
+/// would ignore them without a word).
+fn takes_route_options(route: &LoadedRoute) -> bool {
+    semver::Version::parse(&route.abi_version).is_ok_and(|v| v >= semver::Version::new(1, 2, 0))
 }
 
 /// A flag this build parses but refuses on every route, as the one line serve exits 2 with.
 fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
     if let Some(flag) = args.refused_in_this_build() {
         return Some(Fatal::usage(format!(
-            "{flag} is not available in this build: the expert streamer is not ported to this engine; remove {flag}"
+            "{flag} is not available in this build: the expert streamer lived in the removed Vulkan llama.cpp pin and moves to HRX together with Qwen3.8-Flash-Next; remove {flag}"
         )));
     }
     args.not_yet_available().first().map(|flag| {
@@ -271,6 +306,10 @@ fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
 
 /// `--mem-check`: the estimate on stdout, exit 0 when it fits and 3 when it does not.
 fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        println!("{}", admission::unknown_line(name, why));
+        return Ok(exit::OK);
+    }
     let Some(need) = &plan.memory else {
         println!(
             "{name}: nothing to check: the {} route gave no memory estimate for {}",
@@ -291,6 +330,13 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
 
 /// The check before a load: say the estimate, refuse with exit 3 when it does not fit.
 fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        eprintln!(
+            "1bit serve: warning: {}",
+            admission::unknown_line(name, why)
+        );
+        return Ok(());
+    }
     let Some(need) = &plan.memory else {
         return Ok(());
     };
@@ -316,11 +362,15 @@ fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
     let backend = match plan.backends.as_slice() {
         [one] if plan.one_hop => one,
         _ => {
+            let what = if plan.serve_in_path.is_empty() {
+                format!("--device {}", plan.device)
+            } else {
+                plan.serve_in_path.clone()
+            };
             return Err(Fatal {
                 code: exit::NEEDS_SERVE,
                 message: format!(
-                    "--print-backend: --device {} needs 1bit serve in the request path; run 1bit serve itself",
-                    plan.device
+                    "--print-backend: {what} needs 1bit serve in the request path; run 1bit serve itself"
                 ),
             });
         }
@@ -402,66 +452,6 @@ fn env_secs(name: &str) -> Option<Duration> {
         .map(Duration::from_secs_f64)
 }
 
-/// Serve HTTP/1 on `listener` until `shutdown` turns true, then let each connection finish
-/// its request in flight. hyper's own connection loop rather than `axum::serve`, because only
-/// it bounds the time a client may take to send its headers: a client that trickles them is
-/// dropped after `header_timeout`, holding nothing but its socket until then.
-async fn accept_loop(
-    listener: tokio::net::TcpListener,
-    app: Arc<App>,
-    header_timeout: Duration,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) {
-    let service = TowerToHyperService::new(proxy::router(app.clone()));
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
-    let mut connections = tokio::task::JoinSet::new();
-    loop {
-        let tcp = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    // Out of descriptors and the like: say so, and do not spin.
-                    eprintln!("1bit serve: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            () = stopped(&mut shutdown) => break,
-        };
-        let _ = tcp.set_nodelay(true);
-        let client = BusyPollStream::new(tcp, Side::Client);
-        let (http, service) = (http.clone(), service.clone());
-        // The fast path first; what it does not serve goes to hyper and axum.
-        let general = move |io, mut stop| async move {
-            let connection = http.serve_connection(TokioIo::new(io), service);
-            let mut connection = std::pin::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => return,
-                () = stopped(&mut stop) => {}
-            }
-            connection.as_mut().graceful_shutdown();
-            let _ = connection.await;
-        };
-        connections.spawn(fast_path::serve_connection(
-            client,
-            app.clone(),
-            header_timeout,
-            shutdown.clone(),
-            general,
-        ));
-    }
-    drop(listener);
-    while connections.join_next().await.is_some() {}
-}
-
-/// Resolves once serve is told to stop (or the sender is gone).
-pub async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
-}
-
 async fn serve_plan(p: ServePlan) -> i32 {
     let ServePlan {
         args,
@@ -469,7 +459,9 @@ async fn serve_plan(p: ServePlan) -> i32 {
         plan,
         served_name,
         run_dir,
+        api_key,
     } = p;
+    crate::relay::sse_keepalive::configure(args.sse_keepalive_s);
     let addr = format!("{}:{}", args.host, args.port);
     let listener = match tokio::net::TcpListener::bind(&addr).await {
         Ok(l) => l,
@@ -479,6 +471,12 @@ async fn serve_plan(p: ServePlan) -> i32 {
             )));
         }
     };
+    let guard = Guard::for_bind(&args.host);
+    if !guard.loopback_bind && api_key.is_none() {
+        eprintln!(
+            "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
+        );
+    }
     if let Err(e) = std::fs::create_dir_all(&run_dir) {
         return say_fatal(&Fatal::backend(format!(
             "cannot create {} ({e})",
@@ -487,7 +485,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     }
     // serve's own calls (readiness, health, warm-ups, the watchdog's questions, the route's
     // host services, metrics) go on a client that never busy-polls; relayed requests do.
-    let client = proxy::probe_client();
+    let client = health::probe_client();
     let state = if plan.backends.is_empty() {
         None
     } else {
@@ -502,7 +500,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         .ok()
         .flatten()
     };
-    let app = Arc::new(App {
+    let settings = Settings {
         served_name: served_name.clone(),
         device: plan.device.clone(),
         created: SystemTime::now()
@@ -511,19 +509,24 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(0),
         rules: plan.rules.clone(),
         ports: plan.backends.iter().map(|b| b.port).collect(),
-        status: RwLock::new(Status::Loading),
-        client: proxy::backend_client(),
-        probes: client.clone(),
         body_limit: env_number("ONEBIT_MAX_BODY_BYTES")
             .filter(|n| *n >= 1.0)
             .map(|n| n as usize)
-            .unwrap_or(proxy::DEFAULT_BODY_LIMIT),
-        body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S").unwrap_or(proxy::DEFAULT_BODY_TIMEOUT),
-        guard: Guard::for_bind(&args.host),
+            .unwrap_or(settings::DEFAULT_BODY_LIMIT),
+        body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S")
+            .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
+        guard,
+        api_key,
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
         precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
         serialize_forwards: plan.serialize_forwards,
+    };
+    let app = Arc::new(App {
+        settings,
+        status: Arc::new(StatusCell::new(Status::Loading)),
+        client: pool::backend_client(),
+        probes: client.clone(),
         forward_turn: Arc::new(tokio::sync::Mutex::new(())),
         route: RouteCalls {
             route: route.clone(),
@@ -539,6 +542,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
             sysfs_root: metrics::sysfs_root(),
         },
         pool: Default::default(),
+        requests: Default::default(),
     });
     install_host_services(
         tokio::runtime::Handle::current(),
@@ -554,10 +558,9 @@ async fn serve_plan(p: ServePlan) -> i32 {
         shutdown_rx,
     ));
 
-    let code = supervise(&args, &route, &plan, &app, &client).await;
-
-    let _ = shutdown_tx.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    let mut drain = Drain::new(shutdown_tx, server, Duration::from_secs_f64(args.drain_s));
+    let code = supervise(&args, &route, &plan, &app, &client, &mut drain).await;
+    drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
 }
@@ -568,7 +571,8 @@ async fn supervise(
     route: &LoadedRoute,
     plan: &Plan,
     app: &Arc<App>,
-    client: &BackendClient,
+    client: &ProbeClient,
+    drain: &mut Drain,
 ) -> i32 {
     let (Ok(mut sigterm), Ok(mut sigint)) = (
         signal(SignalKind::terminate()),
@@ -636,6 +640,11 @@ async fn supervise(
         _ = sigterm.recv() => return stop(&backends, grace, "SIGTERM").await,
         _ = sigint.recv() => return stop(&backends, grace, "SIGINT").await,
     }
+    // What answered must be the backend serve started, not a process holding its port.
+    if let Some(line) = impostor(&backends) {
+        supervisor::stop_all(&backends, grace).await;
+        return say_fatal(&Fatal::backend(line));
+    }
 
     let started = Started {
         plan: plan.clone(),
@@ -671,22 +680,31 @@ async fn supervise(
 
     crate::rpc::watch::spawn();
     let monitor = tokio::spawn(monitor_health(
-        app.clone(),
+        app.status.clone(),
         client.clone(),
         route.clone(),
         backends
             .iter()
             .map(|b| (b.spec.port, b.spec.health_path.clone()))
             .collect(),
+        // An RPC worker that stopped answering downs the backend that holds layers on it.
+        crate::rpc::watch::down,
     ));
     let dog = app
         .watchdog
         .get()
         .map(|dog| tokio::spawn(dog.clone().run(client.clone(), events_tx.clone())));
-    let code = tokio::select! {
-        event = events.recv() => fail(event, &backends, app, plan, grace).await,
-        _ = sigterm.recv() => stop(&backends, grace, "SIGTERM").await,
-        _ = sigint.recv() => stop(&backends, grace, "SIGINT").await,
+    let signal = tokio::select! {
+        event = events.recv() => Err(event),
+        _ = sigterm.recv() => Ok("SIGTERM"),
+        _ = sigint.recv() => Ok("SIGINT"),
+    };
+    let code = match signal {
+        Err(event) => fail(event, &backends, app, plan, grace).await,
+        Ok(what) => {
+            drain.run(what).await;
+            stop(&backends, grace, what).await
+        }
     };
     monitor.abort();
     if let Some(dog) = dog {
@@ -701,6 +719,21 @@ fn display_host(host: &str) -> String {
     } else {
         host.to_string()
     }
+}
+
+/// The line to exit 1 with when another process, not the backend, listens on a backend's port
+/// (port_owner.rs); None when each port is its backend's or cannot be judged.
+fn impostor(backends: &[Backend]) -> Option<String> {
+    backends.iter().find_map(|b| {
+        match port_owner::listener(Path::new("/proc"), b.spec.port, b.pid) {
+            port_owner::Listener::Other(owner) => Some(port_owner::impostor_line(
+                &b.spec.engine,
+                b.spec.port,
+                &owner,
+            )),
+            port_owner::Listener::Backend | port_owner::Listener::Unknown => None,
+        }
+    })
 }
 
 /// A signal: stop the backends in order and exit cleanly.
@@ -796,112 +829,4 @@ async fn hung(
         eprintln!("1bit serve: {said}");
     }
     exit::BACKEND
-}
-
-/// Poll a backend's health route until it answers 200. Connection refused means it has not
-/// bound yet, 503 that it is loading.
-///
-/// Asked every `READY_POLL`: a backoff up to 250 ms made serve ready up to 250 ms after its
-/// backend was, and an answer from llama-server's HTTP thread while it loads costs it nothing.
-async fn wait_ready(client: &BackendClient, backend: &Backend) {
-    loop {
-        if let Ok(200) = backend_status(client, backend.spec.port, &backend.spec.health_path).await
-        {
-            return;
-        }
-        tokio::time::sleep(READY_POLL).await;
-    }
-}
-
-async fn backend_status(client: &BackendClient, port: u16, path: &str) -> Result<u16, String> {
-    let request = hyper::Request::get(format!("http://127.0.0.1:{port}{path}"))
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let call = async {
-        let reply = client.request(request).await.map_err(|e| e.to_string())?;
-        let status = reply.status().as_u16();
-        let _ = reply.into_body().collect().await;
-        Ok(status)
-    };
-    tokio::time::timeout(HEALTH_TIMEOUT, call)
-        .await
-        .map_err(|_| format!("did not answer within {} s", HEALTH_TIMEOUT.as_secs_f64()))?
-}
-
-async fn backend_post(
-    client: &BackendClient,
-    backend: &Backend,
-    path: &str,
-    body: &serde_json::Value,
-) -> Result<(), String> {
-    let request = hyper::Request::post(format!("http://127.0.0.1:{}{path}", backend.spec.port))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| e.to_string())?;
-    let reply = client.request(request).await.map_err(|e| e.to_string())?;
-    let status = reply.status();
-    let _ = reply.into_body().collect().await;
-    if status.is_success() {
-        Ok(())
-    } else {
-        Err(format!("status {status}"))
-    }
-}
-
-/// Once ready, ask every backend's health route (each within 1.5 s) a quarter
-/// second after the last round ended; `/health` reports what the route makes of the answers,
-/// so it never waits on a backend itself. An exit is reported by the supervisor, not here.
-async fn monitor_health(
-    app: Arc<App>,
-    client: BackendClient,
-    route: LoadedRoute,
-    backends: Vec<(u16, String)>,
-) {
-    loop {
-        tokio::time::sleep(HEALTH_EVERY).await;
-        let mut probe = HealthProbe::default();
-        for (port, path) in &backends {
-            probe
-                .backends
-                .push(match backend_status(&client, *port, path).await {
-                    Ok(200) => BackendHealth {
-                        ok: true,
-                        reason: String::new(),
-                    },
-                    Ok(status) => BackendHealth {
-                        ok: false,
-                        reason: format!("the backend on port {port} answered {path} with {status}"),
-                    },
-                    Err(e) => BackendHealth {
-                        ok: false,
-                        reason: format!("the backend on port {port} {e} on {path}"),
-                    },
-                });
-        }
-        let verdict = {
-            let route = route.clone();
-            tokio::task::spawn_blocking(move || route.health(&probe)).await
-        };
-        let health = match verdict {
-            Ok(Ok(h)) => h,
-            Ok(Err(e)) => onebit_plugin_api::Health {
-                ok: false,
-                reason: format!("the route's health check failed: {e}"),
-            },
-            Err(e) => onebit_plugin_api::Health {
-                ok: false,
-                reason: format!("the route's health check failed: {e}"),
-            },
-        };
-        let worker_down = crate::rpc::watch::down();
-        if matches!(app.status(), Status::Down(_) | Status::Ready) {
-            app.set_status(if let Some(why) = worker_down {
-                Status::Down(why)
-            } else if health.ok {
-                Status::Ready
-            } else {
-                Status::Down(health.reason)
-            });
-        }
-    }
 }

@@ -1,21 +1,28 @@
 //! The route side of the boundary: turns a [`DeviceRoute`] into a [`RouteMod`] of JSON functions.
 //!
 //! Used only through [`crate::export_route!`]. Each function decodes its JSON input, calls the
-//! route, encodes the result, and catches any panic so it never unwinds into the host.
+//! route, encodes the result, and catches any panic so it never unwinds into the host. While a
+//! route operation runs, the library's panic hook stays silent (a cdylib has its own copy of
+//! std, so this hook is the route's alone): the user sees serve's one line about the panic,
+//! not Rust's message and backtrace before it.
 
 use std::any::Any;
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::OnceLock;
+use std::sync::{Once, OnceLock};
 
 pub use abi_stable::library::LibHeader;
 use abi_stable::library::{__call_root_module_loader, CheckTypeLayout, RootModuleResult};
 use abi_stable::prefix_type::PrefixTypeTrait;
-use abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
+use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RStr, RString};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::types::{BackendReply, BackendRequest, PlanOutcome};
-use crate::{DeviceRoute, HostApi, HostServices, LineVerdict, RouteMod, RouteModRef};
+use crate::{
+    DeviceRoute, HostApi, HostServices, LineVerdict, ReplySink, RouteMod, RouteModRef, SinkApi,
+    SinkError,
+};
 
 /// The one route instance of this library (a cdylib exports exactly one route).
 static INSTANCE: OnceLock<Box<dyn Any + Send + Sync>> = OnceLock::new();
@@ -38,13 +45,37 @@ pub fn route_module<R: DeviceRoute>() -> RouteModRef {
         on_backend_line: on_backend_line::<R>,
         forward: forward::<R>,
         metrics: metrics::<R>,
+        respond: respond::<R>,
     }
     .leak_into_prefix()
 }
 
+thread_local! {
+    /// Whether this thread is inside a route operation, where a panic is caught and reported.
+    static IN_OPERATION: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Silence the panic hook inside route operations; elsewhere (a thread the route started
+/// itself) Rust's own hook still speaks.
+fn quiet_panics() {
+    static INSTALLED: Once = Once::new();
+    INSTALLED.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !IN_OPERATION.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+}
+
 /// Run `f`, turning a panic into an error naming the operation.
 fn guarded(op: &str, f: impl FnOnce() -> Result<String, String>) -> RResult<RString, RString> {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    quiet_panics();
+    let outer = IN_OPERATION.with(|q| q.replace(true));
+    let outcome = catch_unwind(AssertUnwindSafe(f));
+    IN_OPERATION.with(|q| q.set(outer));
+    match outcome {
         Ok(Ok(text)) => ROk(text.into()),
         Ok(Err(message)) => RErr(message.into()),
         Err(payload) => {
@@ -136,6 +167,43 @@ extern "C" fn forward<R: DeviceRoute>(input: RStr<'_>, host: HostApi) -> RResult
 
 extern "C" fn metrics<R: DeviceRoute>() -> RResult<RString, RString> {
     guarded("metrics", || Ok(route::<R>().metrics()))
+}
+
+/// The host's sink, seen from the route.
+struct SinkCalls(SinkApi);
+
+fn sink_result(reply: RResult<(), RString>) -> Result<(), SinkError> {
+    reply.into_result().map_err(|message| SinkError {
+        message: message.into_string(),
+    })
+}
+
+impl ReplySink for SinkCalls {
+    fn send_head(&mut self, status: u16, content_type: &str) -> Result<(), SinkError> {
+        sink_result((self.0.send_head)(
+            self.0.handle,
+            status,
+            RStr::from_str(content_type),
+        ))
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), SinkError> {
+        sink_result((self.0.send)(self.0.handle, RSlice::from_slice(bytes)))
+    }
+
+    fn end(&mut self) {
+        (self.0.end)(self.0.handle)
+    }
+}
+
+extern "C" fn respond<R: DeviceRoute>(input: RStr<'_>, sink: SinkApi) -> RResult<RString, RString> {
+    guarded("respond", || {
+        let mut sink = SinkCalls(sink);
+        route::<R>()
+            .respond(&decode("respond", input)?, &mut sink)
+            .map_err(|e| e.message)?;
+        Ok(String::new())
+    })
 }
 
 /// The symbol abi_stable looks up in a library; spelled out because an export attribute takes

@@ -18,15 +18,20 @@ pub mod types;
 #[cfg(feature = "host")]
 pub mod loader;
 
+#[cfg(feature = "host")]
+mod legacy;
+
 #[doc(hidden)]
 pub mod export;
+
+use std::ffi::c_void;
 
 use abi_stable::{
     StableAbi, declare_root_module_statics,
     library::RootModule,
     package_version_strings,
     sabi_types::VersionStrings,
-    std_types::{RResult, RStr, RString},
+    std_types::{RResult, RSlice, RStr, RString},
 };
 
 pub use types::*;
@@ -81,8 +86,8 @@ pub trait DeviceRoute: Default + Send + Sync + 'static {
         LineVerdict::default()
     }
 
-    /// Decide what to do with one request. Called only when the plan sets `route_forwards`,
-    /// on a blocking thread, once per matching request; it may take as long as the request's
+    /// Decide what to do with one request. Called only for requests whose rule's action is
+    /// [`Action::AskRoute`], on a blocking thread, once per matching request; it may take as long as the request's
     /// own work (a prefill, say) and may call the backends through `host`.
     fn forward(&self, request: &ForwardRequest, host: &dyn HostServices) -> Forward {
         let _ = (request, host);
@@ -98,6 +103,80 @@ pub trait DeviceRoute: Default + Send + Sync + 'static {
     fn metrics(&self) -> String {
         String::new()
     }
+
+    /// Answer one request in process (ABI 1.2): called only for a rule whose action is
+    /// [`Action::InProcess`], on a blocking thread the host owns for this request, after the
+    /// host applied the guard, the body limits and the JSON checks. Send the reply through
+    /// `sink`: [`ReplySink::send_head`] once, then [`ReplySink::send`] as often as needed
+    /// (it blocks while the client reads slowly, and fails once the client is gone: stop
+    /// then), then [`ReplySink::end`] (or just return). May take as long as the reply.
+    ///
+    /// An error (or a panic) before the head becomes a 500 naming it; after the head, the
+    /// stream is cut off. Default: a 501 saying the route does not answer in process, which is
+    /// also what the host answers for a route built before 1.2.
+    fn respond(
+        &self,
+        request: &ForwardRequest,
+        sink: &mut dyn ReplySink,
+    ) -> Result<(), RouteError> {
+        let _ = request;
+        sink.send_head(501, "application/json")
+            .and_then(|()| sink.send(NOT_IN_PROCESS.as_bytes()))
+            .map_err(|e| RouteError::new(e.message))
+    }
+}
+
+/// The body of the default [`DeviceRoute::respond`] answer (status 501).
+pub const NOT_IN_PROCESS: &str = r#"{"error":{"message":"this route does not answer requests in process","type":"not_implemented_error","code":501}}"#;
+
+/// Where [`DeviceRoute::respond`] writes its reply: the host's, valid for that call only.
+///
+/// The host keeps at most [`SINK_BUFFER_BYTES`] of a reply waiting for the client; a `send`
+/// that would exceed it blocks until the client has read enough. So a route that produces
+/// faster than the client reads is slowed to the client's pace instead of growing memory.
+pub trait ReplySink {
+    /// The reply's status and Content-Type. Call once, before any `send`.
+    fn send_head(&mut self, status: u16, content_type: &str) -> Result<(), SinkError>;
+    /// Bytes of the body (a whole body, or SSE events as they are made). Blocks while the
+    /// buffer is full; an error means the client is gone (or `end` was called): stop answering.
+    fn send(&mut self, bytes: &[u8]) -> Result<(), SinkError>;
+    /// The reply is complete. Returning from `respond` ends it too.
+    fn end(&mut self);
+}
+
+/// How much of a reply the host holds for a slow client before [`ReplySink::send`] blocks:
+/// 16 chunks of at most 16 KiB (the socket's own buffers come on top).
+pub const SINK_BUFFER_BYTES: usize = 16 * SINK_CHUNK_BYTES;
+/// The host splits a larger `send` into chunks of this size.
+pub const SINK_CHUNK_BYTES: usize = 16 * 1024;
+
+/// Why a [`ReplySink`] call failed: the client went away, or the reply was already ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SinkError {
+    pub message: String,
+}
+
+impl std::fmt::Display for SinkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for SinkError {}
+
+/// The host's [`ReplySink`] as it crosses the boundary: an opaque handle and the functions
+/// that take it. Valid only during the `respond` call it was passed to.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct SinkApi {
+    /// The host's sink; only the functions below look inside it.
+    pub handle: *mut c_void,
+    /// [`ReplySink::send_head`].
+    pub send_head: extern "C" fn(*mut c_void, u16, RStr<'_>) -> RResult<(), RString>,
+    /// [`ReplySink::send`].
+    pub send: extern "C" fn(*mut c_void, RSlice<'_, u8>) -> RResult<(), RString>,
+    /// [`ReplySink::end`].
+    pub end: extern "C" fn(*mut c_void),
 }
 
 /// What the host lets a route do during [`DeviceRoute::forward`]: blocking calls that the
@@ -117,11 +196,11 @@ pub struct HostApi {
 }
 
 /// The root module every route file exports: one function per operation, each taking and
-/// returning JSON. Fields after the last prefix field may be missing in older routes.
+/// returning JSON. Fields after the last prefix field may be missing in older routes: their
+/// accessors return `None`, and the host uses the operation's documented default.
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = RouteModRef)))]
-#[sabi(missing_field(panic))]
 pub struct RouteMod {
     /// [`DeviceRoute::info`] → [`RouteInfo`].
     pub info: extern "C" fn() -> RResult<RString, RString>,
@@ -141,6 +220,8 @@ pub struct RouteMod {
     /// [`DeviceRoute::metrics`] → exposition text (not JSON).
     #[sabi(last_prefix_field)]
     pub metrics: extern "C" fn() -> RResult<RString, RString>,
+    /// 1.2: [`DeviceRoute::respond`]: [`ForwardRequest`] and the host's sink → `""`.
+    pub respond: extern "C" fn(RStr<'_>, SinkApi) -> RResult<RString, RString>,
 }
 
 impl RootModule for RouteModRef {

@@ -3,17 +3,19 @@
 //! Only the host enables this (feature `host`). A route library, once loaded, is never
 //! unloaded: its functions may be running on any thread until the process ends.
 
+use std::ffi::c_void;
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use abi_stable::library::{LibraryError, lib_header_from_path};
-use abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
+use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RStr, RString};
 use semver::Version;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::types::*;
-use crate::{ABI_VERSION, HostApi, RouteModRef};
+use crate::{ABI_VERSION, HostApi, ReplySink, RouteModRef, SinkApi};
 
 /// Why a route file was not loaded. Each variant prints as one line naming the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,7 +88,59 @@ pub struct LoadedRoute {
     pub file: PathBuf,
     pub abi_version: String,
     pub info: RouteInfo,
-    module: RouteModRef,
+    module: Ops,
+}
+
+type JsonOp = extern "C" fn(RStr<'_>) -> RResult<RString, RString>;
+type TextOp = extern "C" fn() -> RResult<RString, RString>;
+type ForwardOp = extern "C" fn(RStr<'_>, HostApi) -> RResult<RString, RString>;
+type RespondOp = extern "C" fn(RStr<'_>, SinkApi) -> RResult<RString, RString>;
+
+/// The route's operations, whatever minor it was built against; `None` for an operation its
+/// minor did not have (the caller uses the documented default).
+#[derive(Clone, Copy)]
+struct Ops {
+    info: TextOp,
+    claim: JsonOp,
+    plan: JsonOp,
+    start: JsonOp,
+    health: JsonOp,
+    on_backend_line: JsonOp,
+    forward: ForwardOp,
+    metrics: TextOp,
+    respond: Option<RespondOp>,
+}
+
+impl From<RouteModRef> for Ops {
+    fn from(m: RouteModRef) -> Self {
+        Ops {
+            info: m.info(),
+            claim: m.claim(),
+            plan: m.plan(),
+            start: m.start(),
+            health: m.health(),
+            on_backend_line: m.on_backend_line(),
+            forward: m.forward(),
+            metrics: m.metrics(),
+            respond: m.respond(),
+        }
+    }
+}
+
+impl From<crate::legacy::v1_0::RouteModRef> for Ops {
+    fn from(m: crate::legacy::v1_0::RouteModRef) -> Self {
+        Ops {
+            info: m.info(),
+            claim: m.claim(),
+            plan: m.plan(),
+            start: m.start(),
+            health: m.health(),
+            on_backend_line: m.on_backend_line(),
+            forward: m.forward(),
+            metrics: m.metrics(),
+            respond: None,
+        }
+    }
 }
 
 impl fmt::Debug for LoadedRoute {
@@ -120,20 +174,30 @@ pub fn load(file: &Path) -> Result<LoadedRoute, LoadError> {
         });
     }
     // abi_stable's own version rule (the library's minor at least the loader's) is the
-    // opposite of ours, so only its layout check is used.
-    let module = header
-        .check_layout::<RouteModRef>()
-        .map_err(|e| LoadError::Layout {
-            file: file.to_path_buf(),
-            why: one_line(&e),
-        })?;
+    // opposite of ours, so only its layout check is used; and since it also refuses a module
+    // with fewer operations than the loader's, a route of an older minor is checked against
+    // the module as its minor defined it.
+    let layout_error = |e: LibraryError| LoadError::Layout {
+        file: file.to_path_buf(),
+        why: one_line(&e),
+    };
+    let module: Ops = match Version::parse(&route_abi) {
+        Ok(v) if v.major == 1 && v.minor < 2 => header
+            .check_layout::<crate::legacy::v1_0::RouteModRef>()
+            .map_err(layout_error)?
+            .into(),
+        _ => header
+            .check_layout::<RouteModRef>()
+            .map_err(layout_error)?
+            .into(),
+    };
     let mut route = LoadedRoute {
         file: file.to_path_buf(),
         abi_version: route_abi,
         info: RouteInfo::default(),
         module,
     };
-    route.info = decode_reply((route.module.info())()).map_err(|why| LoadError::Info {
+    route.info = decode_reply((route.module.info)()).map_err(|why| LoadError::Info {
         file: file.to_path_buf(),
         why,
     })?;
@@ -181,44 +245,116 @@ fn encode<T: Serialize>(value: &T) -> String {
 /// from a thread that may block.
 impl LoadedRoute {
     pub fn claim(&self, request: &PlanRequest) -> Result<Claim, String> {
-        decode_reply((self.module.claim())(RStr::from_str(&encode(request))))
+        decode_reply((self.module.claim)(RStr::from_str(&encode(request))))
     }
 
     pub fn plan(&self, request: &PlanRequest) -> Result<PlanOutcome, String> {
-        decode_reply((self.module.plan())(RStr::from_str(&encode(request))))
+        decode_reply((self.module.plan)(RStr::from_str(&encode(request))))
     }
 
     pub fn start(&self, started: &Started) -> Result<(), String> {
-        match (self.module.start())(RStr::from_str(&encode(started))) {
+        match (self.module.start)(RStr::from_str(&encode(started))) {
             ROk(_) => Ok(()),
             RErr(message) => Err(message.into_string()),
         }
     }
 
     pub fn health(&self, probe: &HealthProbe) -> Result<Health, String> {
-        decode_reply((self.module.health())(RStr::from_str(&encode(probe))))
+        decode_reply((self.module.health)(RStr::from_str(&encode(probe))))
     }
 
     pub fn on_backend_line(&self, line: &BackendLine) -> Result<LineVerdict, String> {
-        match (self.module.on_backend_line())(RStr::from_str(&encode(line))) {
+        match (self.module.on_backend_line)(RStr::from_str(&encode(line))) {
             ROk(text) if text.is_empty() => Ok(LineVerdict::default()),
             reply => decode_reply(reply),
         }
     }
 
     pub fn forward(&self, request: &ForwardRequest, host: HostApi) -> Result<Forward, String> {
-        decode_reply((self.module.forward())(
+        decode_reply((self.module.forward)(
             RStr::from_str(&encode(request)),
             host,
         ))
     }
 
     pub fn metrics(&self) -> Result<String, String> {
-        match (self.module.metrics())() {
+        match (self.module.metrics)() {
             ROk(text) => Ok(text.into_string()),
             RErr(message) => Err(message.into_string()),
         }
     }
+
+    /// Whether the route has the in-process operation (built against 1.2 or later).
+    pub fn can_respond(&self) -> bool {
+        self.module.respond.is_some()
+    }
+
+    /// [`crate::DeviceRoute::respond`]: the route writes its reply into `sink`, which it may
+    /// use only until this returns. Blocks as long as the route answers.
+    pub fn respond(
+        &self,
+        request: &ForwardRequest,
+        sink: &mut dyn ReplySink,
+    ) -> Result<(), RespondError> {
+        let respond = self.module.respond.ok_or(RespondError::Lacking)?;
+        let mut held: &mut dyn ReplySink = sink;
+        let api = SinkApi {
+            handle: (&mut held as *mut &mut dyn ReplySink).cast::<c_void>(),
+            send_head: sink_send_head,
+            send: sink_send,
+            end: sink_end,
+        };
+        match respond(RStr::from_str(&encode(request)), api) {
+            ROk(_) => Ok(()),
+            RErr(message) => Err(RespondError::Failed(message.into_string())),
+        }
+    }
+}
+
+/// Why [`LoadedRoute::respond`] gave no complete answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RespondError {
+    /// The route was built before ABI 1.2 and has no `respond`: the host answers with the
+    /// documented default (501, [`crate::NOT_IN_PROCESS`]).
+    Lacking,
+    /// The route returned an error or panicked (the message says which).
+    Failed(String),
+}
+
+/// The sink behind a [`SinkApi`] handle.
+///
+/// SAFETY (of the three functions below): `handle` is the `&mut &mut dyn ReplySink` that
+/// [`LoadedRoute::respond`] built on its own stack, and the route may call these only while
+/// that `respond` call runs (the `SinkApi` is passed by value into the call and documented as
+/// valid for it alone), on that call's thread, so the reference is live and not aliased.
+fn with_sink<T>(handle: *mut c_void, f: impl FnOnce(&mut dyn ReplySink) -> T) -> Option<T> {
+    #[allow(unsafe_code)]
+    let sink: &mut &mut dyn ReplySink = unsafe { &mut *handle.cast::<&mut dyn ReplySink>() };
+    catch_unwind(AssertUnwindSafe(|| f(&mut **sink))).ok()
+}
+
+extern "C" fn sink_send_head(
+    handle: *mut c_void,
+    status: u16,
+    content_type: RStr<'_>,
+) -> RResult<(), RString> {
+    match with_sink(handle, |s| s.send_head(status, content_type.as_str())) {
+        Some(Ok(())) => ROk(()),
+        Some(Err(e)) => RErr(e.message.into()),
+        None => RErr("the host failed to take the reply's head".into()),
+    }
+}
+
+extern "C" fn sink_send(handle: *mut c_void, bytes: RSlice<'_, u8>) -> RResult<(), RString> {
+    match with_sink(handle, |s| s.send(bytes.as_slice())) {
+        Some(Ok(())) => ROk(()),
+        Some(Err(e)) => RErr(e.message.into()),
+        None => RErr("the host failed to take the reply's bytes".into()),
+    }
+}
+
+extern "C" fn sink_end(handle: *mut c_void) {
+    let _ = with_sink(handle, |s| s.end());
 }
 
 /// The host's side of [`crate::HostServices`]: what it does when a route asks for a backend

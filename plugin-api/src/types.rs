@@ -43,7 +43,9 @@ pub struct PlanRequest {
     /// serve's whole environment. A route reads its variables from here, not from the process,
     /// so a plan depends only on its request.
     pub env: BTreeMap<String, String>,
-    /// Loopback ports the host reserved for the plan's backends, in order. For
+    /// Loopback ports the host reserved for the plan's backends, in order: four for
+    /// [`Purpose::Serve`] and [`Purpose::MemCheck`] (free when asked, outside Lemonade's
+    /// 8001-9000; a plan with more backends than that needs a newer host). For
     /// [`Purpose::PrintBackend`] this is the one port the caller chose.
     pub ports: Vec<u16>,
     /// The directory serve may use for files that live as long as it does (slot files, say).
@@ -51,7 +53,9 @@ pub struct PlanRequest {
 }
 
 /// The parsed `1bit serve` options a route may act on. Flags a later version adds arrive as new
-/// fields here; the whole command line is in `args` too, for a vendor's private flags.
+/// fields here. A route's own options (a vendor's, say) come as `--route-opt KEY=VALUE` or
+/// `--npu-opt KEY=VALUE` in [`ServeOptions::route_options`]: serve's command line parser
+/// refuses flags it does not know, so a private `--my-flag` never reaches a route.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ServeOptions {
@@ -108,9 +112,52 @@ pub struct ServeOptions {
     pub embed: Option<String>,
     /// `--rerank MODEL.gguf`: a reranking model served beside the chat model.
     pub rerank: Option<String>,
-    /// serve's whole command line after `serve`, for flags this version of the ABI does not
-    /// name.
+    /// serve's whole command line after `serve`, as given (every flag in it is one serve
+    /// knows; see `route_options` for a route's own).
     pub args: Vec<String>,
+    /// 1.2: `--route-opt KEY=VALUE` and `--npu-opt KEY=VALUE`, in the order given. Opaque to
+    /// serve: the route checks them in `plan` ([`ServeOptions::checked_route_options`]) and
+    /// refuses a key it does not know.
+    pub route_options: Vec<RouteOption>,
+}
+
+/// One `--route-opt` / `--npu-opt` pair.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouteOption {
+    /// The flag it came with: `--route-opt` or `--npu-opt`.
+    pub flag: String,
+    pub key: String,
+    pub value: String,
+}
+
+impl ServeOptions {
+    /// The route options as a map (a key given twice keeps its last value), after checking
+    /// that every key is one of `known`; else the one-line refusal (exit 2) that names the
+    /// keys the route knows. Called by a route at the start of `plan`; a route that takes no
+    /// options passes `&[]`, so any option is refused rather than ignored.
+    pub fn checked_route_options(
+        &self,
+        route: &str,
+        known: &[&str],
+    ) -> Result<BTreeMap<String, String>, Refusal> {
+        let mut options = BTreeMap::new();
+        for option in &self.route_options {
+            if !known.contains(&option.key.as_str()) {
+                let knows = if known.is_empty() {
+                    "it takes no options".to_string()
+                } else {
+                    format!("it knows {}", known.join(", "))
+                };
+                return Err(Refusal::usage(format!(
+                    "{} {}={}: the {route} route has no option {}; {knows}",
+                    option.flag, option.key, option.value, option.key
+                )));
+            }
+            options.insert(option.key.clone(), option.value.clone());
+        }
+        Ok(options)
+    }
 }
 
 /// What the host read from the model before planning.
@@ -144,7 +191,9 @@ pub struct ModelFacts {
 pub struct Claim {
     /// 0 means no claim; the strongest claim wins. Conventions: 10 a route that runs any GGUF
     /// (cpu), 50 a route that needs present hardware (hrx), 90 a route that owns the model's
-    /// format (an NPU model directory).
+    /// format (an NPU model directory), 95 an add-on that serves a model better than the
+    /// public route for its format. Equal claims: the route found first wins (folders in
+    /// search order, `--plugin-dir` first; within a folder, by file name).
     pub strength: u8,
     /// Why, in a few words, for the start-up line.
     pub reason: String,
@@ -171,17 +220,56 @@ pub enum PlanOutcome {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Refusal {
-    /// serve's exit status: 2 bad usage, 3 does not fit, 5 needs serve in the request path.
+    /// serve's exit status, one of a closed set: [`Refusal::ENGINE`] (1),
+    /// [`Refusal::USAGE`] (2), [`Refusal::NO_FIT`] (3), [`Refusal::NEEDS_SERVE`] (5). serve
+    /// exits 2 for any other value ([`Refusal::exit_status`]).
     pub exit_code: i32,
     /// One line: what was wrong and what to do instead.
     pub message: String,
 }
 
 impl Refusal {
+    /// The engine the route needs cannot be found or started (no `llama-server`, say).
+    pub const ENGINE: i32 = 1;
+    /// Bad usage: a flag, an option or a model this route does not take.
+    pub const USAGE: i32 = 2;
+    /// The model does not fit in memory.
+    pub const NO_FIT: i32 = 3;
+    /// `--print-backend` on a plan that needs serve in the request path.
+    pub const NEEDS_SERVE: i32 = 5;
+
+    /// Exit 2.
     pub fn usage(message: impl Into<String>) -> Self {
         Self {
-            exit_code: 2,
+            exit_code: Self::USAGE,
             message: message.into(),
+        }
+    }
+
+    /// Exit 1.
+    pub fn engine(message: impl Into<String>) -> Self {
+        Self {
+            exit_code: Self::ENGINE,
+            message: message.into(),
+        }
+    }
+
+    /// Exit 5, with serve's line for it: `what` (`--device ds4`, `an NPU model directory`)
+    /// needs serve in the request path.
+    pub fn needs_serve(what: &str) -> Self {
+        Self {
+            exit_code: Self::NEEDS_SERVE,
+            message: format!(
+                "--print-backend: {what} needs 1bit serve in the request path; run 1bit serve itself"
+            ),
+        }
+    }
+
+    /// The exit status serve uses: `exit_code` when it is one of the set, else 2.
+    pub fn exit_status(&self) -> i32 {
+        match self.exit_code {
+            Self::ENGINE | Self::USAGE | Self::NO_FIT | Self::NEEDS_SERVE => self.exit_code,
+            _ => Self::USAGE,
         }
     }
 }
@@ -214,11 +302,22 @@ pub struct Plan {
     /// Whether Lemonade may start `backends[0]` itself and forward to it (`--print-backend`);
     /// false means the route needs serve in the request path (exit 5).
     pub one_hop: bool,
+    /// 1.2: when not `one_hop`, what needs serve in the request path, for `--print-backend`'s
+    /// line (`--device ds4`, `--embed`); empty says `--device <device>`.
+    pub serve_in_path: String,
     /// Requests the host sends to `backends[0]` after it is ready and before serve says
     /// ready, in order.
     pub warmups: Vec<Warmup>,
-    /// What the memory check needs; None skips it (an in-process route).
+    /// What the memory check needs. None skips the check: serve starts the backends without
+    /// judging whether the model fits, and `--mem-check` says there is nothing to check. Right
+    /// for an in-process route (its engine judges itself); a child-process route should give
+    /// its estimate, or serve admits a model that may not fit.
     pub memory: Option<MemoryNeed>,
+    /// Why the route cannot estimate what the backend will need (`memory` is then None): the
+    /// model's header lacks what the estimate is made from, say. Data, not a refusal: the host
+    /// says it in one warning line and goes on, or says nothing under `--no-mem-check`; the
+    /// backend then says for itself whether it can load the model.
+    pub memory_unknown: Option<String>,
     /// Lines serve prints before starting (a recipe applied, a setting chosen).
     pub notes: Vec<String>,
     /// Run `AskRoute` requests one at a time: each holds the turn from the moment serve asks
@@ -299,6 +398,44 @@ pub enum Action {
     },
     /// Ask the route ([`crate::DeviceRoute::forward`]) on a blocking thread.
     AskRoute,
+    /// 1.2: the route answers it itself, streaming ([`crate::DeviceRoute::respond`], on a
+    /// blocking thread the host owns for the request).
+    InProcess,
+}
+
+/// The request table of a route whose backend is a llama-server: the OpenAI routes (chat,
+/// completions, Responses, embeddings, rerank; inference marked) and llama-server's own
+/// (`/tokenize`, `/detokenize`, `/apply-template`, `GET /slots`, `GET /props`), each relayed
+/// unchanged to `backends[backend]`. A route adds its own rules before or after (the first
+/// match wins): the public llama-server routes answer `POST /slots/*` with 501, say. Called by
+/// a route's `plan`.
+pub fn llama_server_rules(backend: usize) -> Vec<Rule> {
+    let proxy = |method: &str, path: &str, inference: bool| Rule {
+        method: method.to_string(),
+        path: path.to_string(),
+        action: Action::Proxy { backend },
+        inference,
+    };
+    vec![
+        proxy("POST", "/v1/chat/completions", true),
+        proxy("POST", "/chat/completions", true),
+        proxy("POST", "/v1/completions", true),
+        proxy("POST", "/completions", true),
+        proxy("POST", "/completion", true),
+        proxy("POST", "/v1/responses", true),
+        proxy("POST", "/responses", true),
+        proxy("POST", "/v1/embeddings", false),
+        proxy("POST", "/embeddings", false),
+        proxy("POST", "/v1/rerank", false),
+        proxy("POST", "/rerank", false),
+        proxy("POST", "/v1/reranking", false),
+        proxy("POST", "/reranking", false),
+        proxy("POST", "/tokenize", false),
+        proxy("POST", "/detokenize", false),
+        proxy("POST", "/apply-template", false),
+        proxy("GET", "/slots", false),
+        proxy("GET", "/props", false),
+    ]
 }
 
 impl Default for Action {

@@ -4,6 +4,7 @@
 //! assert on what a client sees.
 #![forbid(unsafe_code)]
 
+pub mod route_fixture;
 pub mod rpc_worker;
 
 use std::io::{BufRead, BufReader, Read};
@@ -170,6 +171,16 @@ impl Serve {
         for (k, v) in env {
             command.env(k, v);
         }
+        Serve::spawn(command, port)
+    }
+
+    /// Start `command` (a `1bit` that listens on `port`, under any name and argv) with its
+    /// stdout and stderr captured.
+    pub fn spawn(mut command: Command, port: u16) -> Serve {
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let mut child = command.spawn().expect("1bit starts");
         let stderr = Arc::new(Mutex::new(String::new()));
         for stream in [
@@ -260,16 +271,19 @@ impl Serve {
             return self.status;
         }
         let deadline = Instant::now() + limit;
-        while Instant::now() < deadline {
+        // Asked at least once, so a zero limit is a look without waiting.
+        loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 self.status = Some(status);
                 // Let the output threads drain what is left.
                 std::thread::sleep(Duration::from_millis(50));
                 return self.status;
             }
+            if Instant::now() >= deadline {
+                return None;
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
-        None
     }
 
     /// The pids of serve's direct children (its backends).
@@ -517,4 +531,33 @@ pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option
                     .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
         })
         .map(|s| s.value)
+}
+
+/// `onebit_requests_total` from serve's `/metrics`, summed over the series whose labels
+/// include `labels` (e.g. `[("engine", "fast"), ("path_class", "chat")]`). Read with a plain
+/// line parser, so the relay tests need no Python.
+pub fn requests_total(serve: &Serve, labels: &[(&str, &str)]) -> u64 {
+    let (status, text) = get(&serve.url("/metrics"));
+    assert_eq!(status, 200, "{text}");
+    requests_total_in(&text, labels)
+}
+
+/// [`requests_total`] of a `/metrics` text already read.
+pub fn requests_total_in(text: &str, labels: &[(&str, &str)]) -> u64 {
+    let mut total = 0;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("onebit_requests_total{") else {
+            continue;
+        };
+        let Some((set, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let matches = labels
+            .iter()
+            .all(|(k, v)| set.split(',').any(|pair| pair == format!("{k}=\"{v}\"")));
+        if matches {
+            total += value.trim().parse::<f64>().unwrap_or(0.0) as u64;
+        }
+    }
+    total
 }

@@ -238,3 +238,121 @@ fn the_estimate_is_within_1_percent_of_llama_servers_own_kv_for_two_architecture
         }
     }
 }
+
+/// A header-only GGUF of the kind the original's tests and route authors' rigs use: a
+/// `general.architecture` key and nothing to estimate memory from.
+fn arch_only_gguf(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(name);
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "llama")
+        .write(&path)
+        .unwrap();
+    path
+}
+
+#[test]
+fn a_model_whose_memory_cannot_be_estimated_is_served_after_one_warning_line() {
+    let dir = temp_dir("unknown-need");
+    let model = arch_only_gguf(&dir, "arch-only.gguf");
+    let fake = fake_backend();
+    let serve = Serve::start(&serve_args(&model, &fake), &[]);
+    serve.ready();
+    let out = serve.output();
+    let warnings: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("cannot estimate its memory"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{out}");
+    let line = warnings[0];
+    assert!(
+        line.starts_with("1bit serve: warning: arch-only: cannot estimate its memory (")
+            && line.contains("key 'llama.block_count' is missing")
+            && line.contains("so the memory check is skipped"),
+        "{line}"
+    );
+    drop(serve);
+    let mut args = serve_args(&model, &fake);
+    args.push("--no-mem-check");
+    for (args, env) in [
+        (args.clone(), vec![]),
+        (serve_args(&model, &fake), vec![("ONEBIT_MEM_CHECK", "0")]),
+    ] {
+        let serve = Serve::start(&args, &env);
+        serve.ready();
+        assert!(
+            !serve.output().contains("cannot estimate"),
+            "the check is skipped entirely: {}",
+            serve.output()
+        );
+    }
+}
+
+#[test]
+fn mem_check_and_print_backend_plans_work_on_a_header_only_gguf() {
+    let dir = temp_dir("unknown-plans");
+    let model = arch_only_gguf(&dir, "arch-only.gguf");
+    let head = arch_only_gguf(&dir, "head.gguf");
+    let proj = dir.join("mmproj.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "clip")
+        .write(&proj)
+        .unwrap();
+    let fake = fake_backend();
+    let run = |device: &str, extra: &[&str]| {
+        let out = Command::new(onebit())
+            .args(["serve", "-m", model.to_str().unwrap(), "--device", device])
+            .args(["--llama-server", fake.to_str().unwrap()])
+            .args(extra)
+            .env("ONEBIT_HRX_PRESENT", "1")
+            .env_remove("ONEBIT_MEM_CHECK")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stdout, stderr) = run("cpu", &["--mem-check"]);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(
+        stdout.starts_with("arch-only: cannot estimate its memory (")
+            && stdout.contains("the memory check is skipped"),
+        "{stdout}"
+    );
+    let head_s = head.to_str().unwrap();
+    let proj_s = proj.to_str().unwrap();
+    let cases: [(&[&str], &str); 5] = [
+        (&["--parallel", "1"], "-np 1"),
+        (&["--parallel", "4"], "-np 4"),
+        (
+            &["--mtp", head_s],
+            &format!("--spec-type draft-mtp -md {head_s}"),
+        ),
+        (&["--mmproj", proj_s], &format!("--mmproj {proj_s} -b 4096")),
+        (&[], "--alias arch-only"),
+    ];
+    for device in ["cpu", "hrx"] {
+        for (extra, expected) in &cases {
+            let mut args = vec!["--print-backend", "--port", "8001"];
+            args.extend_from_slice(extra);
+            let (code, stdout, stderr) = run(device, &args);
+            assert_eq!(code, Some(0), "{device} {extra:?}: {stdout}{stderr}");
+            let plan: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+            let argv = plan["argv"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap())
+                .collect::<Vec<_>>()
+                .join(" ");
+            assert!(argv.contains(expected), "{device} {extra:?}: {argv}");
+            assert!(stderr.contains("cannot estimate its memory"), "{stderr}");
+            args.push("--no-mem-check");
+            let (code, _, stderr) = run(device, &args);
+            assert_eq!(code, Some(0), "{stderr}");
+            assert!(!stderr.contains("cannot estimate"), "{stderr}");
+        }
+    }
+}

@@ -8,74 +8,10 @@ use std::time::Duration;
 
 use onebit_tests::*;
 
-/// The workspace root.
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// Build `tests/fixtures/route` against a copy of plugin-api stamped `version`, as route
-/// `name`, outside the workspace; return the folder holding its library.
+/// Build `tests/fixtures/route` against this plugin-api stamped `version`, as route `name`,
+/// outside the workspace; return the folder holding its library.
 fn build_fixture(version: &str, name: &str) -> PathBuf {
-    let base = bin_dir().join("abi-fixtures");
-    let work = base.join(name);
-    let api = work.join("plugin-api");
-    let route = work.join("route");
-    std::fs::create_dir_all(api.join("src")).unwrap();
-    std::fs::create_dir_all(route.join("src")).unwrap();
-    for file in ["lib.rs", "types.rs", "loader.rs", "export.rs"] {
-        std::fs::copy(
-            root().join("plugin-api/src").join(file),
-            api.join("src").join(file),
-        )
-        .unwrap();
-    }
-    std::fs::write(
-        api.join("Cargo.toml"),
-        format!(
-            "[package]\nname = \"onebit-plugin-api\"\nversion = \"{version}\"\nedition = \"2024\"\n\n\
-             [dependencies]\nabi_stable = \"0.11.3\"\nsemver = \"1\"\n\
-             serde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n\
-             [features]\nhost = []\n"
-        ),
-    )
-    .unwrap();
-    std::fs::copy(
-        root().join("tests/fixtures/route/src/lib.rs"),
-        route.join("src/lib.rs"),
-    )
-    .unwrap();
-    std::fs::write(
-        route.join("Cargo.toml"),
-        format!(
-            "[package]\nname = \"onebit-route-{name}\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n\
-             [lib]\nname = \"onebit_route_{name}\"\ncrate-type = [\"cdylib\"]\n\n\
-             [dependencies]\nonebit-plugin-api = {{ path = \"../plugin-api\" }}\n"
-        ),
-    )
-    .unwrap();
-    std::fs::write(
-        work.join("Cargo.toml"),
-        "[workspace]\nresolver = \"3\"\nmembers = [\"plugin-api\", \"route\"]\n",
-    )
-    .unwrap();
-    std::fs::copy(root().join("Cargo.lock"), work.join("Cargo.lock")).unwrap();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "--offline", "--manifest-path"])
-        .arg(work.join("Cargo.toml"))
-        .env("CARGO_TARGET_DIR", base.join("target"))
-        .env("FIXTURE_ROUTE_NAME", name)
-        .status()
-        .unwrap();
-    assert!(status.success(), "the {name} fixture route builds");
-    let dir = work.join("plugins");
-    std::fs::create_dir_all(&dir).unwrap();
-    let lib = format!("libonebit_route_{name}.so");
-    std::fs::copy(base.join("target/debug").join(&lib), dir.join(&lib)).unwrap();
-    dir
+    route_fixture::Fixture::current(name, "tests/fixtures/route/src/lib.rs", version).build()
 }
 
 /// The three fixtures, built once per test run: (same ABI, newer minor, next major).
@@ -113,6 +49,7 @@ fn a_route_built_outside_the_workspace_loads_and_serves() {
     );
     let dir = temp_dir("outside");
     let model = dummy_model(&dir, "m.gguf");
+    let start = dir.join("start.json");
     let serve = Serve::start(
         &[
             "-m",
@@ -124,7 +61,7 @@ fn a_route_built_outside_the_workspace_loads_and_serves() {
             "--llama-server",
             fake_backend().to_str().unwrap(),
         ],
-        &[],
+        &[("FAKE_RECORD_START", start.to_str().unwrap())],
     );
     serve.ready();
     let (status, body) = post(
@@ -132,6 +69,18 @@ fn a_route_built_outside_the_workspace_loads_and_serves() {
         r#"{"messages":[{"role":"user","content":"hi"}]}"#,
     );
     assert_eq!(status, 200, "{body}");
+    // The fake backend recorded the argv and environment the route's plan gave it.
+    let started: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&start).unwrap()).unwrap();
+    let argv: Vec<&str> = started["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert_eq!(argv[1..3], ["-m", model.to_str().unwrap()], "{argv:?}");
+    assert_eq!(argv[3], "--port");
+    assert_eq!(started["env"]["FIXTURE_FROM_PLAN"], "plan", "{started}");
 }
 
 #[test]
@@ -249,5 +198,155 @@ fn a_route_that_panics_is_an_error_not_a_crash() {
             .contains("the outside route failed to plan: the route panicked in plan: the fixture was asked to panic"),
         "{}",
         serve.output()
+    );
+    assert!(
+        !serve.output().contains("panicked at"),
+        "serve's line only, not Rust's panic message: {}",
+        serve.output()
+    );
+}
+
+/// The fixture route built against a frozen copy of an older plugin-api (`tests/fixtures/
+/// plugin-api-<minor>`), as route `name`.
+fn build_old_fixture(minor: &str, name: &str) -> PathBuf {
+    route_fixture::Fixture {
+        name,
+        route_source: route_fixture::root().join("tests/fixtures/route/src/lib.rs"),
+        api_source: route_fixture::root().join(format!("tests/fixtures/plugin-api-{minor}/src")),
+        api_version: &format!("{minor}.0"),
+    }
+    .build()
+}
+
+#[test]
+fn routes_built_against_plugin_api_1_0_and_1_1_load_and_serve() {
+    for (minor, name) in [("1.0", "v10"), ("1.1", "v11")] {
+        let dir = build_old_fixture(minor, name);
+        let listing = plugins(&dir);
+        let line = listing
+            .lines()
+            .find(|l| l.contains(&format!("libonebit_route_{name}.so")))
+            .unwrap_or_else(|| panic!("{listing}"));
+        assert!(
+            line.contains(&format!("ABI {minor}.0  loaded: ")),
+            "{listing}"
+        );
+
+        let tmp = temp_dir(name);
+        let model = dummy_model(&tmp, "m.gguf");
+        let serve = Serve::start(
+            &[
+                "-m",
+                model.to_str().unwrap(),
+                "--device",
+                name,
+                "--plugin-dir",
+                dir.to_str().unwrap(),
+                "--llama-server",
+                fake_backend().to_str().unwrap(),
+            ],
+            &[],
+        );
+        serve.ready();
+        let (status, body) = post(
+            &serve.url("/v1/chat/completions"),
+            r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        assert_eq!(status, 200, "{body}");
+        // Its health and metrics operations are called as a current route's are.
+        let (status, _) = get(&serve.url("/metrics"));
+        assert_eq!(status, 200);
+    }
+}
+
+#[test]
+fn route_options_to_a_route_older_than_1_2_are_refused_not_ignored() {
+    let dir = build_old_fixture("1.1", "v11");
+    let tmp = temp_dir("old-opts");
+    let model = dummy_model(&tmp, "m.gguf");
+    let out = Command::new(onebit())
+        .args(["serve", "-m"])
+        .arg(&model)
+        .args(["--device", "v11", "--route-opt", "x=1", "--plugin-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--route-opt: the v11 route was built against route ABI 1.1.0, which takes no route options"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn plugins_names_a_library_that_is_no_route_and_a_route_whose_name_is_not_its_files() {
+    let (same, _, _) = fixtures();
+    let dir = temp_dir("plugins-odd");
+    let built = same.join("libonebit_route_outside.so");
+    std::fs::copy(&built, dir.join("libonebit_route_renamed.so")).unwrap();
+    std::fs::copy(&built, dir.join("libhelper.so")).unwrap();
+    std::fs::write(dir.join("notes.so.txt"), "not a library").unwrap();
+    let listing = plugins(&dir);
+    let renamed = listing
+        .lines()
+        .find(|l| l.contains("libonebit_route_renamed.so"))
+        .unwrap_or_else(|| panic!("{listing}"));
+    assert!(
+        renamed.starts_with("outside ")
+            && renamed.ends_with(
+                "(the route names itself outside, its file says renamed: use --device outside)"
+            ),
+        "{listing}"
+    );
+    let helper = listing
+        .lines()
+        .find(|l| l.contains("libhelper.so"))
+        .unwrap_or_else(|| panic!("{listing}"));
+    assert!(
+        helper.ends_with(
+            "not loaded: a shared library, but not a route file (route files are named libonebit_route_<name>.so)"
+        ),
+        "{listing}"
+    );
+    assert!(!listing.contains("notes.so.txt"), "{listing}");
+}
+
+#[test]
+fn plugin_api_copied_out_of_the_workspace_is_a_crate_cargo_package_accepts() {
+    // A vendor copies the crate out (or depends on it by git or registry): it must stand
+    // alone, with nothing inherited from this workspace.
+    let copy = temp_dir("plugin-api-copy");
+    std::fs::create_dir_all(copy.join("src")).unwrap();
+    let api = route_fixture::root().join("plugin-api");
+    for file in ["Cargo.toml", "README.md"] {
+        std::fs::copy(api.join(file), copy.join(file)).unwrap();
+    }
+    for entry in std::fs::read_dir(api.join("src")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, copy.join("src").join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(
+        route_fixture::root().join("Cargo.lock"),
+        copy.join("Cargo.lock"),
+    )
+    .unwrap();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let out = Command::new(cargo)
+        .args([
+            "package",
+            "--no-verify",
+            "--offline",
+            "--allow-dirty",
+            "--manifest-path",
+        ])
+        .arg(copy.join("Cargo.toml"))
+        .env("CARGO_TARGET_DIR", bin_dir().join("package-check"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

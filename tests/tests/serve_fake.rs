@@ -288,7 +288,17 @@ fn a_client_that_disconnects_closes_the_backend_connection() {
         let i = args.iter().position(|a| *a == "--port").unwrap();
         args[i + 1].parse::<u16>().unwrap()
     };
-    let during;
+    // The backend's own count of generations in flight (llama-server's
+    // `llamacpp:requests_processing`), asked of it directly: serve's health probes and pooled
+    // connections do not count, only a stream the backend is generating.
+    let processing = || {
+        let (_, text) = get(&format!("http://127.0.0.1:{backend_port}/metrics"));
+        text.lines()
+            .find_map(|l| l.strip_prefix("llamacpp:requests_processing "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(-1.0)
+    };
+    assert_eq!(processing(), 0.0);
     {
         use std::io::{BufRead, BufReader, Write};
         let mut tcp = std::net::TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
@@ -308,12 +318,13 @@ fn a_client_that_disconnects_closes_the_backend_connection() {
             }
             line.clear();
         }
-        during = connections_to(backend_port);
-        assert!(during >= 1, "a stream is open");
+        assert_eq!(processing(), 1.0, "the stream is being generated");
     }
+    // 2000 events 20 ms apart would take 40 s: the backend stops because serve closed its
+    // connection when the client left.
     assert!(
-        wait_until(SECS(3), || connections_to(backend_port) < during),
-        "the upstream connection stayed open after the client left"
+        wait_until(SECS(3), || processing() == 0.0),
+        "the backend went on generating after the client left"
     );
 }
 
@@ -324,6 +335,19 @@ fn an_empty_model_file_is_served_by_a_backend_that_understands_it() {
     std::fs::write(&model, b"").unwrap();
     let serve = Serve::with_fake(&model, &[], &[]);
     serve.ready();
+    // The backend was given the empty file, and answers for it under its served name.
+    let child = serve.children()[0];
+    let cmdline = std::fs::read_to_string(format!("/proc/{child}/cmdline")).unwrap();
+    let args: Vec<&str> = cmdline.split('\0').collect();
+    let m = args.iter().position(|a| *a == "-m").expect("-m");
+    assert_eq!(args[m + 1], model.to_str().unwrap());
+    let (status, body) = post(
+        &serve.url("/v1/chat/completions"),
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["model"], "empty", "{body}");
 }
 
 #[test]

@@ -1,6 +1,7 @@
-//! The relay's two paths on one connection: plain proxied requests on the fast path
-//! (host/src/fast_path.rs), everything else handed to the general one, with keep-alive,
-//! pipelining, a backend that closes its connections, streams and a backend that dies.
+//! The relay's two engines on one connection: plain proxied requests on the fast engine
+//! (host/src/relay/fast.rs), everything else handed to the general one (relay/general.rs),
+//! with keep-alive, pipelining, a backend that closes its connections, streams and a backend
+//! that dies. Each test checks, in `onebit_requests_total`, which engine carried what.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -71,6 +72,84 @@ fn read_reply(tcp: &mut TcpStream, pending: &mut Vec<u8>) -> (u16, String, Vec<u
     (status, head, body)
 }
 
+/// Read a streamed reply to its end (the connection's close, or with `chunked_end` the last
+/// chunk), noting for each event stamped `fake_sent_ns` (sent by the backend, received here),
+/// in ns since the epoch. Returns them and everything read.
+fn events_as_they_arrive(
+    tcp: &mut TcpStream,
+    chunked_end: Option<()>,
+) -> (Vec<(u64, u64)>, Vec<u8>) {
+    let mut events: Vec<(u64, u64)> = Vec::new();
+    let mut text = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if chunked_end.is_some() && text.ends_with(b"\r\n0\r\n\r\n") {
+            break;
+        }
+        let n = tcp.read(&mut chunk).unwrap();
+        if n == 0 {
+            break;
+        }
+        let received = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        text.extend_from_slice(&chunk[..n]);
+        let seen = String::from_utf8_lossy(&text);
+        let mut sent_so_far = Vec::new();
+        for rest in seen.split("\"fake_sent_ns\":").skip(1) {
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if digits.len() == rest.len() {
+                break; // the read ended inside the number
+            }
+            sent_so_far.push(digits.parse::<u64>().unwrap());
+        }
+        for &sent in &sent_so_far[events.len()..] {
+            events.push((sent, received));
+        }
+    }
+    (events, text)
+}
+
+/// Each event reached the client before the backend sent the next one.
+fn none_held_back(events: &[(u64, u64)]) {
+    for (i, pair) in events.windows(2).enumerate() {
+        assert!(
+            pair[0].1 < pair[1].0,
+            "event {i} arrived {} ms after event {} was sent: held back",
+            (pair[0].1 as f64 - pair[1].0 as f64) / 1e6,
+            i + 1
+        );
+    }
+}
+
+/// serve on the cpu route with `script` (a Python backend taking llama-server's command line)
+/// as its llama-server, ready.
+fn serve_on_script(
+    dir: &std::path::Path,
+    script: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Serve {
+    use std::os::unix::fs::PermissionsExt;
+    let model = dummy_model(dir, "m.gguf");
+    let backend = dir.join("backend.py");
+    std::fs::write(&backend, script).unwrap();
+    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut all = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        backend.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    let serve = Serve::start(&all, env);
+    serve.ready();
+    serve
+}
+
 fn connect(port: u16) -> TcpStream {
     let tcp = TcpStream::connect(("127.0.0.1", port)).unwrap();
     tcp.set_read_timeout(Some(SECS(10))).unwrap();
@@ -108,6 +187,10 @@ fn kept_alive_requests_go_on_when_the_backend_closes_its_connections() {
         .filter(|l| l["path"] == "/tokenize")
         .count();
     assert_eq!(tokenized, 12);
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "fast")]),
+        12
+    );
 }
 
 #[test]
@@ -137,6 +220,16 @@ fn pipelined_requests_are_answered_in_order_across_both_paths() {
     assert!(
         rest.is_empty(),
         "nothing after the last reply, then the end"
+    );
+    // The first on the fast engine; /health hands the connection to the general engine,
+    // which keeps it, so the third is the general engine's.
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "fast")]),
+        1
+    );
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "general")]),
+        1
     );
 }
 
@@ -170,7 +263,7 @@ fn hop_by_hop_headers_stay_on_the_client_hop() {
     let (status, reply) = raw(
         serve.port,
         tokenize_request(
-            "Connection: close, X-Secret\r\nKeep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nTE: trailers\r\nX-Trace: 7\r\n",
+            "Connection: close, X-Secret\r\nKeep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nTE: trailers\r\nX-Secret: for this hop\r\nX-Trace: 7\r\n",
         )
         .as_bytes(),
         SECS(10),
@@ -181,7 +274,14 @@ fn hop_by_hop_headers_stay_on_the_client_hop() {
         .find(|l| l["path"] == "/tokenize")
         .expect("the request reached the backend");
     let headers = &seen["headers"];
-    for gone in ["connection", "keep-alive", "proxy-authorization", "te"] {
+    // The hop-by-hop headers, and X-Secret, which the client's Connection header names.
+    for gone in [
+        "connection",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "x-secret",
+    ] {
         assert!(
             headers.get(gone).is_none(),
             "{gone} was forwarded: {headers}"
@@ -217,44 +317,15 @@ fn streamed_events_arrive_one_by_one_as_the_backend_sends_them() {
         body.len()
     )
     .unwrap();
-    // (sent by the fake, received here), in ns since the epoch, per content event.
-    let mut events: Vec<(u64, u64)> = Vec::new();
-    let mut text = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = tcp.read(&mut chunk).unwrap();
-        if n == 0 {
-            break;
-        }
-        let received = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        text.extend_from_slice(&chunk[..n]);
-        let seen = String::from_utf8_lossy(&text);
-        let mut sent_so_far = Vec::new();
-        for rest in seen.split("\"fake_sent_ns\":").skip(1) {
-            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-            if digits.len() == rest.len() {
-                break; // the read ended inside the number
-            }
-            sent_so_far.push(digits.parse::<u64>().unwrap());
-        }
-        for &sent in &sent_so_far[events.len()..] {
-            events.push((sent, received));
-        }
-    }
+    let (mut events, text) = events_as_they_arrive(&mut tcp, None);
     // The content events come first (the closing events carry the stamp too).
     assert!(events.len() >= 6, "{}", String::from_utf8_lossy(&text));
     events.truncate(6);
-    for (i, pair) in events.windows(2).enumerate() {
-        assert!(
-            pair[0].1 < pair[1].0,
-            "event {i} arrived {} ms after event {} was sent: held back",
-            (pair[0].1 as f64 - pair[1].0 as f64) / 1e6,
-            i + 1
-        );
-    }
+    none_held_back(&events);
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "chat"), ("engine", "fast")]),
+        1
+    );
 }
 
 #[test]
@@ -287,6 +358,9 @@ fn a_body_written_apart_from_its_head_is_relayed() {
         .map(|l| l["body"].as_str().unwrap_or("").to_string())
         .collect();
     assert_eq!(bodies, vec![TOKENIZE.to_string(); 3]);
+    // The first two on the fast engine; the slow body went, with its plan, to the general one.
+    let engine = |e| requests_total(&serve, &[("path_class", "other"), ("engine", e)]);
+    assert_eq!((engine("fast"), engine("general")), (2, 1));
 }
 
 #[test]
@@ -369,4 +443,281 @@ fn a_backend_that_dies_before_a_plain_reply_gets_502() {
     assert!(body.contains("did not answer"), "{body}");
     let exit = serve.wait_exit(SECS(10)).expect("serve exits");
     assert_eq!(exit.code(), Some(1), "{}", serve.output());
+}
+
+#[test]
+fn each_request_is_counted_under_the_engine_that_carried_it() {
+    let dir = temp_dir("relay-engines");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let chat = |stream: bool| {
+        format!(r#"{{"stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#)
+    };
+    // A plain request and a streamed chat: nothing to rewrite, the fast engine's.
+    assert_eq!(post(&serve.url("/tokenize"), TOKENIZE).0, 200);
+    assert!(!sse(&serve.url("/v1/chat/completions"), &chat(true)).is_empty());
+    // A whole chat reply gets the served name: the general engine's.
+    let (status, body) = post(&serve.url("/v1/chat/completions"), &chat(false));
+    assert_eq!(status, 200, "{body}");
+    // A refusal (an unknown path) is the general engine's too.
+    assert_eq!(post(&serve.url("/v1/nothing"), "{}").0, 404);
+    let fast = |class| requests_total(&serve, &[("path_class", class), ("engine", "fast")]);
+    let general = |class| requests_total(&serve, &[("path_class", class), ("engine", "general")]);
+    assert_eq!((fast("other"), general("other")), (1, 1));
+    assert_eq!((fast("chat"), general("chat")), (1, 1));
+    assert_eq!(
+        requests_total(
+            &serve,
+            &[
+                ("path_class", "other"),
+                ("status_class", "4xx"),
+                ("engine", "general")
+            ]
+        ),
+        1
+    );
+    // serve's added time is measured for what each engine relayed (not the refusal).
+    let (_, text) = get(&serve.url("/metrics"));
+    for (engine, relayed) in [("fast", 2.0), ("general", 1.0)] {
+        let count = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "onebit_request_added_seconds_count{{engine=\"{engine}\"}} "
+                ))
+            })
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        assert_eq!(count, Some(relayed), "{engine}: {text}");
+    }
+}
+
+/// A backend in the manner of Python's http.server: HTTP/1.0 replies with no Content-Length,
+/// each ending at the connection's close; a stream's events 150 ms apart. It takes
+/// llama-server's command line and answers /health; /slots is 404 (no progress route), so the
+/// watchdog sees progress only in the relayed bytes.
+const HTTP10_BACKEND: &str = r#"#!/usr/bin/env python3
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        if self.path != "/health":
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"status":"ok"}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+        self.send_response(200)
+        if body.get("stream"):
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(12):
+                event = {"model": "py", "choices": [{"delta": {"content": "t%d" % i}}],
+                         "fake_sent_ns": time.time_ns()}
+                self.wfile.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+                self.wfile.flush()
+                time.sleep(0.15)
+            self.wfile.write(b"data: [DONE]\n\n")
+        else:
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"model": "py", "path": self.path}).encode())
+
+args = sys.argv[1:]
+host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
+ThreadingHTTPServer((host, int(args[args.index("--port") + 1])), Handler).serve_forever()
+"#;
+
+#[test]
+fn a_stream_from_an_http10_backend_that_ends_at_its_close_is_relayed_event_by_event() {
+    let dir = temp_dir("relay-http10");
+    // A one-second watchdog: the 1.8 s stream lives only if each read stamps its ticket.
+    let serve = serve_on_script(&dir, HTTP10_BACKEND, &["--watchdog", "1"], &[]);
+    let body = r#"{"stream":true,"messages":[{"role":"user","content":"count"}]}"#;
+    let mut tcp = connect(serve.port);
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tcp.write_all(request.as_bytes()).unwrap();
+    let (events, text) = events_as_they_arrive(&mut tcp, Some(()));
+    let text = String::from_utf8_lossy(&text).to_string();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    // Framed for the HTTP/1.1 client: chunked, ended by the last chunk, kept alive.
+    let head = text[..text.find("\r\n\r\n").unwrap()].to_ascii_lowercase();
+    assert!(head.contains("transfer-encoding: chunked"), "{head}");
+    assert!(!head.contains("connection: close"), "{head}");
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert_eq!(events.len(), 12, "{text}");
+    none_held_back(&events);
+    // The same connection carries the next request (a whole reply, the general engine's).
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
+    write!(
+        tcp,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{chat}",
+        chat.len()
+    )
+    .unwrap();
+    let mut pending = Vec::new();
+    let (status, head, reply) = read_reply(&mut tcp, &mut pending);
+    assert_eq!(status, 200, "{head}");
+    let v: serde_json::Value = serde_json::from_slice(&reply).unwrap();
+    assert_eq!(v["model"], "m", "the served name: {v}");
+    // The stream went on the fast engine, the whole reply on the general one.
+    let chats = |engine| {
+        requests_total(
+            &serve,
+            &[
+                ("path_class", "chat"),
+                ("status_class", "2xx"),
+                ("engine", engine),
+            ],
+        )
+    };
+    assert_eq!((chats("fast"), chats("general")), (1, 1));
+    assert!(!serve.output().contains("watchdog"), "{}", serve.output());
+}
+
+/// A keep-alive backend on a raw socket, to put the fast engine's pool in the two cases of a
+/// connection the backend closes under a request. `PY_MODE=reset`: the first POST on each
+/// connection is answered after 300 ms, a later one is refused unread (the connection closed
+/// with it in the buffer, which the kernel answers with a reset). `PY_MODE=hangup`: a POST
+/// whose body says `hangup` is read whole, then the connection closed with no reply. Each POST
+/// it reads is a line in `PY_RECORD`.
+const POOL_BACKEND: &str = r#"#!/usr/bin/env python3
+import os, socket, sys, threading, time
+
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+mode = os.environ["PY_MODE"]
+record = os.environ["PY_RECORD"]
+lock = threading.Lock()
+
+def reply(conn, status, body):
+    conn.sendall(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (status, len(body), body))
+
+def serve(conn):
+    posts, buf = 0, b""
+    while True:
+        if mode == "reset" and posts >= 1 and not buf:
+            if not conn.recv(1, socket.MSG_PEEK):
+                break
+            conn.close()
+            return
+        while b"\r\n\r\n" not in buf:
+            data = conn.recv(65536)
+            if not data:
+                conn.close()
+                return
+            buf += data
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        method, path = lines[0].split(" ")[:2]
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        while len(rest) < length:
+            rest += conn.recv(65536)
+        body, buf = rest[:length], rest[length:]
+        if path == "/health":
+            reply(conn, 200, b'{"status":"ok"}')
+            continue
+        if method != "POST":
+            reply(conn, 404, b"{}")
+            continue
+        with lock:
+            with open(record, "ab") as f:
+                f.write(path.encode() + b" " + body + b"\n")
+        if b"hangup" in body:
+            conn.shutdown(socket.SHUT_WR)
+            time.sleep(0.2)
+            conn.close()
+            return
+        posts += 1
+        if mode == "reset" and posts == 1:
+            time.sleep(0.3)
+        reply(conn, 200, b'{"tokens":[1,2]}')
+    conn.close()
+
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", port))
+listener.listen(64)
+while True:
+    conn, _ = listener.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"#;
+
+fn serve_on_pool_backend(mode: &str, dir: &std::path::Path) -> (Serve, std::path::PathBuf) {
+    let record = dir.join("record.txt");
+    let env = [("PY_MODE", mode), ("PY_RECORD", record.to_str().unwrap())];
+    (serve_on_script(dir, POOL_BACKEND, &[], &env), record)
+}
+
+fn tokenize_lines(record: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(record)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("/tokenize "))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn a_request_refused_unread_on_a_reused_connection_is_retried_once_on_a_new_one() {
+    let dir = temp_dir("relay-pool-reset");
+    let (serve, record) = serve_on_pool_backend("reset", &dir);
+    // Two requests at once leave two idle connections in the pool, each of which the backend
+    // will refuse its next request on.
+    let url = serve.url("/tokenize");
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || post(&url, TOKENIZE).0)
+        })
+        .collect();
+    for request in both {
+        assert_eq!(request.join().unwrap(), 200);
+    }
+    // The third takes an idle connection, is refused unread, and goes again on a new
+    // connection (not on the other idle one, which would refuse it too).
+    let (status, body) = post(&url, TOKENIZE);
+    assert_eq!(status, 200, "{body}\n{}", serve.output());
+    assert_eq!(tokenize_lines(&record).len(), 3);
+    assert_eq!(
+        requests_total(&serve, &[("path_class", "other"), ("engine", "fast")]),
+        3
+    );
+}
+
+#[test]
+fn a_request_the_backend_read_before_closing_is_never_sent_twice() {
+    let dir = temp_dir("relay-pool-hangup");
+    let (serve, record) = serve_on_pool_backend("hangup", &dir);
+    let url = serve.url("/tokenize");
+    // A reused connection (the first request leaves it in the pool) ...
+    assert_eq!(post(&url, TOKENIZE).0, 200);
+    // ... on which the backend reads the request, then closes without a reply.
+    let (status, body) = post(&url, r#"{"content":"hangup"}"#);
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("did not answer"), "{body}");
+    let hangups = tokenize_lines(&record)
+        .iter()
+        .filter(|l| l.contains("hangup"))
+        .count();
+    assert_eq!(hangups, 1, "the backend got the request {hangups} times");
 }

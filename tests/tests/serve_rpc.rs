@@ -386,3 +386,31 @@ fn serve_counts_each_layer_where_llama_server_then_puts_it() {
         "{placed:?}"
     );
 }
+
+#[test]
+fn the_drop_in_command_line_probes_its_rpc_workers_too() {
+    let dir = temp_dir("rpc-dropin");
+    let model = smol_shaped(&dir, "small.gguf", 100 << 20);
+    let missing = format!("127.0.0.1:{}", free_port());
+    let mut child = std::process::Command::new(onebit())
+        .args(["llama-server", "-m", model.to_str().unwrap()])
+        .args(["--port", &free_port().to_string(), "--rpc", &missing])
+        .env("ONEBIT_LLAMA_SERVER", fake_backend())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Bounded: without the probe it would serve on and never exit.
+    if !wait_until(Duration::from_secs(10), || {
+        child.try_wait().ok().flatten().is_some()
+    }) {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains(&format!("RPC worker {missing} does not answer")),
+        "{err}"
+    );
+}

@@ -3,6 +3,7 @@
 
 mod bench;
 mod cache;
+mod install;
 mod paths;
 mod pins;
 mod process;
@@ -25,7 +26,9 @@ usage: cargo xtask <subcommand>
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
   bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/)
-  paths             print cache_dir, llama_server and model paths, one name=value per line";
+  paths             print cache_dir, llama_server and model paths, one name=value per line
+  install [--prefix DIR] [--debug]  build and install 1bit, its routes, the pinned llama-server
+                    and the llama-server link to 1bit under DIR (default ~/.local)";
 
 /// Why a subcommand stopped: one line saying what failed and what to do about it.
 #[derive(Debug)]
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
         Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
         Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
+        Some("install") => Workspace::load().and_then(|ws| install::run(&ws, &rest)),
         Some("paths") => no_arguments("paths", &rest)
             .and_then(|()| Workspace::load())
             .map(|ws| paths::run(&ws)),
@@ -86,7 +90,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, paths (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, paths, install (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

@@ -11,7 +11,8 @@ use crate::{Failure, Workspace, bench, process, setup};
 /// one more test, and fails if either failed. The `N passed, N failed, N skipped` line is last.
 ///
 /// The tests find the installed llama-server and default model through
-/// `ONEBIT_TEST_LLAMA_SERVER` and `ONEBIT_TEST_MODEL`.
+/// `ONEBIT_TEST_LLAMA_SERVER` and `ONEBIT_TEST_MODEL`, the OpenAI SDK's python through
+/// `ONEBIT_TEST_OPENAI_PYTHON`.
 pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     cargo_step(
         ws,
@@ -44,6 +45,7 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         .args(extra)
         .env("ONEBIT_TEST_LLAMA_SERVER", &installed.llama_server)
         .env("ONEBIT_TEST_MODEL", &model)
+        .env("ONEBIT_TEST_OPENAI_PYTHON", &installed.openai_python)
         .stdout(Stdio::piped());
     println!("==> {}", process::describe(&test));
     let mut child = test

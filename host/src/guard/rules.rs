@@ -25,6 +25,8 @@ impl Guard {
 /// Why the guard refused a request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Refusal {
+    /// More than one Host header (RFC 9112 3.2: a 400), however many and whatever they say.
+    SeveralHosts(usize),
     /// The Host header (as sent, lossily decoded; empty when missing) does not name loopback.
     ForeignHost(String),
     /// The Origin of a request that writes is neither loopback nor this server.
@@ -36,22 +38,27 @@ pub enum Refusal {
 pub struct Seen<'a> {
     /// The method; GET, HEAD and OPTIONS are "safe" and skip the Origin rule.
     pub method: &'a [u8],
-    /// Every Host header value (more than one is refused); the request target's authority, for
-    /// an absolute-form target, counts as one more.
+    /// Every Host header value, however many (more than one is refused).
     pub hosts: &'a [&'a [u8]],
+    /// The request target's authority, for an absolute-form target: it must name the same host
+    /// as the Host header (and stands for it when there is none).
+    pub authority: Option<&'a [u8]>,
     /// Every Origin header value.
     pub origins: &'a [&'a [u8]],
 }
 
 /// Decide one request. Pure: no I/O, no allocation except for a refusal's text.
 pub fn check(guard: Guard, seen: &Seen<'_>) -> Result<(), Refusal> {
+    if seen.hosts.len() > 1 {
+        return Err(Refusal::SeveralHosts(seen.hosts.len()));
+    }
     // Every form of the host the request names must agree, or the check could be steered by
     // the one it does not look at.
-    let host = seen.hosts.first().copied();
-    let one_host = seen
-        .hosts
-        .iter()
-        .all(|h| host.is_some_and(|first| h.eq_ignore_ascii_case(first)));
+    let host = seen.hosts.first().copied().or(seen.authority);
+    let one_host = match (seen.hosts.first(), seen.authority) {
+        (Some(header), Some(authority)) => header.eq_ignore_ascii_case(authority),
+        _ => true,
+    };
     if guard.loopback_bind {
         let named = one_host && host.and_then(as_str).is_some_and(is_loopback_host);
         if !named {
@@ -78,7 +85,8 @@ pub fn check(guard: Guard, seen: &Seen<'_>) -> Result<(), Refusal> {
 
 /// The fuzz target's input format, also replayed on stable by the host's tests: byte 0 picks
 /// the bind (bit 0) and the method (bits 1-2: GET, POST, DELETE, OPTIONS); the rest is lines,
-/// `H<value>` a Host header, `O<value>` an Origin header (at most 4 of each).
+/// `H<value>` a Host header, `O<value>` an Origin header (at most 8 of each), `A<value>` the
+/// target's authority.
 #[allow(dead_code)] // the fuzz target and the corpus test call it
 pub fn fuzz_one(data: &[u8]) -> Result<(), Refusal> {
     let Some((&flags, rest)) = data.split_first() else {
@@ -93,19 +101,21 @@ pub fn fuzz_one(data: &[u8]) -> Result<(), Refusal> {
         2 => b"DELETE",
         _ => b"OPTIONS",
     };
-    let mut hosts: [&[u8]; 4] = [b""; 4];
-    let mut origins: [&[u8]; 4] = [b""; 4];
+    let mut hosts: [&[u8]; 8] = [b""; 8];
+    let mut origins: [&[u8]; 8] = [b""; 8];
     let (mut nh, mut no) = (0, 0);
+    let mut authority = None;
     for line in rest.split(|&b| b == b'\n') {
         match line.split_first() {
-            Some((b'H', value)) if nh < 4 => {
+            Some((b'H', value)) if nh < 8 => {
                 hosts[nh] = value;
                 nh += 1;
             }
-            Some((b'O', value)) if no < 4 => {
+            Some((b'O', value)) if no < 8 => {
                 origins[no] = value;
                 no += 1;
             }
+            Some((b'A', value)) => authority = Some(value),
             _ => {}
         }
     }
@@ -114,13 +124,28 @@ pub fn fuzz_one(data: &[u8]) -> Result<(), Refusal> {
         &Seen {
             method,
             hosts: &hosts[..nh],
+            authority,
             origins: &origins[..no],
         },
     );
     // The invariants a refusal must never break, checked where the fuzzer can see them.
+    if verdict.is_ok() {
+        assert!(nh <= 1, "accepted {nh} Host headers");
+    }
     if guard.loopback_bind && verdict.is_ok() {
-        let host = std::str::from_utf8(hosts[0]).expect("an accepted Host is UTF-8");
-        assert!(is_loopback_host(host), "accepted a foreign Host {host:?}");
+        for named in hosts[..nh].iter().chain(authority.iter()) {
+            let host = std::str::from_utf8(named).expect("an accepted Host is UTF-8");
+            assert!(is_loopback_host(host), "accepted a foreign Host {host:?}");
+        }
+    }
+    if verdict.is_ok() && !matches!(method, b"GET" | b"HEAD" | b"OPTIONS") {
+        for origin in &origins[..no] {
+            let text = std::str::from_utf8(origin).expect("an accepted Origin is UTF-8");
+            assert!(
+                origin_authority(text).is_some(),
+                "accepted a write with Origin {text:?}"
+            );
+        }
     }
     if let Err(Refusal::ForeignHost(t) | Refusal::CrossSite(t)) = &verdict {
         assert!(
@@ -240,6 +265,7 @@ mod tests {
             &Seen {
                 method: method.as_bytes(),
                 hosts: &hosts,
+                authority: None,
                 origins: &origins,
             },
         )
@@ -299,13 +325,39 @@ mod tests {
         assert!(!run(LOOP, "GET", None, None), "a missing Host is refused");
         assert!(run(LAN, "GET", Some("evil.example:8000"), None));
         assert!(run(LAN, "POST", None, None));
-        let two: [&[u8]; 2] = [b"localhost", b"evil.example"];
+        // More than one Host header is refused on any bind, even all loopback (RFC 9112 3.2),
+        // however many come: four loopback names cannot hide a fifth, foreign one.
+        let five: [&[u8]; 5] = [b"localhost"; 5];
+        let mut hosts = five;
+        hosts[4] = b"evil.example";
+        for guard in [LOOP, LAN] {
+            for n in 2..=5 {
+                let seen = Seen {
+                    method: b"GET",
+                    hosts: &hosts[..n],
+                    authority: None,
+                    origins: &[],
+                };
+                assert_eq!(check(guard, &seen), Err(Refusal::SeveralHosts(n)));
+            }
+        }
+        // A target's authority must name the Host's host.
         let seen = Seen {
             method: b"GET",
-            hosts: &two,
+            hosts: &[b"localhost"],
+            authority: Some(b"evil.example"),
             origins: &[],
         };
-        assert!(check(LOOP, &seen).is_err(), "two different hosts");
+        assert!(check(LOOP, &seen).is_err(), "a foreign authority");
+        let seen = Seen {
+            authority: Some(b"localhost:8000"),
+            hosts: &[],
+            ..seen
+        };
+        assert!(
+            check(LOOP, &seen).is_ok(),
+            "the authority stands for a missing Host"
+        );
     }
 
     #[test]

@@ -193,12 +193,13 @@ fn layer_text(layers: &[usize], n_layer: usize) -> String {
     }
 }
 
-/// How many layers the backend offers to devices: its `-ngl` (`all`/`auto` and absent: every
-/// layer, as llama.cpp's fit does when the devices have room).
+/// How many layers the backend offers to devices: its last `-ngl` (llama.cpp takes the last of
+/// a repeated flag, and arguments passed after `--` come after the route's; `all`/`auto` and
+/// absent: every layer, as llama.cpp's fit does when the devices have room).
 fn gpu_layers(argv: &[String], n_layer: usize) -> usize {
     let value = argv
         .iter()
-        .position(|a| matches!(a.as_str(), "-ngl" | "--gpu-layers" | "--n-gpu-layers"))
+        .rposition(|a| matches!(a.as_str(), "-ngl" | "--gpu-layers" | "--n-gpu-layers"))
         .and_then(|i| argv.get(i + 1));
     match value.map(String::as_str) {
         Some(n) => n.parse::<usize>().unwrap_or(n_layer + 1),

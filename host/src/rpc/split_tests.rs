@@ -210,3 +210,14 @@ fn the_local_part_is_refused_on_its_own() {
         "{line}"
     );
 }
+
+#[test]
+fn the_last_ngl_counts_as_llama_cpp_takes_it() {
+    let argv: Vec<String> = ["llama-server", "-ngl", "all", "-c", "1", "-ngl", "11"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(gpu_layers(&argv, 30), 11);
+    assert_eq!(gpu_layers(&argv[..3], 30), 31);
+    assert_eq!(gpu_layers(&argv[..1], 30), 31);
+}

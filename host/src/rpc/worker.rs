@@ -13,9 +13,9 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::signal::unix::{SignalKind, signal};
 
+use crate::backends::supervisor::{describe_exit, die_with_serve};
 use crate::error::exit;
 use crate::rpc::probe;
-use crate::supervisor::{describe_exit, die_with_serve};
 
 /// The pins of what the project installs, compiled in to find the `ggml-rpc-server` that
 /// `cargo xtask setup` built beside llama-server.

@@ -2,7 +2,7 @@
 #![deny(unsafe_code)]
 
 use llama_server::log::{LogSeries, lost_device};
-use llama_server::options;
+use llama_server::{options, plan};
 use onebit_plugin_api::{
     BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Refusal, RouteInfo,
     export_route,
@@ -38,6 +38,8 @@ impl DeviceRoute for CpuRoute {
     }
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
+        request.options.checked_route_options("cpu", &[])?;
+        llama_server::refuse_h32(request)?;
         if request.model.is_dir {
             return Err(Refusal::usage(format!(
                 "{} is a directory; --device cpu serves a .gguf file",
@@ -49,13 +51,6 @@ impl DeviceRoute for CpuRoute {
                 "--strict-device needs the hrx route (--device hrx, or auto on a machine with HRX): the cpu route runs every node on the CPU; remove --strict-device",
             ));
         }
-        llama_server::refuse_foreign_flags(request, "cpu")?;
-        llama_server::check_architecture(request, "cpu")?;
-        let server = llama_server::server_binary(request)?;
-        let port = *request
-            .ports
-            .first()
-            .ok_or_else(|| Refusal::usage("the host reserved no port for the backend"))?;
         let ctx = options::context(request, Some(DEFAULT_CTX)).unwrap_or(DEFAULT_CTX);
         let ctx_source = match (request.options.ctx_size, options::role(request)) {
             (Some(n), _) => format!("ctx {n} (--ctx-size)"),
@@ -64,42 +59,28 @@ impl DeviceRoute for CpuRoute {
             }
             (None, None) => format!("ctx {DEFAULT_CTX} (serve's CPU default; no --ctx-size)"),
         };
-        let asked = options::model_args(request, "cpu", Some(ctx))?;
-        let mut memory = llama_server::memory_need(request, Some(ctx), ctx_source, "ram")?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += asked.extra_weights_bytes;
-            m.kv_bytes += asked.extra_kv_bytes;
-        }
-        let mut argv = llama_server::base_argv(&server, request, port);
-        argv.extend(["-ngl", "0", "-c"].map(String::from));
-        argv.push(ctx.to_string());
-        argv.extend(asked.argv);
-        let mut env = asked.env;
-        let mut notes = asked.notes;
-        notes.extend(llama_server::rpc::apply(request, &mut argv));
-        notes.extend(llama_server::recipes::apply(
-            request, "cpu", &mut argv, &mut env,
-        )?);
-        let mut backend = llama_server::backend(argv, port);
-        backend.env = env;
-        let side = llama_server::rag::side_servers(request, "cpu", &server, 1)?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += side.weights_bytes;
-            m.kv_bytes += side.kv_bytes;
-        }
-        let mut backends = vec![backend];
-        backends.extend(side.backends);
-        let mut rules = side.rules;
-        rules.extend(llama_server::rules());
+        let built = plan::build(
+            request,
+            plan::Main {
+                route: "cpu".to_string(),
+                device_argv: vec!["-ngl".to_string(), "0".to_string()],
+                ctx: Some(ctx),
+                ctx_source,
+                pool: "ram".to_string(),
+                full: true,
+                ..Default::default()
+            },
+        )?;
         Ok(Plan {
             device: "cpu".to_string(),
-            backends,
-            rules,
-            side_models: side.models,
+            backends: built.backends,
+            rules: built.rules,
+            side_models: built.side_models,
             one_hop: true,
             warmups: Vec::new(),
-            memory,
-            notes,
+            memory: built.memory.need,
+            memory_unknown: built.memory.unknown,
+            notes: built.notes,
             ..Default::default()
         })
     }

@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use onebit_plugin_api::{
-    Action, BackendSpec, DeviceRoute, Plan, PlanRequest, Refusal, RouteInfo, Rule, export_route,
+    Action, BackendSpec, DeviceRoute, Plan, PlanRequest, Purpose, Refusal, RouteInfo, Rule,
+    export_route,
 };
 
 /// The llama-server routes ds4-server does not have; each answers 501 naming itself.
@@ -123,6 +124,12 @@ impl DeviceRoute for Ds4Route {
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
         let o = &request.options;
+        o.checked_route_options("ds4", &[])?;
+        llama_server::refuse_h32(request)?;
+        if request.purpose == Purpose::PrintBackend {
+            // ds4-server cannot be told the served name: serve renames its replies.
+            return Err(Refusal::needs_serve("--device ds4"));
+        }
         if request.model.is_dir {
             return Err(Refusal::usage(format!(
                 "{} is a directory; --device ds4 serves a DwarfStar .gguf file",

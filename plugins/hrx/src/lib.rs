@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use llama_server::options;
 use llama_server::placement::{self, PlacementLine, Watch};
+use llama_server::{options, plan};
 use onebit_plugin_api::{
     BackendLine, Claim, DeviceRoute, LineVerdict, Plan, PlanRequest, Purpose, Refusal, RouteInfo,
     Warmup, export_route,
@@ -128,33 +128,17 @@ impl DeviceRoute for HrxRoute {
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
         let o = &request.options;
+        o.checked_route_options("hrx", &[])?;
+        llama_server::refuse_h32(request)?;
         if request.model.is_dir {
             return Err(Refusal::usage(format!(
                 "{} is a directory; --device hrx serves a .gguf file",
                 o.model
             )));
         }
-        llama_server::refuse_foreign_flags(request, "hrx")?;
-        llama_server::check_architecture(request, "hrx")?;
-        let server = llama_server::server_binary(request)?;
-        let port = *request
-            .ports
-            .first()
-            .ok_or_else(|| Refusal::usage("the host reserved no port for the backend"))?;
         let strict = strictness(request);
         let report = o.placement_report || strict == Strictness::Refusing;
-
         let ctx = options::context(request, None);
-        let asked = options::model_args(request, "hrx", ctx)?;
-        let mut argv = llama_server::base_argv(&server, request, port);
-        argv.extend(["--device", "HRX0", "-ngl", "99"].map(String::from));
-        if let Some(ctx) = ctx {
-            argv.extend(["-c".to_string(), ctx.to_string()]);
-        }
-        argv.extend(asked.argv);
-        if report {
-            argv.extend(["-lv", "4"].map(String::from));
-        }
 
         let mut env = BTreeMap::new();
         if strict != Strictness::Off {
@@ -171,40 +155,6 @@ impl DeviceRoute for HrxRoute {
         if let Some(libhsa) = libhsa {
             env.insert("IREE_HAL_AMDGPU_LIBHSA_PATH".to_string(), libhsa);
         }
-        // A variable the user set wins over the plan's.
-        env.retain(|k, _| !request.env.contains_key(k));
-        // Except one the options combined with the user's own value.
-        let mut env_combined = BTreeMap::new();
-        for (k, v) in asked.env {
-            if request.env.contains_key(&k) {
-                env_combined.insert(k, v);
-            } else {
-                env.insert(k, v);
-            }
-        }
-        let mut notes = asked.notes;
-        notes.extend(llama_server::rpc::apply(request, &mut argv));
-        notes.extend(llama_server::recipes::apply(
-            request, "hrx", &mut argv, &mut env,
-        )?);
-        // After the recipes, so that a recipe's own --cache-reuse wins over serve's.
-        if !argv.iter().any(|a| a == "--cache-reuse") {
-            argv.extend(["--cache-reuse", "256"].map(String::from));
-        }
-
-        let no_warmup = request
-            .env
-            .get("ONEBIT_NO_WARMUP")
-            .is_some_and(|v| v.trim() == "1");
-        if request.purpose == Purpose::Serve {
-            let watch = Watch::new(report, strict == Strictness::Refusing);
-            if let Ok(mut slot) = self.watch.lock() {
-                *slot = Some(watch);
-            }
-        }
-        let mut backend = llama_server::backend(argv, port);
-        backend.env = env;
-        backend.env_combined = env_combined;
         // HRX reports its whole pool free, so llama.cpp's --fit shrinks nothing: without
         // --ctx-size the backend takes the model's own context, and that is what is judged.
         let ctx_source = match (request.options.ctx_size, ctx, options::role(request)) {
@@ -217,34 +167,49 @@ impl DeviceRoute for HrxRoute {
                 None => "the model's own ctx (no --ctx-size)".to_string(),
             },
         };
-        let mut memory = llama_server::memory_need(request, ctx, ctx_source, "gtt")?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += asked.extra_weights_bytes;
-            m.kv_bytes += asked.extra_kv_bytes;
+        let built = plan::build(
+            request,
+            plan::Main {
+                route: "hrx".to_string(),
+                device_argv: ["--device", "HRX0", "-ngl", "99"].map(String::from).into(),
+                ctx,
+                ctx_source,
+                pool: "gtt".to_string(),
+                env,
+                after_options: if report {
+                    vec!["-lv".to_string(), "4".to_string()]
+                } else {
+                    Vec::new()
+                },
+                // After the recipes, so that a recipe's own --cache-reuse wins over serve's.
+                defaults: vec![vec!["--cache-reuse".to_string(), "256".to_string()]],
+                full: true,
+                // Every hrx backend serve starts runs under the same placement rules.
+                side_env: true,
+                ..Default::default()
+            },
+        )?;
+
+        let no_warmup = request
+            .env
+            .get("ONEBIT_NO_WARMUP")
+            .is_some_and(|v| v.trim() == "1");
+        if request.purpose == Purpose::Serve {
+            let watch = Watch::new(report, strict == Strictness::Refusing);
+            if let Ok(mut slot) = self.watch.lock() {
+                *slot = Some(watch);
+            }
         }
-        let side = llama_server::rag::side_servers(request, "hrx", &server, 1)?;
-        if let Some(m) = &mut memory {
-            m.weights_bytes += side.weights_bytes;
-            m.kv_bytes += side.kv_bytes;
-        }
-        // Every hrx backend serve starts runs under the same placement rules.
-        let side_backends = side.backends.into_iter().map(|mut b| {
-            b.env = backend.env.clone();
-            b
-        });
-        let mut backends = vec![backend.clone()];
-        backends.extend(side_backends);
-        let mut rules = side.rules;
-        rules.extend(llama_server::rules());
         Ok(Plan {
             device: "hrx".to_string(),
-            backends,
-            rules,
-            side_models: side.models,
+            backends: built.backends,
+            rules: built.rules,
+            side_models: built.side_models,
             one_hop: true,
             warmups: if no_warmup { Vec::new() } else { warmups() },
-            memory,
-            notes,
+            memory: built.memory.need,
+            memory_unknown: built.memory.unknown,
+            notes: built.notes,
             ..Default::default()
         })
     }

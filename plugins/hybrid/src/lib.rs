@@ -5,11 +5,13 @@
 mod handoff;
 mod provider;
 
+use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use llama_server::log::lost_device;
+use llama_server::plan;
 use onebit_plugin_api::{
     Action, BackendLine, DeviceRoute, Forward, ForwardRequest, HostServices, LineVerdict, Plan,
     PlanRequest, Refusal, RouteInfo, Rule, Started, export_route,
@@ -90,6 +92,12 @@ impl DeviceRoute for HybridRoute {
     }
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
+        request.options.checked_route_options("hybrid", &[])?;
+        llama_server::refuse_h32(request)?;
+        if request.purpose == onebit_plugin_api::Purpose::PrintBackend {
+            // The prefill handoff happens in serve, between the provider and llama-server.
+            return Err(Refusal::needs_serve("--device hybrid"));
+        }
         if request.model.is_dir {
             return Err(Refusal::usage(format!(
                 "{} is a directory; --device hybrid serves a .gguf file",
@@ -107,29 +115,48 @@ impl DeviceRoute for HybridRoute {
             Some(n) => format!("ctx {n} (--ctx-size)"),
             None => format!("ctx {DEFAULT_CTX} (serve's hybrid default; no --ctx-size)"),
         };
-        let mut one_slot = request.clone();
-        one_slot.options.parallel = Some(1);
-        let pool = if llama_server::hrx_present(request) {
-            "gtt"
-        } else {
-            "ram"
-        };
-        let memory = llama_server::memory_need(&one_slot, Some(ctx), ctx_source, pool)?;
-        let argv = decoder_argv(request, port, ctx)?;
+        // The decoder is the HRX llama-server where the machine has HRX, else the CPU one; one
+        // slot, whose state serve saves and restores in the run directory.
         let on_hrx = llama_server::hrx_present(request);
-        let mut decoder = llama_server::backend(argv, port);
+        let mut env = BTreeMap::new();
         if on_hrx {
             // Every hrx backend serve starts runs under strict placement (unless opted out).
             if llama_server::hrx_strict(request) {
-                decoder
-                    .env
-                    .insert("GGML_HRX_STRICT".to_string(), "1".to_string());
+                env.insert("GGML_HRX_STRICT".to_string(), "1".to_string());
             }
-            decoder
-                .env
-                .insert("GGML_HRX_REPORT".to_string(), "1".to_string());
-            decoder.env.retain(|k, _| !request.env.contains_key(k));
+            env.insert("GGML_HRX_REPORT".to_string(), "1".to_string());
         }
+        let mut one_slot = request.clone();
+        one_slot.options.parallel = Some(1);
+        let built = plan::build(
+            &one_slot,
+            plan::Main {
+                route: "hybrid".to_string(),
+                device_argv: if on_hrx {
+                    ["--device", "HRX0", "-ngl", "99"].map(String::from).into()
+                } else {
+                    ["-ngl", "0"].map(String::from).into()
+                },
+                ctx: Some(ctx),
+                ctx_source,
+                pool: if on_hrx { "gtt" } else { "ram" }.to_string(),
+                env,
+                fixed_argv: vec![
+                    "-np".to_string(),
+                    "1".to_string(),
+                    "--slot-save-path".to_string(),
+                    request.run_dir.clone(),
+                ],
+                full: false,
+                ..Default::default()
+            },
+        )?;
+        let memory = built.memory;
+        let decoder = built
+            .backends
+            .into_iter()
+            .next()
+            .ok_or_else(|| Refusal::usage("the hybrid plan built no decoder"))?;
         let settings = Settings {
             provider: provider.clone(),
             elfs: request
@@ -158,7 +185,8 @@ impl DeviceRoute for HybridRoute {
             // serve is in the request path: it hands each prompt over.
             one_hop: false,
             warmups: Vec::new(),
-            memory,
+            memory: memory.need,
+            memory_unknown: memory.unknown,
             notes,
             serialize_forwards: provider.is_some(),
             route_state: serde_json::to_value(&settings).unwrap_or_default(),
@@ -209,24 +237,6 @@ impl DeviceRoute for HybridRoute {
 }
 
 export_route!(HybridRoute);
-
-/// The decoding llama-server: one slot, whose state serve saves and restores in the run
-/// directory. This is where HRX is chosen once its route's helpers exist (docs/hrx.md): its
-/// argv and flash attention replace the CPU ones below; the handoff does not change.
-fn decoder_argv(request: &PlanRequest, port: u16, ctx: u64) -> Result<Vec<String>, Refusal> {
-    let server = llama_server::server_binary(request)?;
-    let mut argv = llama_server::base_argv(&server, request, port);
-    // The decoder is the HRX llama-server where the machine has HRX, else the CPU one.
-    if llama_server::hrx_present(request) {
-        argv.extend(["--device", "HRX0", "-ngl", "99", "-c"].map(String::from));
-    } else {
-        argv.extend(["-ngl", "0", "-c"].map(String::from));
-    }
-    argv.push(ctx.to_string());
-    argv.extend(["-np", "1", "--slot-save-path"].map(String::from));
-    argv.push(request.run_dir.clone());
-    Ok(argv)
-}
 
 /// The request table: chats and completions ask the route (when a provider is named), the rest
 /// is relayed; slot actions stay serve's own.

@@ -6,6 +6,7 @@ pub mod log;
 pub mod memory;
 pub mod options;
 pub mod placement;
+pub mod plan;
 pub mod rag;
 pub mod recipes;
 pub mod rpc;
@@ -21,6 +22,18 @@ const PINS: &str = include_str!("../../../third_party/pins.json");
 /// Which `general.architecture` values the pinned llama.cpp builds, per route
 /// (`registry/architectures.json`).
 const ARCHITECTURES: &str = include_str!("../../../registry/architectures.json");
+
+/// Refuse an H32 file (a Hadamard-rotated Q4_0 stamped `onebit.hadamard_q4_0`, a dropped
+/// format) on every route: each route's `plan` calls this first (exit 2).
+pub fn refuse_h32(request: &PlanRequest) -> Result<(), Refusal> {
+    if request.model.hadamard_q4_0 {
+        return Err(Refusal::usage(format!(
+            "{}: an H32 file (a Hadamard-rotated Q4_0 stamped onebit.hadamard_q4_0) is refused on every device: the engine dropped that format; use the model's UD-Q4_K_XL or another standard GGUF",
+            request.options.model
+        )));
+    }
+    Ok(())
+}
 
 /// The architectures `route` builds, from `registry/architectures.json`; empty for a route the
 /// file does not list.
@@ -38,7 +51,7 @@ pub fn architectures(route: &str) -> Vec<String> {
 }
 
 /// Refuse a GGUF whose architecture the route's llama.cpp does not build (exit 2), pointing at
-/// Lemonade's llamacpp backend. A file with no architecture (empty, unreadable, not a GGUF) is
+/// Lemonade's llamacpp backend, in the original's words ("architecture X is not in ..."). A file with no architecture (empty, unreadable, not a GGUF) is
 /// not refused for that: the backend says what it makes of it.
 pub fn check_architecture(request: &PlanRequest, route: &str) -> Result<(), Refusal> {
     let Some(arch) = &request.model.architecture else {
@@ -48,7 +61,7 @@ pub fn check_architecture(request: &PlanRequest, route: &str) -> Result<(), Refu
         return Ok(());
     }
     Err(Refusal::usage(format!(
-        "{}: architecture \"{arch}\" is not built into this llama.cpp, so --device {route} cannot run it (registry/architectures.json); serve it with Lemonade's llamacpp backend (its Vulkan or ROCm llama-server) instead",
+        "{}: architecture {arch} is not in the llama.cpp this build pins for --device {route} (registry/architectures.json); serve it with Lemonade's llamacpp backend (its Vulkan or ROCm llama-server) instead",
         request.options.model
     )))
 }
@@ -84,7 +97,7 @@ pub fn server_binary(request: &PlanRequest) -> Result<String, Refusal> {
         return Ok(found.to_string_lossy().into_owned());
     }
     Err(Refusal {
-        exit_code: 1,
+        exit_code: Refusal::ENGINE,
         message: "no llama-server found: run `cargo xtask setup` to build the pinned one, or pass --llama-server PATH (or set ONEBIT_LLAMA_SERVER)".to_string(),
     })
 }
@@ -183,32 +196,7 @@ pub fn backend(argv: Vec<String>, port: u16) -> BackendSpec {
 /// to backend 0; slot save and restore answered 501, since the backend runs without
 /// `--slot-save-path`.
 pub fn rules() -> Vec<Rule> {
-    let proxy = |method: &str, path: &str, inference: bool| Rule {
-        method: method.to_string(),
-        path: path.to_string(),
-        action: Action::Proxy { backend: 0 },
-        inference,
-    };
-    let mut rules = vec![
-        proxy("POST", "/v1/chat/completions", true),
-        proxy("POST", "/chat/completions", true),
-        proxy("POST", "/v1/completions", true),
-        proxy("POST", "/completions", true),
-        proxy("POST", "/completion", true),
-        proxy("POST", "/v1/responses", true),
-        proxy("POST", "/responses", true),
-        proxy("POST", "/v1/embeddings", false),
-        proxy("POST", "/embeddings", false),
-        proxy("POST", "/v1/rerank", false),
-        proxy("POST", "/rerank", false),
-        proxy("POST", "/v1/reranking", false),
-        proxy("POST", "/reranking", false),
-        proxy("POST", "/tokenize", false),
-        proxy("POST", "/detokenize", false),
-        proxy("POST", "/apply-template", false),
-        proxy("GET", "/slots", false),
-        proxy("GET", "/props", false),
-    ];
+    let mut rules = onebit_plugin_api::llama_server_rules(0);
     rules.push(Rule {
         method: "POST".to_string(),
         path: "/slots/*".to_string(),
@@ -273,23 +261,51 @@ pub fn hrx_strict(request: &PlanRequest) -> bool {
 /// What llama-server's compute buffers take beyond weights and KV (HRX measured 20-505 MiB).
 pub const COMPUTE_BYTES: u64 = 512 * 1024 * 1024;
 
+/// What a llama-server plan tells the host about memory: the need, or why it cannot be
+/// estimated. Both None for a model directory (nothing a llama-server loads).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Memory {
+    pub need: Option<MemoryNeed>,
+    /// Why no estimate can be made ([`Plan::memory_unknown`](onebit_plugin_api::Plan)).
+    pub unknown: Option<String>,
+}
+
+impl Memory {
+    /// Count `weights` and `kv` bytes more (a drafter, a projector, a side server), when there
+    /// is a need to count them in.
+    pub fn add(&mut self, weights: u64, kv: u64) {
+        if let Some(m) = &mut self.need {
+            m.weights_bytes += weights;
+            m.kv_bytes += kv;
+        }
+    }
+}
+
 /// The memory facts of a llama-server plan, for the host's admission check: the model's files,
 /// the KV cache and recurrent state llama.cpp will allocate at `ctx` (None: the model's own
 /// training context), and compute. `ctx_source` is how the line names the context, e.g.
-/// `ctx 4096 (--ctx-size)`. None when the model's header cannot be read (a backend may still
-/// understand the file; there is nothing to estimate from).
+/// `ctx 4096 (--ctx-size)`. A model whose header cannot be read, or says too little to
+/// estimate from, gets the reason instead: that is the host's to judge (a warning, or nothing
+/// under `--no-mem-check`), never a refusal, since the backend may still load it.
 pub fn memory_need(
     request: &PlanRequest,
     ctx: Option<u64>,
     ctx_source: String,
     pool: &str,
-) -> Result<Option<MemoryNeed>, Refusal> {
-    if request.model.is_dir || request.model.gguf_error.is_some() {
-        return Ok(None);
+) -> Memory {
+    let unknown = |why: String| Memory {
+        need: None,
+        unknown: Some(why),
+    };
+    if request.model.is_dir {
+        return Memory::default();
+    }
+    if let Some(e) = &request.model.gguf_error {
+        return unknown(format!("its GGUF header cannot be read: {e}"));
     }
     let header = match gguf::read_header_lean(Path::new(&request.options.model)) {
         Ok(h) => h,
-        Err(_) => return Ok(None),
+        Err(e) => return unknown(format!("its GGUF header cannot be read: {e}")),
     };
     let mut settings = memory::KvSettings::new(ctx.unwrap_or(0));
     // llama-server's -np auto is 4 slots sharing one unified KV pool; an explicit -np N gives
@@ -304,21 +320,20 @@ pub fn memory_need(
             settings.unified = true;
         }
     }
-    let estimate = memory::kv_estimate(&header, &settings).map_err(|e| Refusal {
-        exit_code: 2,
-        message: format!(
-            "{}: cannot estimate its memory ({e}); pass --no-mem-check to load it anyway",
-            request.options.model
-        ),
-    })?;
-    Ok(Some(MemoryNeed {
-        weights_bytes: request.model.bytes,
-        kv_bytes: estimate.total_bytes(),
-        compute_bytes: COMPUTE_BYTES,
-        ctx: estimate.n_ctx,
-        ctx_source,
-        pool: pool.to_string(),
-    }))
+    match memory::kv_estimate(&header, &settings) {
+        Ok(estimate) => Memory {
+            need: Some(MemoryNeed {
+                weights_bytes: request.model.bytes,
+                kv_bytes: estimate.total_bytes(),
+                compute_bytes: COMPUTE_BYTES,
+                ctx: estimate.n_ctx,
+                ctx_source,
+                pool: pool.to_string(),
+            }),
+            unknown: None,
+        },
+        Err(e) => unknown(e),
+    }
 }
 
 #[cfg(test)]
@@ -432,7 +447,7 @@ mod architecture_tests {
         let refusal = check_architecture(&with_arch(Some("zamba2")), "cpu").unwrap_err();
         assert_eq!(refusal.exit_code, 2);
         assert!(
-            refusal.message.contains("\"zamba2\"")
+            refusal.message.contains("architecture zamba2 is not in ")
                 && refusal.message.contains("Lemonade's llamacpp backend"),
             "{}",
             refusal.message

@@ -24,8 +24,10 @@ const QWEN_ATTENTION_DISPATCH: &str = "qwen.attention";
 pub struct ModelArgs {
     /// Arguments appended to the route's argv.
     pub argv: Vec<String>,
-    /// Environment the plan adds (where the user has not set it).
+    /// Environment the plan adds (where the user has not set it: `plan::Env::resolve`).
     pub env: BTreeMap<String, String>,
+    /// Environment built from the user's own values, set in any case.
+    pub env_combined: BTreeMap<String, String>,
     /// Lines serve prints before starting.
     pub notes: Vec<String>,
     /// Files beyond the model that the backend loads (a drafter, a projector), for the memory
@@ -94,12 +96,24 @@ pub fn model_args(
         push(&mut out.argv, &["-np", &n.to_string()]);
         if on_hrx && n > 1 {
             out.argv.push("-kvu".to_string());
-            let value = match request.env.get("GGML_HRX_DISABLE_DISPATCH") {
-                Some(user) if !user.is_empty() => format!("{user},{QWEN_ATTENTION_DISPATCH}"),
-                _ => QWEN_ATTENTION_DISPATCH.to_string(),
-            };
-            out.env
-                .insert("GGML_HRX_DISABLE_DISPATCH".to_string(), value);
+            // The user's own list (even an empty one) keeps its entries and gains this one.
+            match request.env.get("GGML_HRX_DISABLE_DISPATCH") {
+                Some(user) => {
+                    let value = if user.is_empty() {
+                        QWEN_ATTENTION_DISPATCH.to_string()
+                    } else {
+                        format!("{user},{QWEN_ATTENTION_DISPATCH}")
+                    };
+                    out.env_combined
+                        .insert("GGML_HRX_DISABLE_DISPATCH".to_string(), value);
+                }
+                None => {
+                    out.env.insert(
+                        "GGML_HRX_DISABLE_DISPATCH".to_string(),
+                        QWEN_ATTENTION_DISPATCH.to_string(),
+                    );
+                }
+            }
         }
     }
 
@@ -191,9 +205,6 @@ pub fn model_args(
             &["--mmproj", mmproj, "-b", "4096", "-ub", "4096"],
         );
     }
-    // A variable the user set wins.
-    out.env
-        .retain(|k, _| k == "GGML_HRX_DISABLE_DISPATCH" || !request.env.contains_key(k));
     Ok(out)
 }
 

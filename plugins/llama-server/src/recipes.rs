@@ -223,7 +223,7 @@ pub fn apply(
             argv.extend(group);
         }
         for (k, v) in &recipe.env {
-            if request.env.contains_key(k) || env.contains_key(k) {
+            if crate::plan::user_set(request, k) || env.contains_key(k) {
                 continue;
             }
             added.push(format!("{k}={v}"));

@@ -11,6 +11,10 @@ pub fn workers(request: &PlanRequest) -> Vec<String> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < args.len() {
+        // What follows `--` goes to llama-server as it is, not to serve.
+        if args[i] == "--" {
+            break;
+        }
         let value = if args[i] == "--rpc" {
             i += 1;
             args.get(i).map(String::as_str)

@@ -47,6 +47,9 @@ usage: fake-backend -m MODEL [--host H] [--port P] [--alias NAME] [--slot-save-p
 A stand-in for llama-server; its behaviour is set by FAKE_* variables (docs/fake-backend.md).";
 
 fn main() -> ExitCode {
+    if let Some(path) = std::env::var_os("FAKE_RECORD_START").filter(|p| !p.is_empty()) {
+        record_start(std::path::Path::new(&path));
+    }
     let command = config::parse(std::env::args().skip(1), |k| std::env::var(k).ok());
     let cfg = match command {
         Ok(Command::Serve(cfg)) => cfg,
@@ -248,4 +251,25 @@ pub fn exit_now(plan: ExitPlan) -> ! {
         std::process::exit(128 + sig as i32);
     }
     std::process::exit(plan.code)
+}
+
+/// `FAKE_RECORD_START`: write how this process was started (its argv and whole environment) as
+/// one JSON object, before anything else, so a route's author sees what the route's plan
+/// made of the command line and the environment.
+fn record_start(path: &std::path::Path) {
+    let env: serde_json::Map<String, serde_json::Value> = std::env::vars_os()
+        .map(|(k, v)| {
+            (
+                k.to_string_lossy().into_owned(),
+                serde_json::Value::from(v.to_string_lossy().into_owned()),
+            )
+        })
+        .collect();
+    let argv: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let start = serde_json::json!({"argv": argv, "env": env, "pid": std::process::id()});
+    if let Err(e) = std::fs::write(path, format!("{start}\n")) {
+        log!("fake-backend: FAKE_RECORD_START={}: {e}", path.display());
+    }
 }

@@ -4,13 +4,15 @@
 //! Parts: `hop` (1-client /tokenize latency, keep-alive and a new connection per request),
 //! `throughput` (64 keep-alive clients), `sse` (per-event delay through the fake backend),
 //! `startup` (launch to /health 200), `rss` (serve's own memory), `mem-check` (admission time),
-//! `rpc` (tokens/s and time to first token, local against split over RPC workers).
+//! `rpc` (tokens/s and time to first token, local against split over RPC workers);
+//! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
 
 mod arms;
 mod chart;
 mod client;
+mod inproc;
 mod mem_check;
 mod rpc;
 
@@ -26,8 +28,7 @@ use client::Conn;
 
 use crate::{Failure, Workspace, process, setup};
 
-const USAGE: &str =
-    "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick]` or `cargo xtask bench inproc [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -92,6 +93,10 @@ impl Options {
 /// (and `results/latency.svg` when latencies were measured). Fails (exit 1) when serve's added
 /// p50 on the hop exceeds twice nginx's: the regression check CI runs.
 pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
+    if args.iter().any(|a| a == "inproc") {
+        // Its own figures, on its own fixture route: not part of the hop report.
+        return inproc::run(ws, args.iter().any(|a| a == "--quick"));
+    }
     let options = Options::parse(args)?;
     let report = measure(ws, &options)?;
     Ok(match report.gate() {

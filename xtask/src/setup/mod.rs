@@ -2,6 +2,7 @@
 
 mod llama_cpp;
 mod models;
+pub mod openai_sdk;
 
 use std::fs::{self, File, TryLockError};
 use std::io::{self, Read, Write};
@@ -18,6 +19,8 @@ pub struct Installed {
     pub llama_server: PathBuf,
     /// Each pinned model's path, in pins order.
     pub models: Vec<PathBuf>,
+    /// The python of the venv holding the pinned OpenAI SDK.
+    pub openai_python: PathBuf,
 }
 
 /// Installs whatever is missing and prints where things are. Blocks for as long as a build takes
@@ -44,6 +47,7 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
     let installed = Installed {
         llama_server,
         models: models.collect::<Result<_, _>>()?,
+        openai_python: openai_sdk::ensure(layout)?,
     };
     ensure_prometheus_parser()?;
     ensure_iproute2()?;

@@ -344,6 +344,11 @@ async fn answer(st: &Arc<State>, req: Request) -> Response {
         st.health_hung.store(true, Ordering::Release);
     }
     if let Some(status) = triggers.status {
+        // With fake_slow_ms too, the refusal comes after the wait: a long prefill that then
+        // fails (a stream serve already answered 200 to keep alive).
+        if let Some(delay) = triggers.slow {
+            tokio::time::sleep(delay).await;
+        }
         let message = format!("fake_status={} requested", status.as_u16());
         return error_with_status(status, ErrorKind::for_status(status), &message);
     }

@@ -16,8 +16,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::proxy::BackendClient;
-use crate::supervisor::Event;
+use crate::backends::health::ProbeClient as BackendClient;
+use crate::backends::supervisor::Event;
 
 /// The default limit, when neither `--watchdog` nor `ONEBIT_WATCHDOG_SECS` says otherwise.
 pub const DEFAULT_LIMIT_SECS: u64 = 120;

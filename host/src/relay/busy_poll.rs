@@ -62,6 +62,11 @@ fn parse_budget(value: Option<&str>) -> Duration {
         .map_or(DEFAULT_BUDGET, |us| Duration::from_micros(us.min(10_000)))
 }
 
+/// Relayed requests in flight now (the drain on SIGTERM says how many it waits for).
+pub fn in_flight() -> usize {
+    IN_FLIGHT.load(Ordering::Relaxed)
+}
+
 /// One relayed request, counted from reading the client's request until its reply body is
 /// finished or dropped.
 pub struct InFlight(());
@@ -92,14 +97,14 @@ pub enum Side {
 pub struct BusyPollStream {
     tcp: TcpStream,
     side: Side,
-    /// False for serve's own calls to a backend (health probes, metrics, route services),
-    /// which are not relayed requests and must not spin beside one.
-    polls: bool,
     /// This socket sent a message since bytes last came in, and has not spun for its answer
     /// yet: it may spin once.
     may_spin_once: bool,
     /// A spin saw bytes waiting that the runtime does not know of yet: read them directly.
     bytes_waiting: bool,
+    /// The error a spin's peek took from the socket (a reset): the kernel reports it once, so
+    /// the next read returns it rather than the bare end of stream that follows.
+    peeked_error: Option<io::Error>,
 }
 
 impl BusyPollStream {
@@ -107,18 +112,10 @@ impl BusyPollStream {
         BusyPollStream {
             tcp,
             side,
-            polls: true,
             // A client that has just connected owes serve its first request.
             may_spin_once: side == Side::Client,
             bytes_waiting: false,
-        }
-    }
-
-    /// A stream that never spins.
-    pub fn plain(tcp: TcpStream, side: Side) -> Self {
-        BusyPollStream {
-            polls: false,
-            ..BusyPollStream::new(tcp, side)
+            peeked_error: None,
         }
     }
 
@@ -134,7 +131,7 @@ impl BusyPollStream {
     /// Spin (once per message sent, within the limits above) until bytes are waiting or the
     /// budget is spent; true when they are.
     fn spin(&mut self) -> bool {
-        if !std::mem::take(&mut self.may_spin_once) || !self.polls {
+        if !std::mem::take(&mut self.may_spin_once) {
             return false;
         }
         let budget = budget();
@@ -155,7 +152,10 @@ impl BusyPollStream {
                 Err(e)
                     if e.kind() == io::ErrorKind::WouldBlock
                         || e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => break true,
+                Err(e) => {
+                    self.peeked_error = Some(e);
+                    break true;
+                }
             }
             if Instant::now() >= deadline {
                 break false;
@@ -173,6 +173,9 @@ impl BusyPollStream {
     /// next `epoll_wait`); None when there was nothing after all.
     fn read_waiting(&mut self, buf: &mut ReadBuf<'_>) -> Option<io::Result<()>> {
         self.bytes_waiting = false;
+        if let Some(e) = self.peeked_error.take() {
+            return Some(Err(e));
+        }
         let socket = socket2::SockRef::from(&self.tcp);
         let mut reader: &socket2::Socket = &socket;
         match reader.read(buf.initialize_unfilled()) {

@@ -165,6 +165,15 @@ pub fn judge(name: &str, model_file: &Path, need: &MemoryNeed, free: &Free) -> V
     }
 }
 
+/// The line for a model whose need the route cannot estimate: why, and that the check is
+/// skipped (the backend says for itself whether it can load the model). Called by serve's
+/// start-up (as a warning) and `--mem-check` (on stdout).
+pub fn unknown_line(name: &str, why: &str) -> String {
+    format!(
+        "{name}: cannot estimate its memory ({why}), so the memory check is skipped; the backend will say whether it can load the model"
+    )
+}
+
 /// Whether the check is skipped: `--no-mem-check`, or `ONEBIT_MEM_CHECK=0`.
 pub fn skipped(no_mem_check: bool) -> bool {
     no_mem_check || std::env::var("ONEBIT_MEM_CHECK").is_ok_and(|v| v.trim() == "0")

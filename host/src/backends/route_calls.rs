@@ -8,7 +8,7 @@ use http_body_util::{BodyExt, Full};
 use onebit_plugin_api::loader::{HostBackend, LoadedRoute, host_api};
 use onebit_plugin_api::{BackendReply, BackendRequest, Forward, ForwardRequest};
 
-use crate::proxy::BackendClient;
+use crate::backends::health::ProbeClient as BackendClient;
 
 /// The chosen route, shared by the handlers.
 #[derive(Clone, Debug)]

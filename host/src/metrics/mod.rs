@@ -1,15 +1,12 @@
-//! `GET /metrics`: serve's own series (Prometheus text 0.0.4, through prometheus-client), then
-//! the route's own, then the backend's own `/metrics` text when it answers; and the state file
-//! that keeps serve's counters across restarts.
+//! What `GET /metrics` says: serve's own series (Prometheus text 0.0.4, through
+//! prometheus-client; `requests` for the request counter and added-time histogram both relay
+//! engines record), the backend's own `/metrics` text when it answers, and the state file that
+//! keeps serve's counters across restarts. The handler itself is the front's (`front::own`).
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
@@ -20,7 +17,10 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::proxy::{App, BackendClient, Status};
+use crate::backends::health::ProbeClient;
+
+pub mod requests;
+pub mod text;
 
 /// The content type of Prometheus text format 0.0.4.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -213,11 +213,6 @@ pub fn tctl_celsius(root: &Path) -> Option<f64> {
     None
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DeviceLabel {
-    device: String,
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
 enum GttKind {
@@ -233,11 +228,9 @@ struct GttLabel {
 /// serve's own series as Prometheus text: every series with a source, and none without.
 pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Machine) -> String {
     let mut registry = Registry::default();
-    let up_family = Family::<DeviceLabel, Gauge>::default();
+    let up_family = Family::<Vec<(&'static str, String)>, Gauge>::default();
     up_family
-        .get_or_create(&DeviceLabel {
-            device: device.to_string(),
-        })
+        .get_or_create(&vec![(text::route_label(), device.to_string())])
         .set(i64::from(up));
     registry.register(
         "onebit_up",
@@ -267,6 +260,13 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
             registry.register(name, help, counter);
         }
     }
+    let keepalives = Counter::<u64>::default();
+    keepalives.inc_by(crate::relay::sse_keepalive::sent());
+    registry.register(
+        "onebit_sse_keepalives",
+        "SSE keep-alive comments sent on streams whose backend was silent",
+        keepalives,
+    );
     if machine.gtt_total.is_some() || machine.gtt_used.is_some() {
         let gtt = Family::<GttLabel, Gauge>::default();
         for (kind, v) in [
@@ -300,49 +300,10 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
     }
     let mut out = String::new();
     let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
-    out
+    text::strict_004(&out)
 }
 
-/// `GET /metrics`. File reads and the route's call run on blocking threads; the backend's
-/// text is asked with a one-second limit and left out when it does not come.
-pub async fn scrape(State(app): State<Arc<App>>) -> Response {
-    let sources = &app.metrics;
-    let (state, root) = (sources.state.clone(), sources.sysfs_root.clone());
-    let own = tokio::task::spawn_blocking(move || (state.map(|s| s.counts()), read_machine(&root)));
-    let route = app.route.route.clone();
-    let route_text = tokio::task::spawn_blocking(move || route.metrics());
-    let mut backend_texts = Vec::new();
-    for (port, path) in &sources.backends {
-        if let Some(path) = path {
-            backend_texts.push(backend_text(&app.probes, *port, path).await);
-        }
-    }
-    let (counts, machine) = own.await.unwrap_or_default();
-    let mut body = render_own(
-        &app.device,
-        app.status() == Status::Ready,
-        counts.as_ref(),
-        &machine,
-    );
-    match route_text.await {
-        Ok(Ok(text)) => append(&mut body, &text),
-        Ok(Err(e)) => {
-            let _ = writeln!(body, "# the {} route's metrics failed: {e}", app.device);
-        }
-        Err(_) => {}
-    }
-    append(&mut body, &crate::rpc::watch::render());
-    for text in backend_texts.into_iter().flatten() {
-        append(&mut body, &text);
-    }
-    let mut response = (StatusCode::OK, body).into_response();
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
-    response
-}
-
-fn append(body: &mut String, text: &str) {
+pub fn append(body: &mut String, text: &str) {
     if text.trim().is_empty() {
         return;
     }
@@ -352,7 +313,7 @@ fn append(body: &mut String, text: &str) {
     }
 }
 
-async fn backend_text(client: &BackendClient, port: u16, path: &str) -> Option<String> {
+pub async fn backend_text(client: &ProbeClient, port: u16, path: &str) -> Option<String> {
     let request = hyper::Request::get(format!("http://127.0.0.1:{port}{path}"))
         .body(Full::new(Bytes::new()))
         .ok()?;

@@ -1,0 +1,12 @@
+//! The backends serve runs: spawning and stopping them (`supervisor`), whether they answer
+//! (`health`: the status, serve's own probe client, the health monitor), whether what answers
+//! on a backend's port is the backend (`port_owner`), watching their progress (`watchdog`),
+//! and calls between the route and its backends (`route_calls`).
+//!
+//! This room knows nothing of how client requests are relayed.
+
+pub mod health;
+pub mod port_owner;
+pub mod route_calls;
+pub mod supervisor;
+pub mod watchdog;

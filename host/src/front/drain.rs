@@ -1,0 +1,60 @@
+//! The stop that finishes what it started: on SIGTERM serve stops accepting, lets the requests
+//! in flight finish for a drain window (`--drain-s`), and only then stops its backends; a stream
+//! still going at the window's end is cut by its backend's stop, never ended with a `[DONE]`
+//! it did not get.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// serve's listener task and the switch that stops it. Owned by `serve_plan`, used from
+/// `supervise` on the runtime.
+pub struct Drain {
+    shutdown: watch::Sender<bool>,
+    server: Option<JoinHandle<()>>,
+    window: Duration,
+}
+
+impl Drain {
+    pub fn new(shutdown: watch::Sender<bool>, server: JoinHandle<()>, window: Duration) -> Self {
+        Drain {
+            shutdown,
+            server: Some(server),
+            window,
+        }
+    }
+
+    /// Stop accepting, then wait until every connection has finished its request in flight, or
+    /// the window ends. Returns when the backends may be stopped.
+    pub async fn run(&mut self, what: &str) {
+        let _ = self.shutdown.send(true);
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let busy = crate::relay::busy_poll::in_flight();
+        if busy > 0 && !self.window.is_zero() {
+            eprintln!(
+                "1bit serve: {what}: no new connections; letting {busy} request(s) in flight finish for up to {:.1} s",
+                self.window.as_secs_f64()
+            );
+        }
+        if tokio::time::timeout(self.window, server).await.is_ok() {
+            self.server = None;
+        } else {
+            let left = crate::relay::busy_poll::in_flight();
+            eprintln!(
+                "1bit serve: {what}: the drain window ended with {left} request(s) in flight; stopping the backends cuts them"
+            );
+        }
+    }
+
+    /// After the backends stopped: stop accepting (if not yet) and give the connections a last
+    /// moment to close.
+    pub async fn finish(mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(server) = self.server.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! The front door: serve's listening socket (`accept`) and serve's own routes with the axum
+//! router around the general engine (`own`), and the drain on SIGTERM that stops accepting
+//! and waits for the requests in flight (`drain`).
+//!
+//! The front sits above the relay in the order of the rooms: it hands each connection to the
+//! relay's fast engine and puts the general engine behind the router; the relay never imports
+//! the front. The browser guard is a room of its own below both, because both engines apply
+//! it (`crate::guard`).
+
+pub mod accept;
+pub mod drain;
+pub mod own;

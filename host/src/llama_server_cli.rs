@@ -1,0 +1,484 @@
+//! The drop-in command line: `1bit llama-server ARGS…`, and `1bit` run under the name
+//! `llama-server`, take llama-server's own arguments (as Lemonade's llamacpp backend builds them)
+//! and become `1bit serve`; the arguments serve does not read pass to the real llama-server.
+
+use std::path::Path;
+
+use onebit_plugin_api::{Action, Plan};
+
+use crate::error::Fatal;
+
+/// The name a packager links to `1bit` so that a program which runs llama-server runs serve.
+pub const LLAMA_SERVER: &str = "llama-server";
+
+/// llama-server's default port, kept in drop-in mode (serve's own default is 8000).
+const LLAMA_SERVER_PORT: &str = "8080";
+
+/// Whether `argv0` (the name the process was started under) is `llama-server`. Called once by
+/// `main` before parsing.
+pub fn invoked_as_llama_server(argv0: &str) -> bool {
+    Path::new(argv0)
+        .file_name()
+        .is_some_and(|name| name == LLAMA_SERVER)
+}
+
+/// llama-server flags that always take a value (llama.cpp's common/arg.cpp), so a value that
+/// starts with `-` (`--seed -1`) is never read as a flag. Flags in neither list take the next
+/// token when it does not look like a flag.
+const WITH_VALUE: &[&str] = &[
+    "-a",
+    "--alias",
+    "-b",
+    "--batch-size",
+    "-ub",
+    "--ubatch-size",
+    "-t",
+    "--threads",
+    "-tb",
+    "--threads-batch",
+    "-ngl",
+    "--gpu-layers",
+    "--n-gpu-layers",
+    "-n",
+    "--n-predict",
+    "-s",
+    "--seed",
+    "--temp",
+    "--top-k",
+    "--top-p",
+    "--min-p",
+    "--typical",
+    "--repeat-penalty",
+    "--repeat-last-n",
+    "--presence-penalty",
+    "--frequency-penalty",
+    "--mirostat",
+    "--chat-template",
+    "--chat-template-file",
+    "--chat-template-kwargs",
+    "--reasoning-format",
+    "-rea",
+    "--reasoning",
+    "--reasoning-budget",
+    "--spec-type",
+    "--spec-draft-n-max",
+    "--spec-draft-n-min",
+    "--spec-draft-p-min",
+    "-ngld",
+    "--spec-draft-ngl",
+    "-devd",
+    "-ctk",
+    "--cache-type-k",
+    "-ctv",
+    "--cache-type-v",
+    "-ctkd",
+    "-ctvd",
+    "-fa",
+    "--flash-attn",
+    "--pooling",
+    "--slot-save-path",
+    "-to",
+    "--timeout",
+    "--threads-http",
+    "--api-key",
+    "--api-key-file",
+    "--lora",
+    "--lora-scaled",
+    "-cram",
+    "--cache-ram",
+    "--cache-reuse",
+    "-ctxcp",
+    "--ctx-checkpoints",
+    "-sps",
+    "--slot-prompt-similarity",
+    "-lm",
+    "--load-mode",
+    "-lv",
+    "--verbosity",
+    "--log-verbosity",
+    "--log-file",
+    "--log-colors",
+    "--override-kv",
+    "-ot",
+    "--override-tensor",
+    "-fit",
+    "--fit",
+    "-fitt",
+    "-fitc",
+    "--sleep-idle-seconds",
+    "--kv-unified-per-slot",
+    "--api-prefix",
+    "--path",
+    "--tags",
+    "--grammar",
+    "--grammar-file",
+    "-j",
+    "--json-schema",
+    "--rope-scaling",
+    "--rope-scale",
+    "--rope-freq-base",
+    "-sm",
+    "--split-mode",
+    "-ts",
+    "--tensor-split",
+    "-mg",
+    "--main-gpu",
+    "--numa",
+    "-C",
+    "--cpu-mask",
+];
+
+/// llama-server flags that never take a value.
+const NO_VALUE: &[&str] = &[
+    "--jinja",
+    "--no-jinja",
+    "--metrics",
+    "--ui",
+    "--no-ui",
+    "--webui",
+    "--no-webui",
+    "--no-mmproj-offload",
+    "--mmproj-offload",
+    "--no-mmproj",
+    "--mmproj-auto",
+    "--no-mmproj-auto",
+    "-kvu",
+    "--kv-unified",
+    "-no-kvu",
+    "--no-kv-unified",
+    "-cb",
+    "--cont-batching",
+    "-nocb",
+    "--no-cont-batching",
+    "--swa-full",
+    "--no-warmup",
+    "--warmup",
+    "-v",
+    "--verbose",
+    "--log-disable",
+    "--log-prefix",
+    "--no-log-prefix",
+    "--log-timestamps",
+    "--no-log-timestamps",
+    "--log-jsonl",
+    "--slots",
+    "--no-slots",
+    "--props",
+    "--cache-prompt",
+    "--no-cache-prompt",
+    "--cache-idle-slots",
+    "--no-cache-idle-slots",
+    "--context-shift",
+    "--no-context-shift",
+    "--offline",
+    "--no-prefill-assistant",
+    "-e",
+    "--escape",
+    "--no-escape",
+    "--no-perf",
+    "--perf",
+    "--check-tensors",
+    "--no-op-offload",
+];
+
+/// Download flags: refused, since serve loads only files it is given.
+const DOWNLOADS: &[&str] = &[
+    "-hf",
+    "-hfr",
+    "--hf-repo",
+    "-hff",
+    "--hf-file",
+    "-hfd",
+    "-hfrd",
+    "--hf-repo-draft",
+    "-hfv",
+    "-hfrv",
+    "--hf-repo-v",
+    "-hffv",
+    "--hf-file-v",
+    "-mu",
+    "--model-url",
+    "-mmu",
+    "--mmproj-url",
+    "-dr",
+    "--docker-repo",
+];
+
+/// llama.cpp device names (`--device`, as `--list-devices` prints them) and the route that
+/// serves each.
+const DEVICES: &[(&str, &str)] = &[("HRX0", "hrx"), ("CPU", "cpu"), ("none", "cpu")];
+
+/// Turn llama-server's arguments into `1bit serve`'s (without the word `serve`): the flags
+/// serve reads become its own, the rest follow `--` and reach the real llama-server unchanged.
+/// Called by `main` on the main thread; does not block. Err is the one line to print (exit 2).
+pub fn translate(args: &[String]) -> Result<Vec<String>, String> {
+    let mut serve: Vec<String> = Vec::new();
+    let mut pass: Vec<String> = Vec::new();
+    let mut draft: Option<String> = None;
+    let mut spec_type: Option<String> = None;
+    let mut port = false;
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        i += 1;
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = |what: &str| -> Result<String, String> {
+            if let Some(v) = inline.clone() {
+                return Ok(v);
+            }
+            let v = args.get(i).cloned().ok_or_else(|| {
+                format!(
+                    "{flag} needs a value ({what}); llama-server's own flag, e.g. {flag} {}",
+                    example(flag)
+                )
+            })?;
+            i += 1;
+            Ok(v)
+        };
+        let mut own = |name: &str, v: String| {
+            serve.push(name.to_string());
+            serve.push(v);
+        };
+        match flag {
+            "-m" | "--model" => own("-m", value("the .gguf file")?),
+            "-c" | "--ctx-size" => own("--ctx-size", value("tokens")?),
+            "--port" => {
+                port = true;
+                own("--port", value("a port")?)
+            }
+            "--host" => own("--host", value("an address")?),
+            "-a" | "--alias" => own("--alias", value("a name")?),
+            "-np" | "--parallel" => {
+                let n = value("slots")?;
+                // -1 is llama-server's "auto", which is also serve's default.
+                if n.trim() != "-1" {
+                    own("--parallel", n);
+                }
+            }
+            "-dev" | "--device" => own("--device", route_of(&value("a device name")?)?),
+            "-mm" | "--mmproj" => own("--mmproj", value("the projector .gguf")?),
+            // serve probes the workers and counts their memory before llama-server gets them.
+            "--rpc" => own("--rpc", value("workers, HOST:PORT[,HOST:PORT...]")?),
+            "-md" | "--model-draft" | "--spec-draft-model" => {
+                draft = Some(value("the drafter .gguf")?)
+            }
+            "--spec-type" => spec_type = Some(value("a speculative type")?),
+            "--embedding" | "--embeddings" => serve.push("--embedding".to_string()),
+            "--rerank" | "--reranking" => serve.push("--reranking".to_string()),
+            // serve's llama-server routes always pass these.
+            "--jinja" | "--metrics" => {}
+            "--version" => return Ok(vec!["--version".to_string()]),
+            f if DOWNLOADS.contains(&f) => {
+                return Err(format!(
+                    "{f}: 1bit downloads nothing; download the GGUF yourself and pass -m FILE.gguf"
+                ));
+            }
+            _ => {
+                pass.push(arg.clone());
+                let takes_value = inline.is_none()
+                    && arg.starts_with('-')
+                    && !NO_VALUE.contains(&flag)
+                    && (WITH_VALUE.contains(&flag)
+                        || args.get(i).is_some_and(|next| looks_like_value(next)));
+                if takes_value && let Some(next) = args.get(i) {
+                    pass.push(next.clone());
+                    i += 1;
+                }
+            }
+        }
+    }
+    // A drafter becomes serve's own flag when the speculative type says which kind it is, so
+    // the memory check counts it; any other drafter passes as it came.
+    match (draft, spec_type) {
+        (Some(file), Some(kind)) if kind == "draft-mtp" => {
+            serve.extend(["--mtp".to_string(), file])
+        }
+        (Some(file), Some(kind)) if kind == "draft-dflash" => {
+            serve.extend(["--dflash".to_string(), file])
+        }
+        (draft, kind) => {
+            if let Some(file) = draft {
+                pass.extend(["--model-draft".to_string(), file]);
+            }
+            if let Some(kind) = kind {
+                pass.extend(["--spec-type".to_string(), kind]);
+            }
+        }
+    }
+    if !serve.iter().any(|a| a == "-m") {
+        return Err(
+            "no model: pass -m MODEL.gguf (llama-server's -m/--model; 1bit downloads nothing)"
+                .to_string(),
+        );
+    }
+    if !port {
+        serve.extend(["--port".to_string(), LLAMA_SERVER_PORT.to_string()]);
+    }
+    if !pass.is_empty() {
+        serve.push("--".to_string());
+        serve.extend(pass);
+    }
+    Ok(serve)
+}
+
+/// A token after a flag of unknown arity is its value unless it is itself a flag; `-1` is a
+/// value.
+fn looks_like_value(token: &str) -> bool {
+    !token.starts_with('-') || token.parse::<f64>().is_ok()
+}
+
+fn example(flag: &str) -> &'static str {
+    match flag {
+        "-m" | "--model" => "model.gguf",
+        "--port" => "8080",
+        "-dev" | "--device" => "HRX0",
+        _ => "VALUE",
+    }
+}
+
+/// The route for a llama.cpp device name (or a comma list naming one route).
+fn route_of(devices: &str) -> Result<String, String> {
+    let mut route: Option<&str> = None;
+    for name in devices.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let Some((_, r)) = DEVICES.iter().find(|(d, _)| *d == name) else {
+            return Err(format!(
+                "--device {devices}: this build has no route for the llama.cpp device {name}; use HRX0, CPU or none, or leave --device out to let 1bit choose"
+            ));
+        };
+        if route.is_some_and(|seen| seen != *r) {
+            return Err(format!(
+                "--device {devices}: these devices are served by different routes; name one (HRX0, CPU or none)"
+            ));
+        }
+        route = Some(r);
+    }
+    route
+        .map(str::to_string)
+        .ok_or_else(|| format!("--device {devices}: name a device (HRX0, CPU or none)"))
+}
+
+/// Append the arguments given after `--` to the llama-server backend's argv, so they reach the
+/// real llama-server unchanged; refused on a route whose backend is not llama-server. Called by
+/// serve's `prepare` once the route has planned; does not block.
+pub fn pass_to_backend(plan: &mut Plan, args: &[String]) -> Result<(), Fatal> {
+    if args.is_empty() {
+        return Ok(());
+    }
+    match plan.backends.first_mut() {
+        Some(backend) if backend.engine == LLAMA_SERVER => {
+            backend.argv.extend(args.iter().cloned());
+            Ok(())
+        }
+        _ => Err(Fatal::usage(format!(
+            "{}: arguments for llama-server, but the {} route runs no llama-server; remove them or use --device hrx or cpu",
+            args.join(" "),
+            plan.device
+        ))),
+    }
+}
+
+/// The role routes llama-server serves only when started with one of its flags, and serve's
+/// own ways to get each: (paths, llama-server's flags, what serve answers instead of
+/// llama-server's "Start it with `--embeddings`").
+const ROLE_ROUTES: [(&[&str], &[&str], &str); 2] = [
+    (
+        &["/v1/embeddings", "/embeddings"],
+        &["--embedding", "--embeddings"],
+        "this server does not serve embeddings: start 1bit serve with --embedding (the model itself is an embedding model) or --embed MODEL.gguf (an embedding model beside it)",
+    ),
+    (
+        &["/v1/rerank", "/rerank", "/v1/reranking", "/reranking"],
+        &["--reranking", "--rerank"],
+        "this server does not rerank: start 1bit serve with --reranking (the model itself is a reranking model) or --rerank MODEL.gguf (a reranking model beside it)",
+    ),
+];
+
+/// Make the plan's rules say what its llama-server backend was started with: a role route the
+/// backend would refuse naming llama-server's own flag is answered 501 in serve's words
+/// (`--embedding`, `--embed FILE`), and slot actions reach a backend the user gave
+/// `--slot-save-path` (in `passed`, the arguments after `--`; a route's own slot directory stays
+/// the route's). Called by serve's `prepare` once the plan is final; does not block.
+pub fn align_rules(plan: &mut Plan, passed: &[String]) {
+    let Some(backend) = plan.backends.first().filter(|b| b.engine == LLAMA_SERVER) else {
+        return;
+    };
+    let has = |flags: &[&str]| backend.argv.iter().any(|a| flags.contains(&a.as_str()));
+    let answers: Vec<(&[&str], &str)> = ROLE_ROUTES
+        .iter()
+        .filter(|(_, flags, _)| !has(flags))
+        .map(|(paths, _, message)| (*paths, *message))
+        .collect();
+    let slots = passed
+        .iter()
+        .any(|a| a == "--slot-save-path" || a.starts_with("--slot-save-path="));
+    for rule in &mut plan.rules {
+        let to_backend = rule.action == (Action::Proxy { backend: 0 });
+        let refused = answers
+            .iter()
+            .find(|(paths, _)| to_backend && paths.contains(&rule.path.as_str()));
+        if let Some((_, message)) = refused {
+            rule.action = Action::Answer {
+                status: 501,
+                content_type: "application/json".to_string(),
+                body: serde_json::json!({"error": {
+                    "message": message,
+                    "type": "not_supported_error",
+                    "code": 501
+                }})
+                .to_string(),
+            };
+        } else if slots && rule.path == "/slots/*" && matches!(rule.action, Action::Answer { .. }) {
+            rule.action = Action::Proxy { backend: 0 };
+        }
+    }
+}
+
+/// The real llama-server `cargo xtask install` put beside this `1bit`
+/// (`<prefix>/lib/1bit/llama-server/llama-server`, apart from the `llama-server` link in
+/// `<prefix>/bin`), unless `ONEBIT_LLAMA_SERVER` names another. Called by serve's `prepare`
+/// when no `--llama-server` was given; reads the file system.
+pub fn installed_beside() -> Option<String> {
+    if std::env::var_os("ONEBIT_LLAMA_SERVER").is_some_and(|v| !v.is_empty()) {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    let path = exe
+        .parent()?
+        .parent()?
+        .join("lib/1bit/llama-server")
+        .join(LLAMA_SERVER);
+    use std::os::unix::fs::PermissionsExt;
+    let meta = path.metadata().ok()?;
+    (meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        .then(|| path.to_string_lossy().into_owned())
+}
+
+/// Refuse a plan whose backend program is this very `1bit` (a `llama-server` on PATH that is
+/// the drop-in link to serve): it would start itself again and again. Called by serve's
+/// `prepare`; reads the file system.
+pub fn refuse_self(plan: &Plan) -> Result<(), Fatal> {
+    let Some(me) = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.canonicalize().ok())
+    else {
+        return Ok(());
+    };
+    for backend in &plan.backends {
+        let Some(program) = backend.argv.first() else {
+            continue;
+        };
+        if Path::new(program).canonicalize().is_ok_and(|p| p == me) {
+            return Err(Fatal::usage(format!(
+                "the llama-server found ({program}) is 1bit itself, not llama.cpp's server; set ONEBIT_LLAMA_SERVER or --llama-server to the real llama-server (cargo xtask setup builds it)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "llama_server_cli_tests.rs"]
+mod tests;

@@ -1,0 +1,110 @@
+use super::*;
+
+fn words(s: &str) -> Vec<String> {
+    s.split_whitespace().map(str::to_string).collect()
+}
+
+#[test]
+fn lemonade_11_7s_command_line_becomes_serves() {
+    let serve = translate(&words(
+        "-m /m/a.gguf --ctx-size 4096 --port 8003 --jinja --metrics --reasoning-format auto --no-ui",
+    ))
+    .unwrap();
+    assert_eq!(
+        serve,
+        words("-m /m/a.gguf --ctx-size 4096 --port 8003 -- --reasoning-format auto --no-ui")
+    );
+}
+
+#[test]
+fn custom_arguments_pass_unchanged_with_their_values() {
+    let mut args = words("-m a.gguf --temp 0.6 --top-p 0.85 --seed -1 -kvu --chat-template-kwargs");
+    args.push(r#"{"preserve_thinking":true}"#.to_string());
+    args.extend(words(
+        "--no-mmproj-offload --cache-type-k=q8_0 --flash-attn on",
+    ));
+    let serve = translate(&args).unwrap();
+    let dash = serve.iter().position(|a| a == "--").unwrap();
+    let mut want = words("--temp 0.6 --top-p 0.85 --seed -1 -kvu --chat-template-kwargs");
+    want.push(r#"{"preserve_thinking":true}"#.to_string());
+    want.extend(words(
+        "--no-mmproj-offload --cache-type-k=q8_0 --flash-attn on",
+    ));
+    assert_eq!(serve[dash + 1..], want[..]);
+    assert_eq!(serve[..dash], words("-m a.gguf --port 8080")[..]);
+}
+
+#[test]
+fn devices_map_to_routes_and_an_unknown_one_is_refused() {
+    assert!(
+        translate(&words("-m a --device HRX0"))
+            .unwrap()
+            .contains(&"hrx".to_string())
+    );
+    assert!(
+        translate(&words("-m a -dev CPU"))
+            .unwrap()
+            .contains(&"cpu".to_string())
+    );
+    assert!(
+        translate(&words("-m a --device none"))
+            .unwrap()
+            .contains(&"cpu".to_string())
+    );
+    let err = translate(&words("-m a --device Vulkan0")).unwrap_err();
+    assert!(
+        err.contains("no route for the llama.cpp device Vulkan0"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'));
+}
+
+#[test]
+fn roles_projector_and_drafters_become_serves_flags() {
+    let serve = translate(&words("-m a --embeddings --mmproj p.gguf")).unwrap();
+    assert_eq!(serve, words("-m a --embedding --mmproj p.gguf --port 8080"));
+    let serve = translate(&words("-m a --reranking")).unwrap();
+    assert!(serve.contains(&"--reranking".to_string()));
+    let serve = translate(&words("-m a --model-draft d.gguf --spec-type draft-dflash")).unwrap();
+    assert_eq!(serve, words("-m a --dflash d.gguf --port 8080"));
+    let serve = translate(&words("-m a --spec-type draft-mtp -md h.gguf")).unwrap();
+    assert_eq!(serve, words("-m a --mtp h.gguf --port 8080"));
+    let serve = translate(&words("-m a --model-draft d.gguf")).unwrap();
+    assert_eq!(serve, words("-m a --port 8080 -- --model-draft d.gguf"));
+}
+
+#[test]
+fn downloads_are_refused_in_one_line() {
+    let err = translate(&words("-hf unsloth/Qwen3-0.6B-GGUF --port 1")).unwrap_err();
+    assert!(err.starts_with("-hf: 1bit downloads nothing"), "{err}");
+}
+
+#[test]
+fn the_name_llama_server_is_recognised_from_any_directory() {
+    assert!(invoked_as_llama_server("/usr/local/bin/llama-server"));
+    assert!(invoked_as_llama_server("llama-server"));
+    assert!(!invoked_as_llama_server("/usr/bin/1bit"));
+}
+
+#[test]
+fn a_command_line_without_a_model_is_refused_saying_what_to_pass() {
+    let err = translate(&words("--port 8003 --jinja")).unwrap_err();
+    assert!(err.starts_with("no model: pass -m MODEL.gguf"), "{err}");
+}
+
+#[test]
+fn rpc_workers_become_serves_own_flag_so_they_are_probed_and_counted() {
+    let serve = translate(&words(
+        "-m a.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052 -ngl 99",
+    ))
+    .unwrap();
+    assert_eq!(
+        serve,
+        words("-m a.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052 --port 8080 -- -ngl 99")
+    );
+    assert!(
+        translate(&words("-m a.gguf --rpc=h:1"))
+            .unwrap()
+            .contains(&"--rpc".to_string())
+    );
+}

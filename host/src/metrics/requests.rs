@@ -1,0 +1,261 @@
+//! serve's request series: `onebit_requests_total` by route path class, status class and the
+//! relay engine that carried the request, and `onebit_request_added_seconds`, the time serve
+//! itself adds to a relayed request.
+//!
+//! The added time is serve's own handling on either side of the backend: from the request's
+//! head in serve's hands to the request written to the backend, plus from the backend's reply
+//! head read to the reply head written (fast engine) or handed to hyper (general engine). The
+//! backend's own time (from the request written to its reply head read) is left out, and so
+//! are the kernel's socket hops and, on the general engine, hyper's parsing and writing, which
+//! happen outside serve's code. `cargo xtask bench hop` measures the whole hop from outside.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Which relay engine carried a request (`relay::plan` decides it).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Engine {
+    /// The fast engine, on the raw socket.
+    Fast,
+    /// The general engine (hyper, axum): rewrites, refusals, serve's own routes.
+    General,
+    /// An in-process route.
+    InProcess,
+}
+
+impl Engine {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Fast => "fast",
+            Engine::General => "general",
+            Engine::InProcess => "in_process",
+        }
+    }
+}
+
+impl EncodeLabelValue for Engine {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.as_str())
+    }
+}
+
+/// The kind of route a request asked for: a closed set, so a client cannot grow the series.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum PathClass {
+    /// `/v1/chat/completions`, `/chat/completions`.
+    Chat,
+    /// `/v1/completions`, `/completion`, `/completions`.
+    Completion,
+    /// `/v1/embeddings`, `/embedding(s)`.
+    Embedding,
+    /// `/v1/models`, `/models`.
+    Models,
+    /// `/health`, `/v1/health`.
+    Health,
+    /// `/metrics`.
+    Metrics,
+    /// Anything else (tokenize, slots, props, unknown paths).
+    Other,
+}
+
+impl PathClass {
+    /// The class of a request path (no query). Called per request; never allocates.
+    pub fn of(path: &str) -> PathClass {
+        let path = path.strip_prefix("/v1").unwrap_or(path);
+        match path {
+            "/chat/completions" => PathClass::Chat,
+            "/completions" | "/completion" => PathClass::Completion,
+            "/embeddings" | "/embedding" => PathClass::Embedding,
+            "/models" => PathClass::Models,
+            "/health" => PathClass::Health,
+            "/metrics" => PathClass::Metrics,
+            _ => PathClass::Other,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            PathClass::Chat => "chat",
+            PathClass::Completion => "completion",
+            PathClass::Embedding => "embedding",
+            PathClass::Models => "models",
+            PathClass::Health => "health",
+            PathClass::Metrics => "metrics",
+            PathClass::Other => "other",
+        }
+    }
+}
+
+impl EncodeLabelValue for PathClass {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.as_str())
+    }
+}
+
+/// A status's first digit: `2xx` .. `5xx`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct StatusClass(u8);
+
+impl StatusClass {
+    pub fn of(status: u16) -> StatusClass {
+        StatusClass((status / 100).clamp(1, 5) as u8)
+    }
+}
+
+impl EncodeLabelValue for StatusClass {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        write!(encoder, "{}xx", self.0)
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    path_class: PathClass,
+    status_class: StatusClass,
+    engine: Engine,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EngineLabels {
+    engine: Engine,
+}
+
+/// The histogram's bounds, in seconds: serve adds tens of microseconds to a relayed request.
+const ADDED_BUCKETS: [f64; 12] = [
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3,
+];
+
+fn added_histogram() -> Histogram {
+    Histogram::new(ADDED_BUCKETS)
+}
+
+/// The request series, kept in `App` for serve's life. Both engines record into it on the
+/// connection's task: a few atomic adds, no lock after a label set's first use.
+pub struct RequestSeries {
+    requests: Family<RequestLabels, Counter>,
+    added: Family<EngineLabels, Histogram, fn() -> Histogram>,
+    /// Whether each has a sample yet: a series without one is left out, not shown empty.
+    counted: AtomicBool,
+    timed: AtomicBool,
+}
+
+impl Default for RequestSeries {
+    fn default() -> Self {
+        RequestSeries {
+            requests: Family::default(),
+            added: Family::new_with_constructor(added_histogram),
+            counted: AtomicBool::new(false),
+            timed: AtomicBool::new(false),
+        }
+    }
+}
+
+impl RequestSeries {
+    /// One request answered with `status` (counted when its reply head goes out).
+    pub fn count(&self, path: PathClass, status: u16, engine: Engine) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                path_class: path,
+                status_class: StatusClass::of(status),
+                engine,
+            })
+            .inc();
+        if !self.counted.load(Ordering::Relaxed) {
+            self.counted.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The time serve added to one relayed request (see the module's text).
+    pub fn added(&self, engine: Engine, added: Duration) {
+        self.added
+            .get_or_create(&EngineLabels { engine })
+            .observe(added.as_secs_f64());
+        if !self.timed.load(Ordering::Relaxed) {
+            self.timed.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The series as Prometheus text; each is left out until it has a sample.
+    pub fn render(&self) -> String {
+        let mut registry = Registry::default();
+        if self.counted.load(Ordering::Relaxed) {
+            registry.register(
+                "onebit_requests",
+                "Requests answered, by route path class, status class and the relay engine that carried them",
+                self.requests.clone(),
+            );
+        }
+        if self.timed.load(Ordering::Relaxed) {
+            registry.register(
+                "onebit_request_added_seconds",
+                "serve's own time on a relayed request, the backend's time left out",
+                self.added.clone(),
+            );
+        }
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
+        super::text::strict_004(&out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_counter_is_typed_under_its_sample_name() {
+        let requests = RequestSeries::default();
+        requests.count(PathClass::Chat, 200, Engine::Fast);
+        let text = requests.render();
+        assert!(
+            text.contains("# TYPE onebit_requests_total counter"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"), "{text}");
+    }
+
+    #[test]
+    fn paths_fall_in_a_closed_set_of_classes() {
+        assert_eq!(PathClass::of("/v1/chat/completions"), PathClass::Chat);
+        assert_eq!(PathClass::of("/chat/completions"), PathClass::Chat);
+        assert_eq!(PathClass::of("/completion"), PathClass::Completion);
+        assert_eq!(PathClass::of("/v1/embeddings"), PathClass::Embedding);
+        assert_eq!(PathClass::of("/v1/health"), PathClass::Health);
+        assert_eq!(PathClass::of("/v1/chat/completions/x"), PathClass::Other);
+        assert_eq!(PathClass::of("/tokenize"), PathClass::Other);
+    }
+
+    #[test]
+    fn the_series_render_with_typed_labels() {
+        let series = RequestSeries::default();
+        assert_eq!(series.render(), "", "no sample, no series");
+        series.count(PathClass::Chat, 200, Engine::Fast);
+        series.count(PathClass::Chat, 200, Engine::Fast);
+        series.count(PathClass::Other, 404, Engine::General);
+        series.added(Engine::Fast, Duration::from_micros(30));
+        let text = series.render();
+        assert!(
+            text.contains(
+                r#"onebit_requests_total{path_class="chat",status_class="2xx",engine="fast"} 2"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            r#"onebit_requests_total{path_class="other",status_class="4xx",engine="general"} 1"#
+        ));
+        assert!(
+            text.contains(r#"onebit_request_added_seconds_bucket{le="5e-5",engine="fast"} 1"#)
+                || text.contains(
+                    r#"onebit_request_added_seconds_bucket{le="0.00005",engine="fast"} 1"#
+                ),
+            "{text}"
+        );
+    }
+}

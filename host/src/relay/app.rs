@@ -1,0 +1,54 @@
+//! `App`: what every request handler shares, the settings (fixed) beside the run-time state
+//! (status, pools, the watchdog, the route).
+
+use std::sync::{Arc, OnceLock};
+
+use crate::backends::health::{Status, StatusCell};
+use crate::backends::route_calls::RouteCalls;
+use crate::backends::watchdog::Watchdog;
+use crate::metrics;
+use crate::relay::pool::{BackendClient, BackendPool};
+use crate::settings::Settings;
+
+/// What the handlers share: the settings (`app.served_name` reads through to them) and the
+/// state that changes while serve runs.
+pub struct App {
+    pub settings: Settings,
+    /// Whether the model can take requests; the health monitor and `serve` set it.
+    pub status: Arc<StatusCell>,
+    /// The general engine's client (busy-polling).
+    pub client: BackendClient,
+    /// serve's own calls to the backends: metrics scrapes (and, in `serve`, health and the
+    /// route's host services).
+    pub probes: crate::backends::health::ProbeClient,
+    /// The turn route forwards take, when the route asks (`Settings::serialize_forwards`).
+    pub forward_turn: Arc<tokio::sync::Mutex<()>>,
+    pub route: RouteCalls,
+    /// The progress watchdog, set once the backends run (never, with `--watchdog 0`).
+    pub watchdog: OnceLock<Arc<Watchdog>>,
+    /// What `/metrics` reads besides the status.
+    pub metrics: metrics::Sources,
+    /// The fast engine's idle backend connections.
+    pub pool: BackendPool,
+    /// `onebit_requests_total` and the added-time histogram, recorded by both engines.
+    pub requests: metrics::requests::RequestSeries,
+}
+
+impl std::ops::Deref for App {
+    type Target = Settings;
+
+    fn deref(&self) -> &Settings {
+        &self.settings
+    }
+}
+
+impl App {
+    /// The status now; a read lock held for a clone.
+    pub fn status(&self) -> Status {
+        self.status.get()
+    }
+
+    pub fn set_status(&self, status: Status) {
+        self.status.set(status);
+    }
+}

@@ -1,0 +1,469 @@
+//! The general engine: the axum handler that relays, by its [`RelayPlan`], every request the
+//! fast engine does not carry: the route's table answers, route forwards (`forward` on a
+//! blocking thread), in-process routes, and the rewrites (`--precise`, the served name in a
+//! whole reply and in each streamed event); and every refusal. Replies stream through as the
+//! backend sends them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use onebit_plugin_api::{Forward, ForwardRequest};
+
+use crate::backends::watchdog::Ticket;
+use crate::error::ApiError;
+use crate::relay::App;
+use crate::relay::busy_poll::InFlight;
+use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
+use crate::relay::{in_process, sse_keepalive};
+
+/// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
+/// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
+/// route's `forward` goes to a blocking thread.
+pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Response {
+    // serve's added time runs from here to the response handed to hyper, less the backend's
+    // own time (`metrics::requests`).
+    let began = Instant::now();
+    let in_flight = InFlight::begin();
+    let decided = request.extensions_mut().remove::<Decided>();
+    let (parts, body) = request.into_parts();
+    let (plan, body_checked) = match decided {
+        Some(decided) => (decided.plan, decided.body_checked),
+        None => match RelayPlan::for_head(&app, parts.method.as_str(), parts.uri.path()) {
+            Ok(plan) => (plan, false),
+            Err(e) => return e.into_response(),
+        },
+    };
+    if let Target::Answer {
+        status,
+        content_type,
+        body,
+    } = &plan.target
+    {
+        return answer(*status, content_type, body.clone());
+    }
+
+    let has_body = parts.method != Method::GET && parts.method != Method::HEAD;
+    let body = if has_body {
+        match read_json_body(&app, &parts.headers, body).await {
+            Ok(bytes) => bytes,
+            Err(e) => return e.into_response(),
+        }
+    } else {
+        Bytes::new()
+    };
+    let plan = if has_body && !body_checked {
+        let content_type = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.as_bytes());
+        match plan::check_body(content_type, &body) {
+            Ok(streamed) => plan.with_body(&app, streamed),
+            Err(e) => return e.into_response(),
+        }
+    } else {
+        plan
+    };
+
+    // --precise: every chat and completion is prefilled whole, as a cold run is.
+    let body = if plan.precise {
+        without_prompt_cache(body)
+    } else {
+        body
+    };
+
+    // For a route that asks to, its forwards take turns: the turn is held from asking the
+    // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
+    let mut on_first_byte: Option<FirstByte> = None;
+    let (backend, body) = match &plan.target {
+        Target::Backend(backend) => (*backend, body),
+        Target::AskRoute => {
+            let turn = if app.serialize_forwards {
+                Some(app.forward_turn.clone().lock_owned().await)
+            } else {
+                None
+            };
+            let asked_at = std::time::Instant::now();
+            match ask_route(&app, &parts.method, &parts.uri, &body).await {
+                Ok(Forward::Proxy {
+                    backend,
+                    body: rewritten,
+                    first_byte_line,
+                }) => {
+                    on_first_byte = Some(FirstByte {
+                        asked_at,
+                        line: first_byte_line,
+                        _turn: turn,
+                    });
+                    (backend, rewritten.map(Bytes::from).unwrap_or(body))
+                }
+                Ok(Forward::Answer {
+                    status,
+                    content_type,
+                    body,
+                }) => return answer(status, &content_type, body),
+                Err(e) => return e.into_response(),
+            }
+        }
+        Target::InProcess => {
+            return in_process::respond(&app, &plan, &parts, body, in_flight).await;
+        }
+        Target::Answer { .. } => unreachable!("answered above"),
+    };
+    let Some(port) = app.ports.get(backend).copied() else {
+        return ApiError::BadGateway(format!(
+            "the route named backend {backend}, which it did not start"
+        ))
+        .into_response();
+    };
+
+    // An inference request is watched from before it is sent: waiting for the reply's head
+    // counts against it too.
+    let ticket = match app.watchdog.get() {
+        Some(dog) if plan.watched => Some(dog.track(
+            parts.method.as_str(),
+            parts.uri.path(),
+            plan.streamed,
+            backend,
+            body.len(),
+        )),
+        _ => None,
+    };
+    let upstream = match upstream_request(parts, port, body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let sent_at = Instant::now();
+    let pending = app.client.request(upstream);
+    // A streamed inference request whose backend stays silent before its head (a long
+    // prefill) gets its reply begun by serve, with comments in the silences.
+    let reply = match sse_keepalive::wait_head(pending, plan.inference && plan.streamed).await {
+        sse_keepalive::Waited::Arrived(Ok(reply)) => reply,
+        sse_keepalive::Waited::Arrived(Err(e)) => {
+            return ApiError::no_answer(&app.device, &error_chain(&e)).into_response();
+        }
+        sse_keepalive::Waited::Silent(pending) => {
+            app.requests.added(
+                Engine::General,
+                began.elapsed().saturating_sub(sent_at.elapsed()),
+            );
+            let wrap = move |body| watched(body, ticket, on_first_byte, in_flight);
+            return sse_keepalive::early_stream(pending, wrap, app.device.clone());
+        }
+    };
+    let mut backend_time = sent_at.elapsed();
+    let added = |backend_time: Duration| {
+        let added = began.elapsed().saturating_sub(backend_time);
+        app.requests.added(Engine::General, added);
+    };
+    let (mut reply_parts, reply_body) = reply.into_parts();
+    plan::filter(Way::Reply, &mut reply_parts.headers);
+    let reply_body = watched(reply_body, ticket, on_first_byte, in_flight);
+    let json_reply = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if plan.name_reply && json_reply {
+        // A whole JSON reply: name the model as serve serves it.
+        let collecting = Instant::now();
+        let collected = reply_body.collect().await;
+        backend_time += collecting.elapsed();
+        let bytes = match collected {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) => {
+                return ApiError::BadGateway(format!(
+                    "the {} backend broke off its reply ({})",
+                    app.device,
+                    error_chain(&e)
+                ))
+                .into_response();
+            }
+        };
+        let bytes = with_model_name(bytes, &app.served_name);
+        reply_parts.headers.remove(header::CONTENT_LENGTH);
+        added(backend_time);
+        return Response::from_parts(reply_parts, Body::from(bytes));
+    }
+    // Streamed as it arrives: dropping this response (a client that went away) drops the
+    // upstream body, which closes the backend connection, and the engine stops generating.
+    if plan.rename_stream {
+        // The engine cannot be told the served name (ds4-server has no alias): name it in
+        // every event as it passes.
+        let mut events = SseRenamer::new(app.served_name.clone());
+        added(backend_time);
+        let renamed = reply_body.map_frame(move |frame| match frame.into_data() {
+            Ok(data) => hyper::body::Frame::data(events.feed(&data)),
+            Err(frame) => frame,
+        });
+        return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
+    }
+    added(backend_time);
+    // Comments go only into an event stream (a streamed request's error reply is JSON).
+    let event_stream = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    Response::from_parts(
+        reply_parts,
+        sse_keepalive::during(reply_body, plan.inference && plan.streamed && event_stream),
+    )
+}
+
+/// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
+/// and the forward turn (if held) is released.
+struct FirstByte {
+    asked_at: std::time::Instant,
+    line: Option<String>,
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl FirstByte {
+    fn arrived(self) {
+        if let Some(line) = self.line {
+            let ms = format!("{:.1}", self.asked_at.elapsed().as_secs_f64() * 1000.0);
+            eprintln!("{}", line.replace("{first_byte_ms}", &ms));
+        }
+    }
+}
+
+/// The backend's reply body, stamping the request's watchdog ticket with every frame (the
+/// reply's head counts as progress too). The ticket and the in-flight count ride on the body,
+/// so the request stops being watched and counted when the body is dropped: finished, or the
+/// client left.
+fn watched(
+    body: hyper::body::Incoming,
+    ticket: Option<Ticket>,
+    first_byte: Option<FirstByte>,
+    in_flight: InFlight,
+) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
+    if let Some(ticket) = &ticket {
+        ticket.progress(0);
+    }
+    let mut first_byte = first_byte;
+    body.map_frame(move |frame| {
+        let _counted = &in_flight;
+        if let Some(data) = frame.data_ref() {
+            if let Some(ticket) = &ticket {
+                ticket.progress(data.len());
+            }
+            if let Some(first) = first_byte.take() {
+                first.arrived();
+            }
+        }
+        frame
+    })
+    .boxed_unsync()
+}
+
+fn answer(status: u16, content_type: &str, body: String) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (status, body).into_response();
+    if let Ok(ct) = HeaderValue::from_str(content_type) {
+        response.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    response
+}
+
+/// Read a request body that must be JSON: refuse a non-JSON Content-Type, a declared length
+/// over the limit (before reading a byte), a body that grows past it (the read stops there)
+/// and one that takes longer than the body timeout. Called by `relay` before anything reaches
+/// a backend; [`plan::check_body`] then checks what was read.
+async fn read_json_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    // A form that is not JSON is refused before its body is read.
+    plan::check_content_type(headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()))?;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > app.body_limit as u64) {
+        return Err(ApiError::TooLarge {
+            limit: app.body_limit,
+        });
+    }
+    let bytes =
+        match tokio::time::timeout(app.body_timeout, axum::body::to_bytes(body, app.body_limit))
+            .await
+        {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(e)) => return Err(body_error(e, app.body_limit)),
+            Err(_) => {
+                return Err(ApiError::BodyTimeout {
+                    after: app.body_timeout,
+                });
+            }
+        };
+    Ok(bytes)
+}
+
+fn body_error(e: axum::Error, limit: usize) -> ApiError {
+    let too_large = std::error::Error::source(&e)
+        .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+        || e.to_string().contains("length limit");
+    if too_large {
+        ApiError::TooLarge { limit }
+    } else {
+        ApiError::BadJson(format!("the body could not be read: {e}"))
+    }
+}
+
+/// The request to the backend on `port`: the client's method, path, query and headers (moved,
+/// not copied: the hot path builds no second header map) that pass `headers::passes`
+/// upstream; hyper writes Host and Content-Length, as `headers::upstream_head` does for the
+/// fast engine.
+fn upstream_request(
+    parts: axum::http::request::Parts,
+    port: u16,
+    body: Bytes,
+) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let target: Uri = format!("http://127.0.0.1:{port}{path_and_query}")
+        .parse()
+        .map_err(|e| ApiError::BadJson(format!("the request path is not valid: {e}")))?;
+    let mut request = hyper::Request::new(Full::new(body));
+    *request.method_mut() = parts.method;
+    *request.uri_mut() = target;
+    let headers = request.headers_mut();
+    *headers = parts.headers;
+    plan::filter(Way::Upstream, headers);
+    Ok(request)
+}
+
+/// Ask the route what to do with a request, on a blocking thread.
+async fn ask_route(
+    app: &Arc<App>,
+    method: &Method,
+    uri: &Uri,
+    body: &Bytes,
+) -> Result<Forward, ApiError> {
+    let request = ForwardRequest {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+        query: uri.query().unwrap_or("").to_string(),
+        body: String::from_utf8_lossy(body).into_owned(),
+    };
+    let route = app.route.clone();
+    tokio::task::spawn_blocking(move || route.forward(&request))
+        .await
+        .map_err(|e| ApiError::BadGateway(format!("the route's forward did not finish: {e}")))?
+        .map_err(|e| ApiError::BadGateway(format!("the route could not forward the request: {e}")))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+// The rewrites only this engine makes: `--precise`, the served name in replies and events.
+
+/// Rewrites the `model` field of each SSE `data:` event to the served name, event by event:
+/// complete lines go out as they arrive, a partial line waits for the rest of it.
+pub struct SseRenamer {
+    served: String,
+    partial: Vec<u8>,
+}
+
+impl SseRenamer {
+    pub fn new(served: String) -> Self {
+        SseRenamer {
+            served,
+            partial: Vec::new(),
+        }
+    }
+
+    pub fn feed(&mut self, data: &[u8]) -> Bytes {
+        self.partial.extend_from_slice(data);
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
+            return Bytes::new();
+        };
+        let rest = self.partial.split_off(end + 1);
+        let complete = std::mem::replace(&mut self.partial, rest);
+        let mut out = Vec::with_capacity(complete.len() + 16);
+        for line in complete.split_inclusive(|b| *b == b'\n') {
+            match line.strip_prefix(b"data: ") {
+                Some(json) if json.starts_with(b"{") => {
+                    let body = json.strip_suffix(b"\n").unwrap_or(json);
+                    let body = body.strip_suffix(b"\r").unwrap_or(body);
+                    let renamed = with_model_name(Bytes::copy_from_slice(body), &self.served);
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(&renamed);
+                    out.push(b'\n');
+                }
+                _ => out.extend_from_slice(line),
+            }
+        }
+        Bytes::from(out)
+    }
+}
+
+/// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
+pub fn without_prompt_cache(body: Bytes) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return body;
+    };
+    match value.as_object_mut() {
+        Some(object) => {
+            object.insert("cache_prompt".to_string(), serde_json::Value::Bool(false));
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(body)
+        }
+        None => body,
+    }
+}
+
+/// Put `served` in a JSON object reply's `model` field; anything else is left as it came.
+pub fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return bytes;
+    };
+    match value.get_mut("model") {
+        Some(serde_json::Value::String(model)) if model != served => {
+            *model = served.to_string();
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
+        }
+        _ => bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reply_model_becomes_the_served_name_and_other_bytes_pass() {
+        let out = with_model_name(Bytes::from_static(br#"{"model":"x.gguf","n":1}"#), "smol");
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["model"], "smol");
+        assert_eq!(v["n"], 1);
+        let same = Bytes::from_static(br#"{"model":"smol"}"#);
+        assert_eq!(with_model_name(same.clone(), "smol"), same);
+        let text = Bytes::from_static(b"not json");
+        assert_eq!(with_model_name(text.clone(), "smol"), text);
+    }
+
+    #[test]
+    fn streamed_events_get_the_served_name_even_when_split_across_frames() {
+        let mut r = SseRenamer::new("smol".into());
+        let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
+        assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
+        let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            &second[..],
+            b"data: {\"model\":\"smol\"}\n\ndata: [DONE]\n\n"
+        );
+    }
+}

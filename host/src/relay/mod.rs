@@ -1,0 +1,28 @@
+//! The relay: how a request reaches its backend and the reply comes back.
+//!
+//! Each request gets one decision, a [`plan::RelayPlan`]: where it goes, what is rewritten,
+//! whether the watchdog tracks it, which engine carries it. Two engines carry requests. The
+//! fast engine (`fast`) serves every client connection first, on the raw socket, and carries
+//! the plans that need no rewrite; it hands every other request, with its plan and the bytes
+//! read so far, to the general engine (`general`: hyper and axum), which carries the rest
+//! (the rewrites, the route's `forward`, `in_process`). Which headers pass and the backend's
+//! request head are `plan`'s one function each; the backend connections are `pool`'s; both
+//! engines read and write through `busy_poll`, and both put SSE comments in a stream's
+//! silences through `sse_keepalive`.
+
+pub mod app;
+pub mod busy_poll;
+pub mod fast;
+pub mod general;
+pub mod in_process;
+pub mod plan;
+pub mod pool;
+pub mod sse_keepalive;
+pub mod wire;
+
+pub use app::App;
+
+/// Resolves once serve is told to stop (or the sender is gone).
+pub async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}

@@ -1,0 +1,487 @@
+//! The relay decision: one [`RelayPlan`] per request, made once from its head (and its body's
+//! `stream` flag when it has a body), by whichever engine reads the request first.
+//!
+//! The plan says where the request goes (a backend, an answer of the route's table, the route
+//! asked at run time, an in-process route), which rewrites it needs (the served name in the
+//! reply, `--precise`, the served name in each streamed event), whether the watchdog tracks it,
+//! and which engine can carry it. The fast engine carries the plans whose engine is
+//! [`Engine::Fast`]; it hands every other request, with its plan, to the general engine, which
+//! carries it without deciding again. Which headers pass in each direction ([`passes`]) and
+//! the head the backend gets ([`upstream_head`]) are decided here too, once for both engines.
+
+use axum::http::{HeaderMap, HeaderName, header};
+use onebit_plugin_api::{Action, Rule};
+use serde::Deserialize;
+
+use crate::backends::health::Status;
+use crate::error::ApiError;
+/// Which engine carries a request: also the label of `onebit_requests_total`.
+pub use crate::metrics::requests::Engine;
+use crate::relay::App;
+
+/// Where a request goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// Straight to the backend with this index in the plan's order (a `Proxy` rule).
+    Backend(usize),
+    /// The route's table answers it itself (an `Answer` rule, e.g. a 501).
+    Answer {
+        status: u16,
+        content_type: String,
+        body: String,
+    },
+    /// The route is asked at run time (`forward`): a backend with a rewritten body, or an
+    /// answer. Only the general engine carries it (it calls into the route on a blocking
+    /// thread).
+    AskRoute,
+    /// Answered by an in-process route, not over a socket. No table names one yet; the general
+    /// engine's `relay::in_process` is the seam where one is wired.
+    InProcess,
+}
+
+/// The one decision for one request. Made by [`RelayPlan::for_head`], completed by
+/// [`RelayPlan::with_body`]; read by both engines on the connection's task.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RelayPlan {
+    pub target: Target,
+    /// The route marked the rule as inference (chats, completions): the watchdog tracks it,
+    /// and the rewrites below may apply.
+    pub inference: bool,
+    /// The body asked for a streamed reply (`"stream": true`).
+    pub streamed: bool,
+    /// `--precise`: the body goes with `cache_prompt` false.
+    pub precise: bool,
+    /// A whole JSON reply gets the served name in `model`.
+    pub name_reply: bool,
+    /// Each streamed event gets the served name in `model` (`Plan::rename_in_streams`).
+    pub rename_stream: bool,
+    /// The request holds a watchdog ticket (when serve runs a watchdog).
+    pub watched: bool,
+    /// Which engine can carry it.
+    pub engine: Engine,
+}
+
+impl RelayPlan {
+    /// The plan from the request's method and path: its rule in the route's table, and
+    /// whether serve can take it now. A refusal (no rule: 404; not ready: 503) is the
+    /// general engine's to send. The plan assumes no body until [`with_body`](Self::with_body).
+    pub fn for_head(app: &App, method: &str, path: &str) -> Result<RelayPlan, ApiError> {
+        let Some(rule) = app.rule_for(method, path) else {
+            return Err(ApiError::NotFound {
+                method: method.to_string(),
+                path: path.to_string(),
+            });
+        };
+        let plan = RelayPlan::for_rule(app, rule);
+        if !matches!(plan.target, Target::Answer { .. }) {
+            // An answer of the table needs no backend; everything else needs serve ready.
+            match app.status() {
+                Status::Ready => {}
+                Status::Loading => {
+                    return Err(ApiError::Unavailable(
+                        "the model is loading; retry when /health answers 200".into(),
+                    ));
+                }
+                Status::Down(reason) | Status::Failed(reason) => {
+                    return Err(ApiError::Unavailable(reason));
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    fn for_rule(app: &App, rule: &Rule) -> RelayPlan {
+        let target = match &rule.action {
+            Action::Proxy { backend } => Target::Backend(*backend),
+            Action::AskRoute => Target::AskRoute,
+            Action::InProcess => Target::InProcess,
+            Action::Answer {
+                status,
+                content_type,
+                body,
+            } => Target::Answer {
+                status: *status,
+                content_type: content_type.clone(),
+                body: body.clone(),
+            },
+        };
+        RelayPlan {
+            target,
+            inference: rule.inference,
+            streamed: false,
+            precise: false,
+            name_reply: false,
+            rename_stream: false,
+            watched: false,
+            engine: Engine::General,
+        }
+        .settle(app.precise, app.rename_in_streams)
+    }
+
+    /// The plan once the body's `stream` flag is known (false without a body).
+    pub fn with_body(mut self, app: &App, streamed: bool) -> RelayPlan {
+        self.streamed = streamed;
+        self.settle(app.precise, app.rename_in_streams)
+    }
+
+    /// Work out the rewrites, the watch and the engine from the target and the flags.
+    fn settle(mut self, precise: bool, rename_in_streams: bool) -> RelayPlan {
+        // The served-name rules hold for an in-process answer as for a relayed one; the
+        // watchdog covers only a backend's progress (an in-process route has no child to kill).
+        let relayed = matches!(self.target, Target::Backend(_) | Target::AskRoute);
+        let answered = relayed || self.target == Target::InProcess;
+        let inference = answered && self.inference;
+        self.precise = inference && precise;
+        self.name_reply = inference && !self.streamed;
+        self.rename_stream = inference && self.streamed && rename_in_streams;
+        self.watched = relayed && self.inference;
+        self.engine = match self.target {
+            Target::InProcess => Engine::InProcess,
+            Target::Backend(_) if !self.precise && !self.name_reply && !self.rename_stream => {
+                Engine::Fast
+            }
+            _ => Engine::General,
+        };
+        self
+    }
+
+    /// Whether the fast engine can carry it.
+    pub fn fast(&self) -> bool {
+        self.engine == Engine::Fast
+    }
+}
+
+/// A request the fast engine read, judged and planned, handed to the general engine with its
+/// connection: the general engine takes the plan instead of deciding again. Rides as a request
+/// extension on the first request hyper reads from the handed connection.
+#[derive(Clone, Debug)]
+pub struct Decided {
+    pub plan: RelayPlan,
+    /// The body was read and checked (UTF-8, a JSON object, an accepted Content-Type) by the
+    /// fast engine; false when it had not all arrived.
+    pub body_checked: bool,
+}
+
+// Which headers pass, and the backend's request head: part of the same decision.
+
+/// Headers that belong to one connection, not to the message (lowercase, as `http` keeps
+/// names); both relay paths drop them.
+const HOP_HEADERS: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Whether a header (any case) belongs to one connection, not to the message.
+pub fn is_hop_header(name: &str) -> bool {
+    HOP_HEADERS.iter().any(|h| name.eq_ignore_ascii_case(h))
+}
+
+/// Whether a header (any case) is a CORS header. llama-server answers any Origin with
+/// `Access-Control-Allow-Origin` (and credentials), which would let any web page read the
+/// replies it can make a browser request; serve sends no CORS headers at all
+/// (docs/security.md).
+pub fn is_cors_header(name: &str) -> bool {
+    name.get(..15)
+        .is_some_and(|p| p.eq_ignore_ascii_case("access-control-"))
+}
+
+/// The direction a message is passed on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// The client's request, to the backend.
+    Upstream,
+    /// The backend's reply, to the client.
+    Reply,
+}
+
+/// Whether a header of a message passed on in `way` goes through: not a hop-by-hop header, not
+/// one its `Connection` headers name (`connection`: their values as sent), and besides, toward
+/// the backend, not `Host` or `Content-Length` (the engine writes its own) nor
+/// `Authorization` (the API key stays with serve), and toward the client, no CORS header. Framing headers of a reply (`Content-Length`) are the engine's.
+/// Called per header by both engines on the connection's task; never blocks or allocates.
+pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
+    if is_hop_header(name) || named_by_connection(name, connection) {
+        return false;
+    }
+    match way {
+        // Authorization is serve's (its API key) or nothing the backend asked for: serve's
+        // backends take no key, and a client's key must not reach them.
+        Way::Upstream => {
+            !name.eq_ignore_ascii_case("host")
+                && !name.eq_ignore_ascii_case("content-length")
+                && !name.eq_ignore_ascii_case("authorization")
+        }
+        Way::Reply => !is_cors_header(name),
+    }
+}
+
+/// Whether one of the `Connection` header values names `name` (a header that belongs to this
+/// connection only, RFC 9110 7.6.1).
+fn named_by_connection(name: &str, connection: &[&[u8]]) -> bool {
+    connection.iter().any(|value| {
+        value
+            .split(|b| *b == b',')
+            .any(|token| token.trim_ascii().eq_ignore_ascii_case(name.as_bytes()))
+    })
+}
+
+/// [`passes`] applied to a header map (the general engine's messages).
+pub fn filter(way: Way, headers: &mut HeaderMap) {
+    let connection: Vec<Vec<u8>> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .map(|v| v.as_bytes().to_vec())
+        .collect();
+    let connection: Vec<&[u8]> = connection.iter().map(Vec::as_slice).collect();
+    let dropped: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| !passes(way, name.as_str(), &connection))
+        .cloned()
+        .collect();
+    for name in dropped {
+        headers.remove(name);
+    }
+}
+
+/// The request head the backend on `port` gets, appended to `out`: the client's method and
+/// target, `Host` naming the backend, the client's headers that pass [`Way::Upstream`] (given
+/// its `Connection` header values), and `Content-Length` when the request has a body. The
+/// fast engine writes it as is; the general engine's hyper client writes the same head from
+/// the map [`filter`] leaves.
+pub fn upstream_head<'h>(
+    out: &mut Vec<u8>,
+    method: &str,
+    target: &str,
+    port: u16,
+    headers: impl Iterator<Item = (&'h str, &'h [u8])>,
+    connection: &[&[u8]],
+    body_len: Option<usize>,
+) {
+    out.extend_from_slice(method.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nHost: 127.0.0.1:");
+    out.extend_from_slice(port.to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        if !passes(Way::Upstream, name, connection) {
+            continue;
+        }
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    if let Some(len) = body_len {
+        out.extend_from_slice(b"Content-Length: ");
+        out.extend_from_slice(len.to_string().as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+// The body's JSON checks: one function, for both engines.
+
+/// Only the one field serve needs from a request body; serde still checks the whole body is
+/// well-formed JSON and an object, without building it.
+#[derive(Deserialize)]
+struct RequestShape {
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+/// Content types serve reads as JSON: `application/json` and `+json` types (any parameters),
+/// and `application/x-www-form-urlencoded`, which `curl -d` sends for a JSON body. A browser
+/// form's other types (`text/plain`, `multipart/form-data`) are refused; see docs/security.md.
+pub fn json_content_type(value: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return false;
+    };
+    let essence = text.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || essence.eq_ignore_ascii_case("application/x-www-form-urlencoded")
+        || essence
+            .get(..12)
+            .is_some_and(|p| p.eq_ignore_ascii_case("application/"))
+            && essence
+                .get(essence.len().saturating_sub(5)..)
+                .is_some_and(|s| s.eq_ignore_ascii_case("+json"))
+}
+
+/// Refuse a Content-Type serve does not read as JSON (see [`json_content_type`]); none is fine.
+pub fn check_content_type(content_type: Option<&[u8]>) -> Result<(), ApiError> {
+    match content_type {
+        Some(ct) if !json_content_type(ct) => Err(ApiError::BadContentType(
+            String::from_utf8_lossy(ct).chars().take(100).collect(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The JSON checks of a request body: an accepted Content-Type, UTF-8, one JSON object (serde
+/// checks the whole body without building it). Returns its `stream` flag. Called by both
+/// engines on the connection's task, once per request: the fast engine passes a body it
+/// checked on with [`Decided::body_checked`].
+pub fn check_body(content_type: Option<&[u8]>, body: &[u8]) -> Result<bool, ApiError> {
+    check_content_type(content_type)?;
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(ApiError::BadJson(format!("it is not UTF-8: {e}")));
+    }
+    match serde_json::from_slice::<RequestShape>(body) {
+        Ok(shape) => Ok(shape.stream.unwrap_or(false)),
+        Err(e) => Err(ApiError::BadJson(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(target: Target, inference: bool, streamed: bool) -> RelayPlan {
+        RelayPlan {
+            target,
+            inference,
+            streamed,
+            precise: false,
+            name_reply: false,
+            rename_stream: false,
+            watched: false,
+            engine: Engine::General,
+        }
+    }
+
+    #[test]
+    fn the_fast_engine_carries_what_needs_no_rewrite() {
+        // A streamed inference request, plainly proxied: fast, watched.
+        let p = plan(Target::Backend(0), true, true).settle(false, false);
+        assert_eq!((p.engine, p.watched), (Engine::Fast, true));
+        // Not inference (tokenize, embeddings): fast, not watched.
+        let p = plan(Target::Backend(0), false, false).settle(true, true);
+        assert_eq!((p.engine, p.watched), (Engine::Fast, false));
+        // A non-streamed inference reply gets the served name: general.
+        let p = plan(Target::Backend(0), true, false).settle(false, false);
+        assert_eq!((p.engine, p.name_reply), (Engine::General, true));
+        // --precise rewrites the body; renaming streams rewrites the events.
+        let p = plan(Target::Backend(0), true, true).settle(true, false);
+        assert_eq!((p.engine, p.precise), (Engine::General, true));
+        let p = plan(Target::Backend(0), true, true).settle(false, true);
+        assert_eq!((p.engine, p.rename_stream), (Engine::General, true));
+        // The route asked, or the table's answer: general; in process: its own engine.
+        assert_eq!(
+            plan(Target::AskRoute, true, true)
+                .settle(false, false)
+                .engine,
+            Engine::General
+        );
+        let answer = Target::Answer {
+            status: 501,
+            content_type: "application/json".into(),
+            body: "{}".into(),
+        };
+        let p = plan(answer, true, false).settle(true, true);
+        assert_eq!(
+            (p.engine, p.watched, p.precise),
+            (Engine::General, false, false)
+        );
+        assert_eq!(
+            plan(Target::InProcess, false, false)
+                .settle(false, false)
+                .engine,
+            Engine::InProcess
+        );
+    }
+
+    #[test]
+    fn hop_connection_named_cors_and_framing_headers_do_not_pass() {
+        let conn: &[&[u8]] = &[b"keep-alive, X-Secret"];
+        for name in [
+            "Connection",
+            "Keep-Alive",
+            "TE",
+            "Transfer-Encoding",
+            "x-secret",
+        ] {
+            assert!(!passes(Way::Upstream, name, conn), "{name}");
+            assert!(!passes(Way::Reply, name, conn), "{name}");
+        }
+        assert!(!passes(Way::Upstream, "Host", conn));
+        assert!(!passes(Way::Upstream, "content-length", conn));
+        assert!(passes(Way::Reply, "content-type", conn));
+        assert!(!passes(Way::Reply, "Access-Control-Allow-Origin", conn));
+        assert!(passes(Way::Upstream, "Access-Control-Request-Method", conn));
+        assert!(passes(Way::Upstream, "x-secret-not", conn));
+    }
+
+    #[test]
+    fn the_upstream_head_names_the_backend_and_its_own_length() {
+        let headers: [(&str, &[u8]); 5] = [
+            ("Host", b"localhost:8080"),
+            ("Connection", b"close, X-Drop"),
+            ("X-Drop", b"1"),
+            ("Content-Length", b"7"),
+            ("Content-Type", b"application/json"),
+        ];
+        let mut out = Vec::new();
+        upstream_head(
+            &mut out,
+            "POST",
+            "/v1/x?a=1",
+            9000,
+            headers.iter().copied(),
+            &[b"close, X-Drop"],
+            Some(2),
+        );
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:9000\r\n\
+             Content-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn a_header_map_is_filtered_by_the_same_rule() {
+        let mut headers = HeaderMap::new();
+        headers.insert("access-control-allow-origin", "*".parse().unwrap());
+        headers.insert(header::CONNECTION, "x-hop".parse().unwrap());
+        headers.insert("x-hop", "1".parse().unwrap());
+        headers.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
+        filter(Way::Reply, &mut headers);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn json_content_types() {
+        for yes in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/x-www-form-urlencoded",
+            "application/vnd.api+json",
+        ] {
+            assert!(json_content_type(yes.as_bytes()), "{yes}");
+        }
+        for no in [
+            "text/plain",
+            "multipart/form-data; boundary=x",
+            "application/xml",
+            "",
+            "+json",
+        ] {
+            assert!(!json_content_type(no.as_bytes()), "{no}");
+        }
+    }
+
+    #[test]
+    fn request_shape_accepts_objects_only() {
+        assert!(serde_json::from_slice::<RequestShape>(br#"{"stream":true,"x":[1]}"#).is_ok());
+        assert!(serde_json::from_slice::<RequestShape>(b"[1,2]").is_err());
+        assert!(serde_json::from_slice::<RequestShape>(b"{bad").is_err());
+        assert!(serde_json::from_slice::<RequestShape>(b"").is_err());
+    }
+}

@@ -1,0 +1,108 @@
+//! The relay's connections to the backends: the fast engine's own pool of idle keep-alive
+//! sockets, and the general engine's pooled hyper client. Both busy-poll (`busy_poll`).
+
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::Uri;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::relay::busy_poll::{BusyPollStream, Side};
+
+/// Idle backend connections kept for reuse, all backends together.
+const MAX_IDLE: usize = 128;
+
+/// Idle keep-alive connections to the backends, the most recently used last.
+#[derive(Default)]
+pub struct BackendPool {
+    idle: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    port: u16,
+    conn: BusyPollStream,
+}
+
+impl BackendPool {
+    /// An idle connection to `port` that the backend has not closed, else a new one; whether
+    /// it was reused. Each idle connection is asked (one non-blocking `MSG_PEEK`) whether the
+    /// backend closed it before a request goes on it: a close seen then costs nothing, while
+    /// one seen after the request is sent may mean the backend took the request, which must
+    /// not be sent twice. Called by the fast engine on the connection's task.
+    pub async fn checkout(&self, port: u16) -> std::io::Result<(BusyPollStream, bool)> {
+        loop {
+            let found = {
+                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                idle.iter()
+                    .rposition(|i| i.port == port)
+                    .map(|i| idle.remove(i))
+            };
+            match found {
+                Some(idle) if idle.conn.is_idle_open() => return Ok((idle.conn, true)),
+                Some(_) => continue,
+                None => break,
+            }
+        }
+        Ok((self.connect(port).await?, false))
+    }
+
+    /// A new connection to `port`, never a pooled one (the fast engine's one retry takes it).
+    pub async fn connect(&self, port: u16) -> std::io::Result<BusyPollStream> {
+        let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+        tcp.set_nodelay(true)?;
+        Ok(BusyPollStream::new(tcp, Side::Backend))
+    }
+
+    /// Keep a connection whose reply ended cleanly for the next request to `port`.
+    pub fn checkin(&self, port: u16, conn: BusyPollStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() >= MAX_IDLE {
+            idle.remove(0);
+        }
+        idle.push(Idle { port, conn });
+    }
+}
+
+/// The general engine's pooled client toward the backends.
+pub type BackendClient = Client<BackendConnector, Full<Bytes>>;
+
+/// The general engine's client toward the backends: its sockets busy-poll for replies. Built
+/// once by `serve`, on the runtime.
+pub fn backend_client() -> BackendClient {
+    crate::backends::health::pooled_client(|http| BackendConnector { http })
+}
+
+/// hyper-util's TCP connector, handing out [`BusyPollStream`]s (`busy_poll`).
+#[derive(Clone)]
+pub struct BackendConnector {
+    http: HttpConnector,
+}
+
+type ConnectError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower_service::Service<Uri> for BackendConnector {
+    type Response = TokioIo<BusyPollStream>;
+    type Error = ConnectError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, ConnectError>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), ConnectError>> {
+        self.http.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let connecting = self.http.call(uri);
+        Box::pin(async move {
+            let tcp = connecting.await?.into_inner();
+            Ok(TokioIo::new(BusyPollStream::new(tcp, Side::Backend)))
+        })
+    }
+}

@@ -1,0 +1,460 @@
+//! SSE keep-alive: a streamed reply whose backend has been silent for `--sse-keepalive-s`
+//! seconds (a long prefill, say) gets an SSE comment, `: keep-alive`, at an event boundary, so
+//! a client that gives up on a silent stream (Lemonade 11.8's stall timer) keeps it. Both relay
+//! engines use the one tracker here: the fast path on the raw bytes it relays, the general path
+//! on hyper's body frames.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body as HttpBody, Frame};
+
+/// The default of `--sse-keepalive-s`: well under every client window met (Lemonade 11.8.0's
+/// 120 s stall, its later `global_timeout` of 600 s).
+pub const DEFAULT_SECS: u64 = crate::cli::SSE_KEEPALIVE_DEFAULT_S;
+
+/// The comment sent: a line starting with `:` is ignored by every SSE parser.
+pub const COMMENT: &[u8] = b": keep-alive\n\n";
+/// The same, as one chunk of a chunked body (14 bytes = 0xe).
+pub const COMMENT_CHUNK: &[u8] = b"e\r\n: keep-alive\n\n\r\n";
+
+/// The head serve sends for a stream whose backend has not answered yet: the reply is then an
+/// event stream whatever the backend says, in chunks.
+pub const EARLY_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n";
+
+static EVERY_MS: AtomicU64 = AtomicU64::new(DEFAULT_SECS * 1000);
+static SENT: AtomicU64 = AtomicU64::new(0);
+
+/// Set the silence after which a comment is sent; 0 turns keep-alive off. Called once by serve
+/// before it accepts requests.
+pub fn configure(secs: u64) {
+    EVERY_MS.store(secs.saturating_mul(1000), Ordering::Relaxed);
+}
+
+/// The silence after which a comment is sent, or None when keep-alive is off. Any thread.
+pub fn every() -> Option<Duration> {
+    match EVERY_MS.load(Ordering::Relaxed) {
+        0 => None,
+        ms => Some(Duration::from_millis(ms)),
+    }
+}
+
+/// Comments sent since serve started, for `/metrics`.
+pub fn sent() -> u64 {
+    SENT.load(Ordering::Relaxed)
+}
+
+/// Count one comment sent. Any thread.
+pub fn count() {
+    SENT.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How the bytes fed to an [`SseEdge`] are framed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// The event bytes themselves (hyper's frames, a body that ends at close).
+    Payload,
+    /// HTTP/1.1 chunked coding around them, as relayed byte for byte.
+    Chunked,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Chunk {
+    /// Reading a size line; the size so far, whether the extension started.
+    Size {
+        size: u64,
+        ext: bool,
+    },
+    SizeLf {
+        size: u64,
+    },
+    Data {
+        left: u64,
+    },
+    DataCr,
+    DataLf,
+    /// After the last chunk.
+    Done,
+}
+
+/// Whether the stream relayed so far stands at an event boundary, where a comment may go:
+/// nothing yet, or the events' bytes end with a blank line, and (chunked) no chunk is open.
+/// Fed every byte the client gets, in order; never blocks.
+#[derive(Debug)]
+pub struct SseEdge {
+    framing: Framing,
+    chunk: Chunk,
+    /// The last three event bytes (a blank line is `\n\n` or `\n\r\n`).
+    tail: [u8; 3],
+}
+
+impl SseEdge {
+    pub fn new(framing: Framing) -> Self {
+        SseEdge {
+            framing,
+            chunk: Chunk::Size {
+                size: 0,
+                ext: false,
+            },
+            tail: [b'\n'; 3],
+        }
+    }
+
+    /// Feed bytes as relayed to the client.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        match self.framing {
+            Framing::Payload => self.payload(bytes),
+            Framing::Chunked => self.dechunk(bytes, None),
+        }
+    }
+
+    /// Feed chunked bytes and append their event bytes to `out` (a reply serve re-frames).
+    pub fn feed_payload(&mut self, bytes: &[u8], out: &mut Vec<u8>) {
+        match self.framing {
+            Framing::Payload => {
+                self.payload(bytes);
+                out.extend_from_slice(bytes);
+            }
+            Framing::Chunked => self.dechunk(bytes, Some(out)),
+        }
+    }
+
+    fn payload(&mut self, bytes: &[u8]) {
+        for &b in &bytes[bytes.len().saturating_sub(3)..] {
+            self.tail = [self.tail[1], self.tail[2], b];
+        }
+    }
+
+    /// A lenient chunk reader: the fast path's own decoder judges the coding; this one only
+    /// follows it to know where events and chunks end.
+    fn dechunk(&mut self, bytes: &[u8], mut out: Option<&mut Vec<u8>>) {
+        let mut i = 0;
+        while i < bytes.len() {
+            let b = bytes[i];
+            match self.chunk {
+                Chunk::Size { size, ext } => {
+                    i += 1;
+                    if b == b'\r' {
+                        self.chunk = Chunk::SizeLf { size };
+                    } else if b == b'\n' {
+                        self.after_size(size);
+                    } else if !ext && let Some(d) = (b as char).to_digit(16) {
+                        self.chunk = Chunk::Size {
+                            size: size.saturating_mul(16).saturating_add(u64::from(d)),
+                            ext,
+                        };
+                    } else {
+                        self.chunk = Chunk::Size { size, ext: true };
+                    }
+                }
+                Chunk::SizeLf { size } => {
+                    i += 1;
+                    self.after_size(size);
+                }
+                Chunk::Data { left } => {
+                    let take = ((bytes.len() - i) as u64).min(left) as usize;
+                    let data = &bytes[i..i + take];
+                    self.payload(data);
+                    if let Some(out) = out.as_deref_mut() {
+                        out.extend_from_slice(data);
+                    }
+                    i += take;
+                    let left = left - take as u64;
+                    self.chunk = if left == 0 {
+                        Chunk::DataCr
+                    } else {
+                        Chunk::Data { left }
+                    };
+                }
+                Chunk::DataCr => {
+                    i += 1;
+                    self.chunk = if b == b'\n' {
+                        Chunk::Size {
+                            size: 0,
+                            ext: false,
+                        }
+                    } else {
+                        Chunk::DataLf
+                    };
+                }
+                Chunk::DataLf => {
+                    i += 1;
+                    self.chunk = Chunk::Size {
+                        size: 0,
+                        ext: false,
+                    };
+                }
+                Chunk::Done => return,
+            }
+        }
+    }
+
+    fn after_size(&mut self, size: u64) {
+        self.chunk = if size == 0 {
+            Chunk::Done
+        } else {
+            Chunk::Data { left: size }
+        };
+    }
+
+    /// Whether a comment may go now: between events, and (chunked) between chunks of an
+    /// unfinished body.
+    pub fn at_boundary(&self) -> bool {
+        let blank = self.tail[1..] == *b"\n\n" || self.tail == *b"\n\r\n";
+        match self.framing {
+            Framing::Payload => blank,
+            Framing::Chunked => {
+                blank
+                    && self.chunk
+                        == Chunk::Size {
+                            size: 0,
+                            ext: false,
+                        }
+            }
+        }
+    }
+
+    /// The comment in this stream's framing, counted as sent. Call only `at_boundary`.
+    pub fn comment(&self) -> &'static [u8] {
+        count();
+        match self.framing {
+            Framing::Payload => COMMENT,
+            Framing::Chunked => COMMENT_CHUNK,
+        }
+    }
+}
+
+/// `bytes` as one chunk of a chunked body (nothing for no bytes: an empty chunk would end it).
+pub fn as_chunk(bytes: &[u8], out: &mut Vec<u8>) {
+    if bytes.is_empty() {
+        return;
+    }
+    out.extend_from_slice(format!("{:x}\r\n", bytes.len()).as_bytes());
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The one event a stream already answered 200 ends with when its backend then refuses it
+/// with `status` (Lemonade sends the same): `data: {"error":…}` with the backend's own error
+/// object when it sent one; no `[DONE]`.
+pub fn error_event(status: u16, body: &[u8]) -> Vec<u8> {
+    let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+    let error = match parsed.as_ref().and_then(|v| v.get("error")) {
+        Some(e) if e.is_object() => e.clone(),
+        _ => serde_json::json!({
+            "message": String::from_utf8_lossy(body).trim(),
+            "type": "backend_error",
+            "code": status,
+        }),
+    };
+    format!("data: {}\n\n", serde_json::json!({ "error": error })).into_bytes()
+}
+
+/// A streamed reply body (hyper frames, the event bytes) that yields a `: keep-alive` frame
+/// whenever the inner body has been silent for `every` and stands at an event boundary. Polled
+/// by hyper on the connection's task.
+pub struct KeepAliveBody<B> {
+    inner: B,
+    every: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+    edge: SseEdge,
+}
+
+impl<B> KeepAliveBody<B> {
+    pub fn new(inner: B, every: Duration) -> Self {
+        KeepAliveBody {
+            inner,
+            every,
+            timer: Box::pin(tokio::time::sleep(every)),
+            edge: SseEdge::new(Framing::Payload),
+        }
+    }
+}
+
+impl<B> HttpBody for KeepAliveBody<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                if let Some(Ok(data)) = frame.as_ref().map(|f| f.as_ref().map(Frame::data_ref)) {
+                    if let Some(data) = data {
+                        this.edge.feed(data);
+                    }
+                    let deadline = tokio::time::Instant::now() + this.every;
+                    this.timer.as_mut().reset(deadline);
+                }
+                Poll::Ready(frame)
+            }
+            Poll::Pending => {
+                if this.timer.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let deadline = tokio::time::Instant::now() + this.every;
+                this.timer.as_mut().reset(deadline);
+                // Polled once more so the timer is registered again.
+                let _ = this.timer.as_mut().poll(cx);
+                if this.edge.at_boundary() {
+                    Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
+                        this.edge.comment(),
+                    )))))
+                } else {
+                    Poll::Pending
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        // Comments may be added: an exact size would no longer hold.
+        let mut hint = hyper::body::SizeHint::new();
+        hint.set_lower(self.inner.size_hint().lower());
+        hint
+    }
+}
+
+/// What came first while waiting for a streamed reply's head: the head, or `every` of silence.
+pub enum Waited<F: Future> {
+    Arrived(F::Output),
+    Silent(Pin<Box<F>>),
+}
+
+/// Wait for a reply's head; for a streamed inference request with keep-alive on, wait only
+/// `every`, then hand the still-pending reply back so serve can start the stream itself.
+/// Called by the general path on the request's task.
+pub async fn wait_head<F: Future>(reply: F, streamed: bool) -> Waited<F> {
+    let Some(every) = every().filter(|_| streamed) else {
+        return Waited::Arrived(reply.await);
+    };
+    let mut reply = Box::pin(reply);
+    tokio::select! {
+        r = &mut reply => Waited::Arrived(r),
+        () = tokio::time::sleep(every) => Waited::Silent(reply),
+    }
+}
+
+/// Bytes of a non-200 reply kept for the error event (Lemonade keeps as much).
+const ERROR_BODY_LIMIT: usize = 64 * 1024;
+
+/// A streamed reply serve answers itself, 200 and `text/event-stream`, because its backend has
+/// been silent for `every` before its head: a comment now and after each further silence; then
+/// the backend's events as they come (with comments in its silences), or, when it answers
+/// other than 200, its error as one event. A reply that breaks off ends the client's reply
+/// without its last chunk, so no one reads a cut stream as finished. `wrap` puts the request's
+/// watchdog ticket and counters on the backend's body. Called by the general path; the relay
+/// runs on a task of its own that ends when the client goes away.
+pub fn early_stream<F, E, W, B>(
+    pending: Pin<Box<F>>,
+    wrap: W,
+    device: String,
+) -> axum::response::Response
+where
+    F: Future<Output = Result<hyper::Response<hyper::body::Incoming>, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+    W: FnOnce(hyper::body::Incoming) -> B + Send + 'static,
+    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: std::fmt::Display + Send,
+{
+    use http_body_util::BodyExt;
+    let every = every().unwrap_or(Duration::from_secs(DEFAULT_SECS));
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    tokio::spawn(async move {
+        let mut pending = pending;
+        count();
+        if tx.send(Ok(Bytes::from_static(COMMENT))).await.is_err() {
+            return;
+        }
+        let reply = loop {
+            tokio::select! {
+                r = &mut pending => break r,
+                () = tokio::time::sleep(every) => {
+                    count();
+                    if tx.send(Ok(Bytes::from_static(COMMENT))).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        };
+        let reply = match reply {
+            Ok(r) => r,
+            Err(e) => {
+                let why = format!("the {device} backend did not answer ({e})");
+                let _ = tx
+                    .send(Ok(Bytes::from(error_event(502, why.as_bytes()))))
+                    .await;
+                return;
+            }
+        };
+        let status = reply.status().as_u16();
+        let body = wrap(reply.into_body());
+        if status != 200 {
+            let mut kept = Vec::new();
+            let mut body = body;
+            while let Some(Ok(frame)) = body.frame().await {
+                if let Ok(data) = frame.into_data()
+                    && kept.len() < ERROR_BODY_LIMIT
+                {
+                    kept.extend_from_slice(&data);
+                }
+            }
+            let _ = tx.send(Ok(Bytes::from(error_event(status, &kept)))).await;
+            return;
+        }
+        let mut body = KeepAliveBody::new(body, every);
+        while let Some(frame) = body.frame().await {
+            let item = match frame {
+                Ok(frame) => match frame.into_data() {
+                    Ok(data) => Ok(data),
+                    Err(_) => continue,
+                },
+                Err(e) => Err(std::io::Error::other(e.to_string())),
+            };
+            let cut = item.is_err();
+            if tx.send(item).await.is_err() || cut {
+                return;
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    axum::response::Response::builder()
+        .status(200)
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(axum::body::Body::from_stream(stream))
+        .unwrap_or_default()
+}
+
+/// A streamed inference reply's body with comments in its silences (keep-alive on), else as
+/// it is. Called by the general path.
+pub fn during<B>(body: B, streamed: bool) -> axum::body::Body
+where
+    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    match every().filter(|_| streamed) {
+        Some(every) => axum::body::Body::new(KeepAliveBody::new(body, every)),
+        None => axum::body::Body::new(body),
+    }
+}
+
+#[cfg(test)]
+#[path = "sse_keepalive_tests.rs"]
+mod tests;

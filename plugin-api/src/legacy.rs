@@ -1,0 +1,47 @@
+//! The root module as routes built against ABI 1.0 and 1.1 export it, for the loader's layout
+//! check of such a route.
+//!
+//! abi_stable's layout check refuses a library whose prefix type has fewer fields than the
+//! loader's (its rule: a library is never older than its loader), but this ABI promises that a
+//! route of an older minor loads into a newer host. So the loader checks an older route against
+//! the module as that minor defined it (same name, same fields), and fills the operations that
+//! minor lacked with their documented defaults.
+
+use abi_stable::{
+    StableAbi, declare_root_module_statics,
+    library::RootModule,
+    package_version_strings,
+    sabi_types::VersionStrings,
+    std_types::{RResult, RStr, RString},
+};
+
+use crate::HostApi;
+
+/// ABI 1.0 and 1.1: eight operations, `respond` not yet among them.
+pub mod v1_0 {
+    use super::*;
+
+    /// [`crate::RouteMod`] without `respond`; the name must stay `RouteMod`, since the layout
+    /// check compares names.
+    #[repr(C)]
+    #[derive(StableAbi)]
+    #[sabi(kind(Prefix(prefix_ref = RouteModRef)))]
+    pub struct RouteMod {
+        pub info: extern "C" fn() -> RResult<RString, RString>,
+        pub claim: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+        pub plan: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+        pub start: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+        pub health: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+        pub on_backend_line: extern "C" fn(RStr<'_>) -> RResult<RString, RString>,
+        pub forward: extern "C" fn(RStr<'_>, HostApi) -> RResult<RString, RString>,
+        #[sabi(last_prefix_field)]
+        pub metrics: extern "C" fn() -> RResult<RString, RString>,
+    }
+
+    impl RootModule for RouteModRef {
+        declare_root_module_statics! {RouteModRef}
+        const BASE_NAME: &'static str = "onebit_route";
+        const NAME: &'static str = "onebit_route";
+        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    }
+}

@@ -1,0 +1,281 @@
+//! Routes that answer in process (ABI 1.2's `respond`): the reply streams through a bounded
+//! sink (a slow client slows the route, serve's memory stays flat), a client that leaves makes
+//! the route's next send fail, a panic in the route is one line and a 500 (or a cut-off
+//! stream), and the relay's checks, the served name, health and metrics apply as for a relay.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use onebit_tests::*;
+
+/// The in-process fixture route, built once per run against this plugin-api.
+fn fixture() -> &'static PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        route_fixture::Fixture::current(
+            "inproc",
+            "tests/fixtures/inproc-route/src/lib.rs",
+            onebit_plugin_api::ABI_VERSION,
+        )
+        .build()
+    })
+}
+
+fn serve_inproc(model_name: &str, env: &[(&str, &str)]) -> Serve {
+    let dir = temp_dir("inproc");
+    let model = dummy_model(&dir, model_name);
+    Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "inproc",
+            "--plugin-dir",
+            fixture().to_str().unwrap(),
+        ],
+        env,
+    )
+}
+
+/// One of the fixture's own series from serve's /metrics.
+fn fixture_metric(serve: &Serve, name: &str) -> u64 {
+    let (_, text) = get(&serve.url("/metrics"));
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} is not in /metrics:\n{text}"))
+}
+
+/// A chat request on a fresh connection, the reply left to the caller to read.
+fn open_stream(serve: &Serve, body: &str) -> TcpStream {
+    let mut tcp = TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        tcp,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    tcp
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+#[test]
+fn an_in_process_reply_streams_named_and_checked_as_a_relayed_one() {
+    let serve = serve_inproc("smol.gguf", &[]);
+    serve.ready();
+    let (status, body) = post(
+        &serve.url("/v1/chat/completions"),
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let reply: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        reply["model"], "smol",
+        "the served name, as on the relay: {body}"
+    );
+    assert_eq!(reply["choices"][0]["message"]["content"], "in process");
+
+    let events = sse(
+        &serve.url("/v1/chat/completions"),
+        r#"{"stream":true,"events":5,"event_bytes":3}"#,
+    );
+    assert_eq!(events.len(), 6, "{events:?}");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+
+    // The relay's checks come first: bad JSON and a foreign Host never reach the route.
+    let (status, body) = post(&serve.url("/v1/chat/completions"), "{not json");
+    assert_eq!(status, 400, "{body}");
+    let (status, _) = raw(
+        serve.port,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: evil.example\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        Duration::from_secs(5),
+    );
+    assert_eq!(status, 403);
+    let limited = serve_inproc("small-limit.gguf", &[("ONEBIT_MAX_BODY_BYTES", "64")]);
+    limited.ready();
+    let (status, _) = post(
+        &limited.url("/v1/chat/completions"),
+        &format!(r#"{{"pad":"{}"}}"#, "x".repeat(100)),
+    );
+    assert_eq!(status, 413);
+    assert_eq!(
+        fixture_metric(&serve, "fixture_responds_total"),
+        2,
+        "only the two good requests reached the route; the route's metrics are in /metrics"
+    );
+}
+
+#[test]
+fn the_routes_health_feeds_serves_health() {
+    let serve = serve_inproc("unhealthy.gguf", &[]);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let (status, body) = get(&serve.url("/health"));
+            status == 503 && body.contains("the fixture was asked to be unhealthy")
+        }),
+        "{}",
+        serve.output()
+    );
+}
+
+#[test]
+fn a_slow_client_slows_the_route_and_serve_memory_stays_flat() {
+    let serve = serve_inproc("slow.gguf", &[]);
+    serve.ready();
+    // Warm up: one whole stream, so the blocking thread and buffers exist before "idle".
+    let warm = sse(
+        &serve.url("/v1/chat/completions"),
+        r#"{"stream":true,"events":200,"event_bytes":1000}"#,
+    );
+    assert_eq!(warm.len(), 201);
+    std::thread::sleep(Duration::from_millis(200));
+    let idle = rss_kib(serve.pid());
+    let before = fixture_metric(&serve, "fixture_events_total");
+
+    // A 50 MB stream, read at 100 KB/s for three seconds.
+    let mut tcp = open_stream(
+        &serve,
+        r#"{"stream":true,"events":50000,"event_bytes":1000}"#,
+    );
+    let mut peak = idle;
+    let mut read = 0usize;
+    let mut buf = vec![0u8; 10_000];
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        let n = tcp.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        read += n;
+        peak = peak.max(rss_kib(serve.pid()));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sent = fixture_metric(&serve, "fixture_events_total") - before;
+    drop(tcp);
+    eprintln!(
+        "idle RSS {idle} KiB, peak {peak} KiB while reading {read} bytes; the route sent {sent} events"
+    );
+    assert!(
+        peak.saturating_sub(idle) < 5 * 1024,
+        "serve's RSS rose {} KiB above idle ({idle} KiB)",
+        peak - idle
+    );
+    // What the route could send is what the client read plus the buffers (serve's 256 KiB
+    // and the sockets'), far from the 50 MB asked.
+    assert!(
+        sent < 10_000,
+        "the route sent {sent} events of 1 KB to a client that read {read} bytes"
+    );
+}
+
+#[test]
+fn a_client_that_leaves_makes_the_routes_next_send_fail() {
+    let serve = serve_inproc("leave.gguf", &[]);
+    serve.ready();
+    let mut tcp = open_stream(
+        &serve,
+        r#"{"stream":true,"events":100000,"event_bytes":100,"pace_ms":5}"#,
+    );
+    let mut buf = vec![0u8; 4096];
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("\"n\":3") {
+        let n = tcp.read(&mut buf).unwrap();
+        assert!(n > 0);
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(fixture_metric(&serve, "fixture_sends_refused_total"), 0);
+    let closed_at = now_ns();
+    drop(tcp);
+    assert!(
+        wait_until(Duration::from_secs(5), || fixture_metric(
+            &serve,
+            "fixture_sends_refused_total"
+        ) == 1),
+        "the route never saw the client leave:\n{}",
+        serve.output()
+    );
+    let stopped = fixture_metric(&serve, "fixture_stopped_at_ns");
+    eprintln!(
+        "the route stopped {:.1} ms after the client closed",
+        stopped.saturating_sub(closed_at) as f64 / 1e6
+    );
+    assert!(
+        !serve.output().contains("failed to answer"),
+        "a client leaving is not a failure:\n{}",
+        serve.output()
+    );
+}
+
+#[test]
+fn a_panic_in_respond_is_a_500_or_a_cut_stream_in_one_line_and_serve_goes_on() {
+    let serve = serve_inproc("panics.gguf", &[("RUST_BACKTRACE", "1")]);
+    serve.ready();
+    let (status, body) = post(&serve.url("/v1/chat/completions"), r#"{"panic":"before"}"#);
+    assert_eq!(status, 500, "{body}");
+    assert!(
+        body.contains("the fixture was asked to panic before its head"),
+        "{body}"
+    );
+
+    let mut tcp = open_stream(&serve, r#"{"panic":"after","stream":true,"events":5000}"#);
+    let mut reply = Vec::new();
+    let _ = tcp.read_to_end(&mut reply);
+    let reply = String::from_utf8_lossy(&reply).into_owned();
+    let status = status_of(&reply);
+    assert_eq!(status, 200, "{reply}");
+    assert!(reply.contains("\"n\":0"), "{reply}");
+    assert!(
+        !reply.contains("[DONE]") && !reply.ends_with("0\r\n\r\n"),
+        "the stream is cut off, not ended: {reply}"
+    );
+
+    // serve goes on.
+    let (status, _) = post(&serve.url("/v1/chat/completions"), r#"{"messages":[]}"#);
+    assert_eq!(status, 200);
+    let out = serve.output();
+    let said: Vec<&str> = out.lines().filter(|l| l.contains("panic")).collect();
+    assert_eq!(said.len(), 2, "one line per panic, nothing else:\n{out}");
+    for line in said {
+        assert!(
+            line.starts_with("1bit serve: the inproc route failed to answer POST /v1/chat/completions: the route panicked in respond: "),
+            "{out}"
+        );
+    }
+    assert!(
+        !out.contains("stack backtrace") && !out.contains("panicked at"),
+        "{out}"
+    );
+}
+
+#[test]
+fn print_backend_names_what_the_plan_says_needs_serve_and_exits_5() {
+    let dir = temp_dir("inproc-print");
+    let model = dummy_model(&dir, "m.gguf");
+    let out = std::process::Command::new(onebit())
+        .args(["serve", "-m"])
+        .arg(&model)
+        .args([
+            "--device",
+            "inproc",
+            "--port",
+            "8001",
+            "--print-backend",
+            "--plugin-dir",
+        ])
+        .arg(fixture())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert_eq!(
+        stderr,
+        "1bit serve: --print-backend: the inproc route (it answers in process) needs 1bit serve in the request path; run 1bit serve itself\n"
+    );
+}

@@ -1,0 +1,132 @@
+//! An impostor on the backend's port: serve becomes ready only against the backend it started
+//! (the listening socket belongs to the backend's process or a descendant, from /proc), and
+//! exits 1 otherwise, with a line ending in the original's words.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use onebit_tests::*;
+
+/// An executable shell script `name` in `dir` with `body`.
+fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+/// The backend port serve announced in its "starting ... (port N)" line.
+fn backend_port(serve: &Serve) -> u16 {
+    assert!(
+        serve.wait_output("(port ", Duration::from_secs(10)),
+        "{}",
+        serve.output()
+    );
+    let out = serve.output();
+    let at = out.find("(port ").unwrap() + "(port ".len();
+    out[at..].split(')').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_process_listening_on_the_backends_port_is_refused_with_exit_1() {
+    let dir = temp_dir("impostor");
+    let model = dummy_model(&dir, "m.gguf");
+    // A "backend" that starts and never listens, as one that failed to bind would.
+    let silent = script(&dir, "silent-server", "exec sleep 60");
+    let mut serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            silent.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let port = backend_port(&serve);
+    // This test process takes the port and answers every request 200, as a stray server would.
+    let impostor = TcpListener::bind(("127.0.0.1", port)).expect("the backend port is free");
+    std::thread::spawn(move || {
+        for mut conn in impostor.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = conn.read(&mut buf);
+            let body = r#"{"status":"ok"}"#;
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let exit = serve.wait_exit(Duration::from_secs(20)).unwrap_or_else(|| {
+        panic!(
+            "serve became ready against the impostor: {}",
+            serve.output()
+        )
+    });
+    let out = serve.output();
+    assert_eq!(exit.code(), Some(1), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.ends_with("not from the backend serve started"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.starts_with(&format!(
+            "1bit serve: port {port}, which serve gave its llama-server, is held by another process ("
+        )) && line.contains(&format!("pid {}", std::process::id())),
+        "{line}"
+    );
+    assert!(!out.contains("ready on"), "{out}");
+}
+
+#[test]
+fn a_wrapper_whose_child_listens_is_the_backend() {
+    let dir = temp_dir("impostor-wrapper");
+    let model = dummy_model(&dir, "m.gguf");
+    // No exec: the engine runs as the wrapper's child, and its socket is still the backend's.
+    // The wrapper passes SIGTERM (serve's stop, or its death signal) on to the engine.
+    let wrapper = script(
+        &dir,
+        "wrapper",
+        &format!(
+            "\"{}\" \"$@\" &\nchild=$!\ntrap 'kill $child; wait $child; exit 0' TERM\nwait $child",
+            fake_backend().display()
+        ),
+    );
+    let mut serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            wrapper.to_str().unwrap(),
+        ],
+        &[],
+    );
+    serve.ready();
+    assert_eq!(
+        post(
+            &serve.url("/v1/chat/completions"),
+            r#"{"messages":[{"role":"user","content":"hi"}]}"#
+        )
+        .0,
+        200
+    );
+    let engine = children_of(serve.pid())
+        .into_iter()
+        .flat_map(children_of)
+        .collect::<Vec<_>>();
+    assert_eq!(engine.len(), 1, "the wrapper runs the engine as its child");
+    serve.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(serve.wait_exit(Duration::from_secs(20)).is_some());
+    assert!(
+        wait_until(Duration::from_secs(10), || !alive(engine[0])),
+        "the engine outlived serve"
+    );
+}

@@ -1,0 +1,160 @@
+//! `cargo xtask install [--prefix DIR] [--debug]`: installs `1bit` like a program: the binary,
+//! the `llama-server` name linked to it (what Lemonade's `LEMONADE_LLAMACPP_CPU_BIN` points
+//! at), its routes, and the pinned llama-server it runs, under one prefix (docs/lemonade.md).
+
+use std::fs;
+use std::os::unix::fs::{PermissionsExt, symlink};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use crate::{Failure, Workspace, process, setup};
+
+/// The route libraries, by cargo package.
+const ROUTES: [&str; 4] = [
+    "onebit-route-cpu",
+    "onebit-route-hrx",
+    "onebit-route-hybrid",
+    "onebit-route-ds4",
+];
+
+/// Where each part goes under the prefix.
+pub struct Layout {
+    pub bin: PathBuf,
+    pub plugins: PathBuf,
+    /// The real llama-server, apart from `bin/` so the `llama-server` link never shadows it.
+    pub llama_server_dir: PathBuf,
+}
+
+impl Layout {
+    pub fn new(prefix: &Path) -> Self {
+        Layout {
+            bin: prefix.join("bin"),
+            plugins: prefix.join("lib/1bit/plugins"),
+            llama_server_dir: prefix.join("lib/1bit/llama-server"),
+        }
+    }
+}
+
+/// Builds (release unless `--debug`), runs setup for the pinned llama-server, and copies
+/// everything under the prefix. Blocks for the build.
+pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
+    let mut prefix: Option<PathBuf> = None;
+    let mut release = true;
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--prefix" => {
+                let dir = rest.next().ok_or_else(|| {
+                    Failure::new("--prefix needs a directory", "e.g. --prefix ~/.local")
+                })?;
+                prefix = Some(PathBuf::from(dir));
+            }
+            "--debug" => release = false,
+            other => {
+                return Err(Failure::new(
+                    format!("`cargo xtask install` does not take `{other}`"),
+                    "use --prefix DIR and --debug only",
+                ));
+            }
+        }
+    }
+    let prefix = match prefix {
+        Some(p) => p,
+        None => std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".local"))
+            .ok_or_else(|| Failure::new("HOME is not set", "pass --prefix DIR"))?,
+    };
+    let installed = setup::run(ws)?;
+    let mut build = process::cargo();
+    build
+        .current_dir(&ws.root)
+        .args(["build", "-p", "onebit-host"]);
+    for route in ROUTES {
+        build.args(["-p", route]);
+    }
+    if release {
+        build.arg("--release");
+    }
+    process::run(
+        &mut build,
+        "fix the build, then rerun `cargo xtask install`",
+    )?;
+    let target = ws
+        .root
+        .join("target")
+        .join(if release { "release" } else { "debug" });
+
+    let layout = Layout::new(&prefix);
+    for dir in [&layout.bin, &layout.plugins, &layout.llama_server_dir] {
+        fs::create_dir_all(dir).map_err(|e| {
+            Failure::new(
+                format!("cannot create {}: {e}", dir.display()),
+                "pass a writable --prefix",
+            )
+        })?;
+    }
+    copy(&target.join("1bit"), &layout.bin.join("1bit"))?;
+    link_llama_server(&layout.bin)?;
+    for route in ROUTES {
+        let file = format!("lib{}.so", route.replace('-', "_"));
+        copy(&target.join(&file), &layout.plugins.join(&file))?;
+    }
+    copy(
+        &installed.llama_server,
+        &layout.llama_server_dir.join("llama-server"),
+    )?;
+    println!("installed 1bit into {}", prefix.display());
+    println!("  {}", layout.bin.join("1bit").display());
+    println!(
+        "  {} -> 1bit (for Lemonade: LEMONADE_LLAMACPP_CPU_BIN={0})",
+        layout.bin.join("llama-server").display()
+    );
+    println!("  {}/*.so", layout.plugins.display());
+    println!(
+        "  {}",
+        layout.llama_server_dir.join("llama-server").display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Copy through a temporary sibling and rename, so a running copy is never half overwritten.
+fn copy(from: &Path, to: &Path) -> Result<(), Failure> {
+    let temp = to.with_extension("installing");
+    fs::copy(from, &temp)
+        .and_then(|_| fs::set_permissions(&temp, fs::Permissions::from_mode(0o755)))
+        .and_then(|()| fs::rename(&temp, to))
+        .map_err(|e| {
+            Failure::new(
+                format!("cannot install {} as {}: {e}", from.display(), to.display()),
+                "check that it was built and the prefix is writable",
+            )
+        })
+}
+
+/// `bin/llama-server` -> `1bit`; an existing file there that is not such a link is left alone.
+fn link_llama_server(bin: &Path) -> Result<(), Failure> {
+    let link = bin.join("llama-server");
+    match fs::symlink_metadata(&link) {
+        Ok(m) if m.file_type().is_symlink() => {
+            fs::remove_file(&link).map_err(|e| {
+                Failure::new(
+                    format!("cannot replace {}: {e}", link.display()),
+                    "check permissions",
+                )
+            })?;
+        }
+        Ok(_) => {
+            return Err(Failure::new(
+                format!("{} exists and is not a link to 1bit", link.display()),
+                "move that llama-server elsewhere, or install with another --prefix",
+            ));
+        }
+        Err(_) => {}
+    }
+    symlink("1bit", &link).map_err(|e| {
+        Failure::new(
+            format!("cannot link {}: {e}", link.display()),
+            "check permissions",
+        )
+    })
+}
