@@ -34,8 +34,9 @@ pub enum Target {
     /// answer. Only the general engine carries it (it calls into the route on a blocking
     /// thread).
     AskRoute,
-    /// Answered by an in-process route, not over a socket. No table names one yet; the general
-    /// engine's `relay::in_process` is the seam where one is wired.
+    /// Answered by the route in serve's own process (an `InProcess` rule, ABI 1.2 `respond`),
+    /// not over a socket. Only the general engine carries it (`relay::in_process`): the route
+    /// runs on a blocking thread and writes into a bounded sink.
     InProcess,
 }
 
