@@ -27,6 +27,8 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// List the device routes found, with their files, ABI versions, and whether they loaded.
     Plugins(PluginArgs),
+    /// Run a llama.cpp RPC worker (ggml-rpc-server) that holds layers for `serve --rpc`.
+    RpcWorker(crate::rpc::worker::WorkerArgs),
     /// llama-server's own command line (as Lemonade's llamacpp backend builds it), served by
     /// `1bit serve`; also what `1bit` does when run under the name `llama-server`.
     #[command(name = "llama-server", disable_help_flag = true)]
@@ -147,6 +149,9 @@ pub struct ServeArgs {
     /// route as it is; the route refuses a key it does not know.
     #[arg(long, value_name = "KEY=VALUE")]
     pub npu_opt: Vec<String>,
+    /// llama.cpp RPC workers that take layers (`1bit rpc-worker`), each HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT[,...]", value_delimiter = ',')]
+    pub rpc: Vec<String>,
     /// An option for the chosen route, KEY=VALUE; repeatable. Passed to the route as it is;
     /// the route refuses a key it does not know.
     #[arg(long, value_name = "KEY=VALUE")]

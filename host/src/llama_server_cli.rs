@@ -260,6 +260,8 @@ pub fn translate(args: &[String]) -> Result<Vec<String>, String> {
             }
             "-dev" | "--device" => own("--device", route_of(&value("a device name")?)?),
             "-mm" | "--mmproj" => own("--mmproj", value("the projector .gguf")?),
+            // serve probes the workers and counts their memory before llama-server gets them.
+            "--rpc" => own("--rpc", value("workers, HOST:PORT[,HOST:PORT...]")?),
             "-md" | "--model-draft" | "--spec-draft-model" => {
                 draft = Some(value("the drafter .gguf")?)
             }

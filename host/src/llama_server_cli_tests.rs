@@ -91,3 +91,20 @@ fn a_command_line_without_a_model_is_refused_saying_what_to_pass() {
     let err = translate(&words("--port 8003 --jinja")).unwrap_err();
     assert!(err.starts_with("no model: pass -m MODEL.gguf"), "{err}");
 }
+
+#[test]
+fn rpc_workers_become_serves_own_flag_so_they_are_probed_and_counted() {
+    let serve = translate(&words(
+        "-m a.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052 -ngl 99",
+    ))
+    .unwrap();
+    assert_eq!(
+        serve,
+        words("-m a.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052 --port 8080 -- -ngl 99")
+    );
+    assert!(
+        translate(&words("-m a.gguf --rpc=h:1"))
+            .unwrap()
+            .contains(&"--rpc".to_string())
+    );
+}

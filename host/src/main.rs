@@ -21,6 +21,7 @@ mod model;
 mod pm;
 mod relay;
 mod routes;
+mod rpc;
 mod serve;
 mod settings;
 
@@ -53,6 +54,7 @@ fn main() {
             );
             error::exit::OK
         }
+        cli::Command::RpcWorker(args) => rpc::worker::run(args),
     };
     std::process::exit(code);
 }

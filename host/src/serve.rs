@@ -263,10 +263,14 @@ fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         None => plan.clone(),
     };
 
+    let workers = crate::rpc::before_start(args, &plan)?;
+    if let Some(code) = crate::rpc::split::admit(args, &served_name, &plan, &workers)? {
+        return Ok(Prepared::Exit(code));
+    }
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &checked)?));
     }
-    if !admission::skipped(args.no_mem_check) {
+    if workers.is_empty() && !admission::skipped(args.no_mem_check) {
         admit(args, &served_name, &checked)?;
     }
     if let Some((_, more)) = &laya {
@@ -745,6 +749,7 @@ async fn supervise(
         args.port
     );
 
+    crate::rpc::watch::spawn();
     let mut watched = Vec::new();
     let mut first = 0;
     for (route, plan) in placed {
@@ -755,7 +760,13 @@ async fn supervise(
         watched.push((route.clone(), ports));
         first += plan.backends.len();
     }
-    let monitor = tokio::spawn(monitor_health(app.status.clone(), client.clone(), watched));
+    let monitor = tokio::spawn(monitor_health(
+        app.status.clone(),
+        client.clone(),
+        watched,
+        // An RPC worker that stopped answering downs the backend that holds layers on it.
+        crate::rpc::watch::down,
+    ));
     let dog = app
         .watchdog
         .get()
@@ -850,6 +861,13 @@ async fn fail(
             )
         }
         None => "the backends' event channel closed; exiting".to_string(),
+    };
+    let message = match tokio::task::spawn_blocking(crate::rpc::watch::name_lost).await {
+        Ok(Some(lost)) => format!(
+            "{lost}: the {} backend cannot go on without the layers it held; {message}",
+            device(0)
+        ),
+        _ => message,
     };
     app.set_status(Status::Failed(message.clone()));
     eprintln!("1bit serve: {message}");

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod route_fixture;
+pub mod rpc_worker;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;

@@ -249,6 +249,10 @@ fn refusals_are_one_line() {
             vec!["--route-policy", bad.as_str()],
             "1bit serve: --route-policy only applies with --laya".to_string(),
         ),
+        (
+            vec!["--laya", "--rpc", "127.0.0.1:1"],
+            "1bit serve: --laya does not combine with --rpc".to_string(),
+        ),
     ] {
         let (code, stderr) = refused(&args);
         assert_eq!(code, 2, "{args:?}: {stderr}");

@@ -7,7 +7,7 @@ use onebit_plugin_api::MemoryNeed;
 
 const GIB: f64 = (1u64 << 30) as f64;
 /// A load is refused only when its need plus this margin is more than what is free.
-const MARGIN_BYTES: u64 = 1 << 30;
+pub(crate) const MARGIN_BYTES: u64 = 1 << 30;
 /// GTT use at or above this is where engine #315's faults were seen.
 const GTT_FAULT_ZONE_BYTES: u64 = 95 << 30;
 

@@ -133,11 +133,14 @@ pub async fn backend_post(
 /// so it never waits on a backend itself. `routes` holds each running route with its
 /// backends' (port, health path): one route, or with `--laya` one per device, and serve is
 /// down while any route says so (the first one's reason). An exit is reported by the
-/// supervisor, not here. Spawned once by `serve` when ready; runs until aborted.
+/// supervisor, not here. `also_down` names anything else the backend depends on that is gone
+/// (an RPC worker), asked each round; it must not block. Spawned once by `serve` when ready;
+/// runs until aborted.
 pub async fn monitor_health(
     status: Arc<StatusCell>,
     client: ProbeClient,
     routes: Vec<(LoadedRoute, Vec<(u16, String)>)>,
+    also_down: fn() -> Option<String>,
 ) {
     loop {
         tokio::time::sleep(HEALTH_EVERY).await;
@@ -152,8 +155,11 @@ pub async fn monitor_health(
                 break;
             }
         }
+        let elsewhere = also_down();
         if matches!(status.get(), Status::Down(_) | Status::Ready) {
-            status.set(if health.ok {
+            status.set(if let Some(why) = elsewhere {
+                Status::Down(why)
+            } else if health.ok {
                 Status::Ready
             } else {
                 Status::Down(health.reason)

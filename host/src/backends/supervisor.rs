@@ -82,7 +82,7 @@ fn spawner() -> &'static Mutex<mpsc::Sender<SpawnJob>> {
 /// Make the child die with serve, even when serve is SIGKILLed, and put it in its own process
 /// group so a terminal's Ctrl-C reaches serve alone (serve then stops it in order).
 #[allow(unsafe_code)]
-fn die_with_serve(command: &mut Command) {
+pub(crate) fn die_with_serve(command: &mut Command) {
     let parent = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and calls only
     // async-signal-safe functions (setpgid, prctl, getppid, _exit); it allocates nothing.

@@ -142,6 +142,7 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         }
         Err(_) => {}
     }
+    metrics::append(&mut body, &crate::rpc::watch::render());
     for text in backend_texts.into_iter().flatten() {
         metrics::append(&mut body, &text);
     }

@@ -36,6 +36,12 @@ pub fn settings(args: &ServeArgs) -> Result<Option<super::Policy>, Fatal> {
             args.device
         )));
     }
+    if !args.rpc.is_empty() {
+        // The workers' layer split and memory check are one plan's; Laya runs one per device.
+        return Err(Fatal::usage(
+            "--laya does not combine with --rpc: the RPC workers take one device's layers; remove one",
+        ));
+    }
     if args.embedding || args.reranking || args.embed.is_some() || args.rerank.is_some() {
         return Err(Fatal::usage(
             "--laya does not combine with --embedding/--reranking or --embed/--rerank",

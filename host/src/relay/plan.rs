@@ -36,8 +36,9 @@ pub enum Target {
     /// answer. Only the general engine carries it (it calls into the route on a blocking
     /// thread).
     AskRoute,
-    /// Answered by an in-process route, not over a socket. No table names one yet; the general
-    /// engine's `relay::in_process` is the seam where one is wired.
+    /// Answered by the route in serve's own process (an `InProcess` rule, ABI 1.2 `respond`),
+    /// not over a socket. Only the general engine carries it (`relay::in_process`): the route
+    /// runs on a blocking thread and writes into a bounded sink.
     InProcess,
     /// `--pm`: a chat the Project Manager's tool loop answers (`pm::Pm::answer`): its rounds go
     /// to the backend with this index (the chat rule's), its delegations to Lemonade, and it

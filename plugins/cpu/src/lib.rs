@@ -90,7 +90,7 @@ impl DeviceRoute for CpuRoute {
         self.log.observe(&line.line);
         LineVerdict {
             say: Vec::new(),
-            stop: lost_device(&line.line),
+            stop: lost_device(&line.line).or_else(|| llama_server::rpc::lost_worker(&line.line)),
         }
     }
 

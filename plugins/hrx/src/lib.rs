@@ -215,6 +215,12 @@ impl DeviceRoute for HrxRoute {
     }
 
     fn on_backend_line(&self, line: &BackendLine) -> LineVerdict {
+        if let Some(stop) = llama_server::rpc::lost_worker(&line.line) {
+            return LineVerdict {
+                say: Vec::new(),
+                stop: Some(stop),
+            };
+        }
         match placement::parse(&line.line) {
             None => LineVerdict::default(),
             Some(PlacementLine::StrictAbort(what)) => LineVerdict {

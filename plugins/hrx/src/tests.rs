@@ -241,3 +241,34 @@ fn report_lines_become_summaries_and_strict_refusals() {
     assert!(v.stop.is_some());
     assert!(v.say[0].starts_with(r#"HRX strict placement refused the model: "kq-0" is MUL_MAT"#));
 }
+
+#[test]
+fn rpc_workers_come_before_hrx0_in_llama_cpps_own_device_list() {
+    let mut r = request(&[]);
+    r.options.args = ["--rpc", "10.0.0.2:50052,10.0.0.3:50052"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let plan = HrxRoute::default().plan(&r).unwrap();
+    let argv = &plan.backends[0].argv;
+    assert!(
+        has(
+            argv,
+            &["--rpc", "10.0.0.2:50052,10.0.0.3:50052", "-ngl", "99"]
+        ),
+        "{argv:?}"
+    );
+    // No --device list: llama.cpp then lists the workers first and HRX0 after them.
+    assert!(!argv.iter().any(|a| a == "--device"), "{argv:?}");
+    assert!(
+        plan.notes.iter().any(|n| n.contains("2 RPC workers")),
+        "{:?}",
+        plan.notes
+    );
+    // An RPC abort line stops serve, as a lost GPU does.
+    let verdict = HrxRoute::default().on_backend_line(&BackendLine {
+        backend: 0,
+        line: "ggml-rpc.cpp:566: Remote RPC server crashed or returned malformed response".into(),
+    });
+    assert!(verdict.stop.unwrap().contains("lost an RPC worker"));
+}

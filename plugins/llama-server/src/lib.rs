@@ -9,6 +9,7 @@ pub mod placement;
 pub mod plan;
 pub mod rag;
 pub mod recipes;
+pub mod rpc;
 
 use std::path::{Path, PathBuf};
 

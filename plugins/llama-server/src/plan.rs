@@ -123,6 +123,8 @@ pub fn build(request: &PlanRequest, main: Main) -> Result<Built, Refusal> {
     env.combined.extend(asked.env_combined);
     let mut notes = asked.notes;
     if main.full {
+        // `--rpc`: the workers, and every layer offered to the devices (docs/rpc.md).
+        notes.extend(crate::rpc::apply(request, &mut argv));
         notes.extend(recipes::apply(
             request,
             &main.route,

@@ -3,7 +3,8 @@
 //!
 //! Parts: `hop` (1-client /tokenize latency, keep-alive and a new connection per request),
 //! `throughput` (64 keep-alive clients), `sse` (per-event delay through the fake backend),
-//! `startup` (launch to /health 200), `rss` (serve's own memory), `mem-check` (admission time);
+//! `startup` (launch to /health 200), `rss` (serve's own memory), `mem-check` (admission time),
+//! `rpc` (tokens/s and time to first token, local against split over RPC workers);
 //! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
@@ -13,6 +14,7 @@ mod chart;
 mod client;
 mod inproc;
 mod mem_check;
+mod rpc;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -26,7 +28,7 @@ use client::Conn;
 
 use crate::{Failure, Workspace, process, setup};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check ...] [--quick]` or `cargo xtask bench inproc [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick]` or `cargo xtask bench inproc [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -43,6 +45,7 @@ struct Parts {
     startup: bool,
     rss: bool,
     mem_check: bool,
+    rpc: bool,
 }
 
 struct Options {
@@ -65,6 +68,7 @@ impl Options {
                 "startup" => parts.startup = true,
                 "rss" => parts.rss = true,
                 "mem-check" => parts.mem_check = true,
+                "rpc" => parts.rpc = true,
                 other => {
                     return Err(Failure::new(format!("unknown benchmark `{other}`"), USAGE));
                 }
@@ -78,6 +82,7 @@ impl Options {
                 startup: true,
                 rss: true,
                 mem_check: true,
+                rpc: true,
             };
         }
         Ok(Options { parts, quick })
@@ -170,7 +175,14 @@ fn measure(ws: &Workspace, options: &Options) -> Result<Report, Failure> {
         let found = mem_check::measure(ws, &bins.onebit)?;
         report.mem_check(&found);
     }
-    report.finish(&ws.root.join("results"))?;
+    if parts.rpc {
+        let rows = rpc::measure(ws, &bins.onebit, options.quick, &scratch)?;
+        rpc::write(&ws.root.join("results"), &rows)?;
+    }
+    // `bench rpc` alone has its own table and file; the shared report would be empty.
+    if parts.hop || parts.throughput || parts.sse || parts.startup || parts.rss || parts.mem_check {
+        report.finish(&ws.root.join("results"))?;
+    }
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(report)
 }

@@ -50,6 +50,7 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
         openai_python: openai_sdk::ensure(layout)?,
     };
     ensure_prometheus_parser()?;
+    ensure_iproute2()?;
     println!("llama-server: {}", installed.llama_server.display());
     for path in &installed.models {
         println!("model: {}", path.display());
@@ -83,6 +84,28 @@ fn ensure_prometheus_parser() -> Result<(), Failure> {
     process::run(
         &mut pip,
         "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
+    )
+}
+
+/// `ip` (iproute2), which the RPC end-to-end test uses to put each worker in a network
+/// namespace of its own; installed with apt-get when missing (a no-op when present).
+fn ensure_iproute2() -> Result<(), Failure> {
+    let present = Command::new("ip")
+        .arg("-V")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if present {
+        println!("ip: present (iproute2)");
+        return Ok(());
+    }
+    println!("installing iproute2 with apt-get (the RPC test's network namespaces)");
+    let hint = "install iproute2 (it provides `ip`), then rerun `cargo xtask setup`";
+    process::run(Command::new("apt-get").arg("update"), hint)?;
+    process::run(
+        Command::new("apt-get").args(["install", "-y", "--no-install-recommends", "iproute2"]),
+        hint,
     )
 }
 

@@ -1,0 +1,374 @@
+//! `1bit rpc-worker`: the pinned `ggml-rpc-server`, started and supervised as serve supervises
+//! its backends, announced in one line once it answers the RPC probe.
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::os::fd::AsFd;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::backends::supervisor::{describe_exit, die_with_serve};
+use crate::error::exit;
+use crate::rpc::probe;
+
+/// The pins of what the project installs, compiled in to find the `ggml-rpc-server` that
+/// `cargo xtask setup` built beside llama-server.
+const PINS: &str = include_str!("../../../third_party/pins.json");
+/// ggml-rpc-server's own default port.
+const DEFAULT_PORT: u16 = 50052;
+/// How long the worker may take to answer its first probe before `1bit rpc-worker` gives up.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+/// How long the worker has to stop after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// The IPv4 address to listen on. Anything but loopback lets every machine that reaches
+    /// the port use this one (the protocol has no authentication; docs/security.md).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// The port to listen on (0: a free port the kernel picks).
+    #[arg(long, default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Offer at most this many GiB per device: a relay in front of the worker caps what it
+    /// reports (the pinned ggml-rpc-server reports its devices' own memory).
+    #[arg(long, value_name = "GiB")]
+    pub mem: Option<f64>,
+    /// CPU threads for the worker's CPU device (default: ggml-rpc-server's, half the cores).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<u32>,
+    /// The ggml-rpc-server binary (default: $ONEBIT_RPC_SERVER, beside $ONEBIT_LLAMA_SERVER,
+    /// the installed one, PATH).
+    #[arg(long, value_name = "PATH")]
+    pub rpc_server: Option<PathBuf>,
+}
+
+/// Run `1bit rpc-worker` on the main thread (which forks the worker, so the worker's
+/// parent-death signal stays armed for as long as this process lives) and return the exit
+/// status: the worker's own when it exits by itself (128 + the signal when a signal killed
+/// it), 0 when it stopped because this process was told to stop, 1 when it never came up.
+pub fn run(args: WorkerArgs) -> i32 {
+    match start(&args) {
+        Ok(code) => code,
+        Err((code, message)) => {
+            eprintln!("1bit rpc-worker: {message}");
+            code
+        }
+    }
+}
+
+fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
+    let usage = |m: String| (exit::USAGE, m);
+    let cap = match args.mem {
+        None => None,
+        Some(gib) if gib.is_finite() && gib > 0.0 && gib < 1e9 => Some((gib * GIB) as u64),
+        Some(gib) => {
+            return Err(usage(format!(
+                "--mem {gib}: pass the GiB to offer as a positive number, such as 8 or 0.5"
+            )));
+        }
+    };
+    let host: Ipv4Addr = args.host.parse().map_err(|_| {
+        usage(format!(
+            "--host {}: ggml-rpc-server listens on an IPv4 address only; pass one such as 127.0.0.1 or 192.168.1.20",
+            args.host
+        ))
+    })?;
+    if args.threads == Some(0) {
+        return Err(usage(
+            "--threads 0: pass a positive number of threads".to_string(),
+        ));
+    }
+    let binary = rpc_server_binary(args.rpc_server.as_deref()).map_err(usage)?;
+    // With --mem, the address given is the relay's and the worker listens on a private
+    // loopback port behind it.
+    let relay = match cap {
+        Some(_) => Some(TcpListener::bind((host, args.port)).map_err(|e| {
+            (
+                exit::BACKEND,
+                format!(
+                    "cannot listen on {host}:{} ({e}); pass another --port",
+                    args.port
+                ),
+            )
+        })?),
+        None => None,
+    };
+    let port = match (&relay, args.port) {
+        (Some(l), _) => l.local_addr().map(|a| a.port()).unwrap_or(args.port),
+        (None, 0) => free_port(host).map_err(|e| (exit::BACKEND, e))?,
+        (None, p) => p,
+    };
+    let (worker_host, worker_port) = match (&relay, cap) {
+        (Some(listener), Some(cap)) => {
+            let private = free_port(Ipv4Addr::LOCALHOST).map_err(|e| (exit::BACKEND, e))?;
+            let listener = listener
+                .try_clone()
+                .map_err(|e| (exit::BACKEND, e.to_string()))?;
+            crate::rpc::relay::spawn(listener, (Ipv4Addr::LOCALHOST, private).into(), cap)
+                .map_err(|e| (exit::BACKEND, format!("cannot start the --mem relay: {e}")))?;
+            (Ipv4Addr::LOCALHOST, private)
+        }
+        _ => (host, port),
+    };
+    let endpoint = format!("{host}:{port}");
+    if !host.is_loopback() {
+        eprintln!("1bit rpc-worker: {}", exposure_warning(&endpoint));
+    }
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| (exit::BACKEND, format!("cannot start the runtime: {e}")))?;
+    // The signal handlers go in before the worker starts, so a SIGTERM at any point after
+    // is forwarded rather than killing this process and leaving the worker to PDEATHSIG.
+    let _guard = runtime.enter();
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return Err((exit::BACKEND, "cannot install signal handlers".to_string()));
+    };
+
+    let mut command = Command::new(&binary);
+    command
+        .args([
+            "--host",
+            &worker_host.to_string(),
+            "--port",
+            &worker_port.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit());
+    if let Some(n) = args.threads {
+        command.args(["--threads", &n.to_string()]);
+    }
+    // The worker prints a line on stdout per client connection; this command's stdout is its
+    // one announcement, so the worker's goes to stderr with its other lines.
+    if let Ok(err) = std::io::stderr().as_fd().try_clone_to_owned() {
+        command.stdout(Stdio::from(err));
+    }
+    die_with_serve(&mut command);
+    let child = command.spawn().map_err(|e| {
+        (
+            exit::BACKEND,
+            format!("could not start {} ({e})", binary.display()),
+        )
+    })?;
+    let pid = child.id();
+    let group = Pid::from_raw(pid as i32);
+    let probe_at = if host.is_unspecified() {
+        format!("127.0.0.1:{port}")
+    } else {
+        endpoint.clone()
+    };
+
+    runtime.block_on(async move {
+        let mut waiter = tokio::task::spawn_blocking(move || {
+            let mut child = child;
+            child.wait()
+        });
+        // Ready when it answers the probe; a worker that exits first, or a signal, ends it.
+        let ready = async {
+            let started = Instant::now();
+            loop {
+                let at = probe_at.clone();
+                let asked =
+                    tokio::task::spawn_blocking(move || probe::ask(&at, probe::ANSWER_WITHIN))
+                        .await;
+                match asked {
+                    Ok(Ok(offer)) => return Ok(offer),
+                    Ok(Err(e)) if started.elapsed() > READY_WITHIN => {
+                        return Err(format!("{e}; gave up after {} s", READY_WITHIN.as_secs()));
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        };
+        let asked = tokio::select! {
+            offer = ready => match offer {
+                Ok(offer) => {
+                    println!("{}", announcement(&endpoint, &offer));
+                    None
+                }
+                Err(e) => {
+                    let _ = killpg(group, Signal::SIGKILL);
+                    let _ = (&mut waiter).await;
+                    return Err((exit::BACKEND, e));
+                }
+            },
+            done = &mut waiter => {
+                let status = done.ok().and_then(Result::ok);
+                let how = status.map(describe_exit).unwrap_or_else(|| "ended".into());
+                return Err((
+                    status.map(exit_code).unwrap_or(exit::BACKEND),
+                    format!("{} {how} before it answered on {endpoint}", binary.display()),
+                ));
+            }
+            _ = term.recv() => Some("SIGTERM"),
+            _ = int.recv() => Some("SIGINT"),
+        };
+        let asked = match asked {
+            Some(asked) => asked,
+            None => tokio::select! {
+                done = &mut waiter => {
+                    let status = done
+                        .map_err(|e| (exit::BACKEND, e.to_string()))?
+                        .map_err(|e| (exit::BACKEND, e.to_string()))?;
+                    eprintln!(
+                        "1bit rpc-worker: the worker on {endpoint} (pid {pid}) {}",
+                        describe_exit(status)
+                    );
+                    return Ok(exit_code(status));
+                }
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            },
+        };
+        eprintln!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
+        let _ = killpg(group, Signal::SIGTERM);
+        let status = match tokio::time::timeout(STOP_GRACE, &mut waiter).await {
+            Ok(done) => done.ok().and_then(Result::ok),
+            Err(_) => {
+                eprintln!(
+                    "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
+                    STOP_GRACE.as_secs()
+                );
+                let _ = killpg(group, Signal::SIGKILL);
+                waiter.await.ok().and_then(Result::ok)
+            }
+        };
+        // Stopped because we were asked: a clean stop, unless it failed on its way out.
+        Ok(match status {
+            Some(s) if s.code().is_some_and(|c| c != 0) => exit_code(s),
+            _ => exit::OK,
+        })
+    })
+}
+
+/// The worker's exit as this command's status: its code, or 128 + the signal that killed it.
+fn exit_code(status: std::process::ExitStatus) -> i32 {
+    status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(exit::BACKEND)
+}
+
+/// The one line on stdout once the worker answers: where, what it offers, how to use it.
+pub fn announcement(endpoint: &str, offer: &probe::Offer) -> String {
+    let devices: Vec<String> = offer
+        .devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            format!(
+                "device {i}: {:.1} GiB free of {:.1}",
+                d.free as f64 / GIB,
+                d.total as f64 / GIB
+            )
+        })
+        .collect();
+    format!(
+        "1bit rpc-worker: listening on {endpoint} (RPC protocol {}.{}.{}), offering {:.1} GiB ({}); pass --rpc {endpoint} to 1bit serve",
+        offer.version.0,
+        offer.version.1,
+        offer.version.2,
+        offer.free() as f64 / GIB,
+        devices.join(", ")
+    )
+}
+
+/// The one warning line for a worker that listens beyond loopback.
+pub fn exposure_warning(endpoint: &str) -> String {
+    format!(
+        "warning: {endpoint} is not a loopback address and the RPC protocol has no authentication: anyone who can reach this port can allocate this machine's memory, read and write every tensor in it, and run compute graphs on it; bind it only on a private network you trust (docs/security.md)"
+    )
+}
+
+/// A free port on `host`, from the kernel; released just before the worker binds it.
+fn free_port(host: Ipv4Addr) -> Result<u16, String> {
+    TcpListener::bind((host, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("cannot find a free port on {host}: {e}"))
+}
+
+/// Which ggml-rpc-server to run: `--rpc-server PATH`, else `$ONEBIT_RPC_SERVER`, else the one
+/// beside `$ONEBIT_LLAMA_SERVER`, else the one `cargo xtask setup` installed beside
+/// llama-server, else `ggml-rpc-server` on `PATH`.
+pub fn rpc_server_binary(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(path) = explicit {
+        return check_executable(path, "--rpc-server");
+    }
+    if let Some(path) = env("ONEBIT_RPC_SERVER") {
+        return check_executable(&path, "ONEBIT_RPC_SERVER");
+    }
+    let beside_llama = env("ONEBIT_LLAMA_SERVER").and_then(|p| Some(p.parent()?.join(NAME)));
+    let candidates = beside_llama.into_iter().chain(installed()).chain(
+        std::env::var_os("PATH").into_iter().flat_map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join(NAME))
+                .collect::<Vec<_>>()
+        }),
+    );
+    for candidate in candidates {
+        if is_executable(&candidate) {
+            return Ok(candidate);
+        }
+    }
+    Err("no ggml-rpc-server found: run `cargo xtask setup` to build the pinned one, or pass --rpc-server PATH (or set ONEBIT_RPC_SERVER)".to_string())
+}
+
+const NAME: &str = "ggml-rpc-server";
+
+/// `<cache>/<install dir of the pinned llama.cpp>/bin/ggml-rpc-server`, the cache found as
+/// `cargo xtask setup` finds it.
+fn installed() -> Option<PathBuf> {
+    let pins: serde_json::Value = serde_json::from_str(PINS).ok()?;
+    let dir = pins["llama_cpp"]["install_dir"].as_str()?;
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let cache = env("ONEBIT_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("onebit")))
+        .or_else(|| env("HOME").map(|h| h.join(".cache").join("onebit")))?;
+    Some(cache.join(dir).join("bin").join(NAME))
+}
+
+fn check_executable(path: &Path, what: &str) -> Result<PathBuf, String> {
+    if is_executable(path) {
+        Ok(path.to_path_buf())
+    } else if path.exists() {
+        Err(format!(
+            "{what} {}: not an executable file; pass the ggml-rpc-server binary",
+            path.display()
+        ))
+    } else {
+        Err(format!(
+            "{what} {}: no such file; pass the path of a ggml-rpc-server binary",
+            path.display()
+        ))
+    }
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.metadata()
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
