@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+/// `1bit rpc-worker --port`'s default: ggml-rpc-server's own.
+pub const RPC_WORKER_DEFAULT_PORT: u16 = 50052;
 /// `--sse-keepalive-s`'s default: well under the stall window of Lemonade 11.8 and later.
 pub const SSE_KEEPALIVE_DEFAULT_S: u64 = 15;
 /// `--drain-s`'s default: with llama-server's own stop (well under a second) it fits the 5 s
@@ -28,7 +30,7 @@ pub enum Command {
     /// List the device routes found, with their files, ABI versions, and whether they loaded.
     Plugins(PluginArgs),
     /// Run a llama.cpp RPC worker (ggml-rpc-server) that holds layers for `serve --rpc`.
-    RpcWorker(crate::rpc::worker::WorkerArgs),
+    RpcWorker(WorkerArgs),
     /// llama-server's own command line (as Lemonade's llamacpp backend builds it), served by
     /// `1bit serve`; also what `1bit` does when run under the name `llama-server`.
     #[command(name = "llama-server", disable_help_flag = true)]
@@ -365,4 +367,27 @@ impl ServeArgs {
             None
         }
     }
+}
+
+/// `1bit rpc-worker`'s flags (run by `rpc::worker`).
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// The IPv4 address to listen on. Anything but loopback lets every machine that reaches
+    /// the port use this one (the protocol has no authentication; docs/security.md).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// The port to listen on (0: a free port the kernel picks).
+    #[arg(long, default_value_t = RPC_WORKER_DEFAULT_PORT)]
+    pub port: u16,
+    /// Offer at most this many GiB per device: a relay in front of the worker caps what it
+    /// reports (the pinned ggml-rpc-server reports its devices' own memory).
+    #[arg(long, value_name = "GiB")]
+    pub mem: Option<f64>,
+    /// CPU threads for the worker's CPU device (default: ggml-rpc-server's, half the cores).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<u32>,
+    /// The ggml-rpc-server binary (default: $ONEBIT_RPC_SERVER, beside $ONEBIT_LLAMA_SERVER,
+    /// the installed one, PATH).
+    #[arg(long, value_name = "PATH")]
+    pub rpc_server: Option<PathBuf>,
 }

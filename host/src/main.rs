@@ -4,8 +4,9 @@
 //! backend die with serve (`backends::supervisor::die_with_serve`), which has no safe equivalent.
 //!
 //! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
-//! rooms below it: `serve` > `front` > `relay` > `pm`, `laya` > `metrics` > `backends` > `guard`,
-//! `admission`, `settings`, `model`, `routes` > `error`, `cli` (docs/architecture.md).
+//! rooms below it: `serve`, `prepare` > `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
+//! `backends` > `guard`, `admission`, `settings`, `model`, `routes` > `llama_server_cli` >
+//! `error`, `cli` (docs/architecture.md).
 #![deny(unsafe_code)]
 
 mod admission;
@@ -19,6 +20,7 @@ mod llama_server_cli;
 mod metrics;
 mod model;
 mod pm;
+mod prepare;
 mod relay;
 mod routes;
 mod rpc;

@@ -8,48 +8,24 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use clap::Args;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::backends::supervisor::{describe_exit, die_with_serve};
+use crate::cli::WorkerArgs;
 use crate::error::exit;
 use crate::rpc::probe;
 
 /// The pins of what the project installs, compiled in to find the `ggml-rpc-server` that
 /// `cargo xtask setup` built beside llama-server.
 const PINS: &str = include_str!("../../../third_party/pins.json");
-/// ggml-rpc-server's own default port.
-const DEFAULT_PORT: u16 = 50052;
 /// How long the worker may take to answer its first probe before `1bit rpc-worker` gives up.
 const READY_WITHIN: Duration = Duration::from_secs(60);
 /// How long the worker has to stop after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-#[derive(Args, Debug, Clone)]
-pub struct WorkerArgs {
-    /// The IPv4 address to listen on. Anything but loopback lets every machine that reaches
-    /// the port use this one (the protocol has no authentication; docs/security.md).
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// The port to listen on (0: a free port the kernel picks).
-    #[arg(long, default_value_t = DEFAULT_PORT)]
-    pub port: u16,
-    /// Offer at most this many GiB per device: a relay in front of the worker caps what it
-    /// reports (the pinned ggml-rpc-server reports its devices' own memory).
-    #[arg(long, value_name = "GiB")]
-    pub mem: Option<f64>,
-    /// CPU threads for the worker's CPU device (default: ggml-rpc-server's, half the cores).
-    #[arg(long, value_name = "N")]
-    pub threads: Option<u32>,
-    /// The ggml-rpc-server binary (default: $ONEBIT_RPC_SERVER, beside $ONEBIT_LLAMA_SERVER,
-    /// the installed one, PATH).
-    #[arg(long, value_name = "PATH")]
-    pub rpc_server: Option<PathBuf>,
-}
 
 /// Run `1bit rpc-worker` on the main thread (which forks the worker, so the worker's
 /// parent-death signal stays armed for as long as this process lives) and return the exit

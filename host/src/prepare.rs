@@ -1,0 +1,416 @@
+//! Everything before a process starts: the flags checked, the model's facts, the route chosen
+//! and its plan made, the memory check, `--mem-check` and `--print-backend`. Pure but for
+//! reading files and reserving ports; `serve.rs` runs what this decides.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener as StdListener;
+use std::path::PathBuf;
+
+use onebit_plugin_api::loader::LoadedRoute;
+use onebit_plugin_api::{Plan, PlanOutcome, PlanRequest, Purpose, RouteOption, ServeOptions};
+
+use crate::cli::ServeArgs;
+use crate::error::{Fatal, exit};
+use crate::guard::key::ApiKey;
+use crate::laya::start::Placed;
+use crate::{admission, llama_server_cli, model, routes};
+
+/// Ports Lemonade scans for its own servers; backends never take one.
+const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
+
+/// What `prepare` settled: exit now with a status (`--mem-check`, `--print-backend`), or serve.
+pub enum Prepared {
+    Exit(i32),
+    Serve(Box<ServePlan>),
+}
+
+/// What serve runs: the route, its plan and what serve was asked around it.
+pub struct ServePlan {
+    pub args: ServeArgs,
+    pub route: LoadedRoute,
+    pub plan: Plan,
+    pub served_name: String,
+    pub run_dir: PathBuf,
+    /// `--pm`: the checked experts file and Lemonade's address.
+    pub pm: Option<(crate::pm::Experts, crate::pm::LemonadeUrl)>,
+    /// `--laya`: the policy, and the plans of the other devices it can pick (their backends
+    /// follow `plan`'s in serve's order).
+    pub laya: Option<(crate::laya::Policy, Vec<Placed>)>,
+    pub api_key: Option<ApiKey>,
+}
+
+/// Everything before a process starts: the flags, the model, the route, the plan.
+pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
+    if let Some(why) = args.removed() {
+        return Err(Fatal::usage(why));
+    }
+    let printing = args.print_backend || args.print_backend_env;
+    let needs_serve = |why: String| Fatal {
+        code: exit::NEEDS_SERVE,
+        message: format!(
+            "--print-backend: {why} needs 1bit serve in the request path; run 1bit serve itself"
+        ),
+    };
+    if let Some(tps) = args.watchdog_prompt_tps
+        && !(tps.is_finite() && tps > 0.0)
+    {
+        return Err(Fatal::usage(format!(
+            "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
+        )));
+    }
+    let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
+        .map_err(Fatal::usage)?;
+    if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
+        return Err(Fatal::usage(format!(
+            "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
+            args.drain_s
+        )));
+    }
+    if printing && let Some(flag) = args.needs_serve_in_path() {
+        return Err(needs_serve(flag.to_string()));
+    }
+    let pm = crate::pm::start::settings(args)?;
+    let policy = crate::laya::start::settings(args)?;
+    let route_options = route_options(args)?;
+    let facts = model::facts(&args.model)?;
+    if printing && facts.is_dir {
+        return Err(needs_serve(format!(
+            "the model directory {}",
+            args.model.display()
+        )));
+    }
+    let served_name = model::served_name(&args.model, args.alias.as_deref());
+
+    let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
+    let mut loaded = Vec::new();
+    for f in found {
+        match f.outcome {
+            Ok(route) => loaded.push(route),
+            Err(e) => eprintln!("1bit serve: skipping a route: {e}"),
+        }
+    }
+
+    let ports = if printing {
+        vec![args.port]
+    } else {
+        reserve_ports(4)?
+    };
+    let run_dir = std::env::temp_dir().join(format!("1bit-serve-{}", std::process::id()));
+    let request = PlanRequest {
+        purpose: if printing {
+            Purpose::PrintBackend
+        } else if args.mem_check {
+            Purpose::MemCheck
+        } else {
+            Purpose::Serve
+        },
+        options: ServeOptions {
+            model: args.model.to_string_lossy().into_owned(),
+            served_name: served_name.clone(),
+            host: args.host.clone(),
+            port: args.port,
+            device: args.device.clone(),
+            ctx_size: args.ctx_size,
+            llama_server: args
+                .llama_server
+                .clone()
+                .or_else(llama_server_cli::installed_beside),
+            ds4: args.ds4.clone(),
+            parallel: args.parallel,
+            ssd_streaming: args.ssd_streaming,
+            hrx_libhsa: args.hrx_libhsa.clone(),
+            strict_device: args.strict_device,
+            no_strict_device: args.no_strict_device,
+            placement_report: args.placement_report,
+            recipes: args.recipes.clone(),
+            no_recipes: args.no_recipes,
+            mtp: args.mtp.clone(),
+            dflash: args.dflash.clone(),
+            no_mtp: args.no_mtp,
+            mtp_max: args.mtp_max,
+            mtp_p_min: args.mtp_p_min,
+            mmproj: args.mmproj.clone(),
+            embedding: args.embedding,
+            reranking: args.reranking,
+            embed: args.embed.clone(),
+            rerank: args.rerank.clone(),
+            args: args.command_line.clone(),
+            route_options,
+        },
+        model: facts,
+        env: std::env::vars_os()
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.to_string_lossy().into_owned(),
+                )
+            })
+            .collect(),
+        ports,
+        run_dir: run_dir.to_string_lossy().into_owned(),
+    };
+
+    let refused_flag = refused_flag(args);
+    let (route, claim) = routes::choose(&args.device, &loaded, &request)?;
+    if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
+        eprintln!(
+            "1bit serve: --device auto chose {} ({})",
+            route.info.name, claim.reason
+        );
+    }
+    if !request.options.route_options.is_empty() && !takes_route_options(route) {
+        let flag = &request.options.route_options[0].flag;
+        return Err(Fatal::usage(format!(
+            "{flag}: the {} route was built against route ABI {}, which takes no route options; remove {flag} or rebuild the route against onebit-plugin-api 1.2 or later",
+            route.info.name, route.abi_version
+        )));
+    }
+    let plan = match route.plan(&request) {
+        Ok(PlanOutcome::Plan(plan)) => plan,
+        Ok(PlanOutcome::Refused(refusal)) => {
+            return Err(Fatal {
+                code: refusal.exit_status(),
+                message: refusal.message,
+            });
+        }
+        Err(e) => {
+            return Err(Fatal::backend(format!(
+                "the {} route failed to plan: {e}",
+                route.info.name
+            )));
+        }
+    };
+    // A flag refused for every route is refused only once the route has planned, so that a
+    // route's own refusal of it (`--mtp` on --device hybrid, say) says why instead. A plan is
+    // pure, so asking it first starts nothing.
+    if let Some(refused) = refused_flag {
+        return Err(refused);
+    }
+    // --laya: the device --device auto chose is one candidate; every other device the policy
+    // names is planned too, and the memory check counts them together.
+    let (route, mut plan, mut laya) = match policy {
+        Some(policy) => {
+            let auto = (route.clone(), plan);
+            let (first, more) =
+                crate::laya::start::plans(&policy, &loaded, &request, auto, reserve_ports)?;
+            (first.0, first.1, Some((policy, more)))
+        }
+        None => (route.clone(), plan, None),
+    };
+    // The drop-in's llama-server arguments reach every plan's llama-server (one per device
+    // with --laya).
+    let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
+    for each in std::iter::once(&mut plan).chain(more.map(|(_, p)| p)) {
+        llama_server_cli::pass_to_backend(each, &args.backend_args)?;
+        llama_server_cli::refuse_self(each)?;
+        llama_server_cli::align_rules(each, &args.backend_args);
+    }
+    if pm.is_some() {
+        crate::pm::start::check_plan(&plan)?;
+    }
+    let checked = match &laya {
+        Some((_, more)) => crate::laya::start::needs_together(&plan, more),
+        None => plan.clone(),
+    };
+
+    let workers = crate::rpc::before_start(args, &plan)?;
+    if let Some(code) = crate::rpc::split::admit(args, &served_name, &plan, &workers)? {
+        return Ok(Prepared::Exit(code));
+    }
+    if args.mem_check {
+        return Ok(Prepared::Exit(mem_check(args, &served_name, &checked)?));
+    }
+    if workers.is_empty() && !admission::skipped(args.no_mem_check) {
+        admit(args, &served_name, &checked)?;
+    }
+    if let Some((_, more)) = &laya {
+        for (_, other) in more {
+            plan.notes.extend(other.notes.iter().cloned());
+        }
+    }
+    for note in &plan.notes {
+        eprintln!("1bit serve: {note}");
+    }
+    if printing {
+        return print_backend(args, &plan).map(Prepared::Exit);
+    }
+    Ok(Prepared::Serve(Box::new(ServePlan {
+        args: args.clone(),
+        route,
+        plan,
+        served_name,
+        run_dir,
+        pm,
+        laya,
+        api_key,
+    })))
+}
+
+/// `--route-opt` and `--npu-opt` as the pairs a route gets, in order; a value without `=` is
+/// refused in one line.
+fn route_options(args: &ServeArgs) -> Result<Vec<RouteOption>, Fatal> {
+    let given = args
+        .route_opt
+        .iter()
+        .map(|o| ("--route-opt", o))
+        .chain(args.npu_opt.iter().map(|o| ("--npu-opt", o)));
+    let mut options = Vec::new();
+    for (flag, option) in given {
+        match option.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => options.push(RouteOption {
+                flag: flag.to_string(),
+                key: key.trim().to_string(),
+                value: value.to_string(),
+            }),
+            _ => {
+                return Err(Fatal::usage(format!(
+                    "{flag} {option}: not KEY=VALUE; pass it as {flag} KEY=VALUE"
+                )));
+            }
+        }
+    }
+    Ok(options)
+}
+
+/// Whether the route reads route options: built against ABI 1.2 or later (an older route
+/// would ignore them without a word).
+fn takes_route_options(route: &LoadedRoute) -> bool {
+    semver::Version::parse(&route.abi_version).is_ok_and(|v| v >= semver::Version::new(1, 2, 0))
+}
+
+/// A flag this build parses but refuses on every route, as the one line serve exits 2 with.
+fn refused_flag(args: &ServeArgs) -> Option<Fatal> {
+    if let Some(flag) = args.refused_in_this_build() {
+        return Some(Fatal::usage(format!(
+            "{flag} is not available in this build: the expert streamer lived in the removed Vulkan llama.cpp pin and moves to HRX together with Qwen3.8-Flash-Next; remove {flag}"
+        )));
+    }
+    args.not_yet_available().first().map(|flag| {
+        Fatal::usage(format!(
+            "{flag} is not available in this version of 1bit serve yet; remove {flag}"
+        ))
+    })
+}
+
+/// `--mem-check`: the estimate on stdout, exit 0 when it fits and 3 when it does not.
+fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        println!("{}", admission::unknown_line(name, why));
+        return Ok(exit::OK);
+    }
+    let Some(need) = &plan.memory else {
+        println!(
+            "{name}: nothing to check: the {} route gave no memory estimate for {}",
+            plan.device,
+            args.model.display()
+        );
+        return Ok(exit::OK);
+    };
+    let free =
+        admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
+    let verdict = admission::judge(name, &args.model, need, &free);
+    println!("{}", verdict.line);
+    for warning in &verdict.warnings {
+        println!("warning: {warning}");
+    }
+    Ok(if verdict.fits { exit::OK } else { exit::NO_FIT })
+}
+
+/// The check before a load: say the estimate, refuse with exit 3 when it does not fit.
+fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
+    if let Some(why) = &plan.memory_unknown {
+        eprintln!(
+            "1bit serve: warning: {}",
+            admission::unknown_line(name, why)
+        );
+        return Ok(());
+    }
+    let Some(need) = &plan.memory else {
+        return Ok(());
+    };
+    let free =
+        admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
+    let verdict = admission::judge(name, &args.model, need, &free);
+    if !verdict.fits {
+        return Err(Fatal {
+            code: exit::NO_FIT,
+            message: verdict.line,
+        });
+    }
+    eprintln!("1bit serve: {}", verdict.line);
+    for warning in &verdict.warnings {
+        eprintln!("1bit serve: warning: {warning}");
+    }
+    Ok(())
+}
+
+/// `--print-backend`: the plan's backend as one JSON line; `--print-backend-env`: its
+/// environment, one `NAME=VALUE` line each. Only variables the caller has not set are listed.
+fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
+    let backend = match plan.backends.as_slice() {
+        [one] if plan.one_hop => one,
+        _ => {
+            let what = if plan.serve_in_path.is_empty() {
+                format!("--device {}", plan.device)
+            } else {
+                plan.serve_in_path.clone()
+            };
+            return Err(Fatal {
+                code: exit::NEEDS_SERVE,
+                message: format!(
+                    "--print-backend: {what} needs 1bit serve in the request path; run 1bit serve itself"
+                ),
+            });
+        }
+    };
+    let mut env: BTreeMap<&String, &String> = backend
+        .env
+        .iter()
+        .filter(|(k, _)| std::env::var_os(k).is_none())
+        .collect();
+    env.extend(backend.env_combined.iter());
+    if args.print_backend_env {
+        for (k, v) in env {
+            println!("{k}={v}");
+        }
+        return Ok(exit::OK);
+    }
+    let line = serde_json::json!({
+        "argv": backend.argv,
+        "device": plan.device,
+        "env": env,
+        "port": backend.port,
+        "warmups": plan.warmups,
+        "warmup": plan.warmups.first(),
+    });
+    println!("{line}");
+    Ok(exit::OK)
+}
+
+/// Reserve `n` free loopback ports outside Lemonade's range. The kernel picks each; they are
+/// released just before the backends bind them.
+fn reserve_ports(n: usize) -> Result<Vec<u16>, Fatal> {
+    let mut held = Vec::new();
+    let mut ports = Vec::new();
+    for _ in 0..(n * 8) {
+        if ports.len() == n {
+            break;
+        }
+        let listener = StdListener::bind("127.0.0.1:0")
+            .map_err(|e| Fatal::backend(format!("cannot reserve a loopback port: {e}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Fatal::backend(format!("cannot reserve a loopback port: {e}")))?
+            .port();
+        if !LEMONADE_PORTS.contains(&port) {
+            ports.push(port);
+        }
+        held.push(listener);
+    }
+    if ports.len() < n {
+        return Err(Fatal::backend(
+            "cannot reserve loopback ports outside 8001-9000",
+        ));
+    }
+    Ok(ports)
+}
