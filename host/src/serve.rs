@@ -369,16 +369,22 @@ async fn supervise(
         .watchdog
         .get()
         .map(|dog| tokio::spawn(dog.clone().run(client.clone(), events_tx.clone())));
-    let signal = tokio::select! {
-        event = events.recv() => Err(event),
-        _ = sigterm.recv() => Ok("SIGTERM"),
-        _ = sigint.recv() => Ok("SIGINT"),
+    let ended = tokio::select! {
+        event = events.recv() => Ended::Backend(event),
+        _ = sigterm.recv() => Ended::Signal("SIGTERM"),
+        _ = sigint.recv() => Ended::Signal("SIGINT"),
+        line = port_taken(&backends) => Ended::PortTaken(line),
     };
-    let code = match signal {
-        Err(event) => fail(event, &backends, app, &devices, grace).await,
-        Ok(what) => {
+    let code = match ended {
+        Ended::Backend(event) => fail(event, &backends, app, &devices, grace).await,
+        Ended::Signal(what) => {
             drain.run(what).await;
             stop(&backends, grace, what).await
+        }
+        Ended::PortTaken(line) => {
+            app.set_status(Status::Failed(line.clone()));
+            supervisor::stop_all(&backends, grace).await;
+            say_fatal(&Fatal::backend(line))
         }
     };
     monitor.abort();
@@ -409,6 +415,32 @@ fn impostor(backends: &[Backend]) -> Option<String> {
             port_owner::Listener::Backend | port_owner::Listener::Unknown => None,
         }
     })
+}
+
+/// Why serving ended.
+enum Ended {
+    /// A backend exited, or the route asked to stop.
+    Backend(Option<Event>),
+    /// SIGTERM or SIGINT.
+    Signal(&'static str),
+    /// Another process answers on a backend's port (`impostor`'s line).
+    PortTaken(String),
+}
+
+/// How often, while serving, the backends' ports are checked again for another process.
+const PORT_RECHECK: Duration = Duration::from_secs(2);
+
+/// While serving: every [`PORT_RECHECK`], whether each backend's port is still held by the
+/// backend serve started (a backend that closed its listener and a process that took the
+/// port over, or a restarted engine that is not serve's). Resolves with `impostor`'s line.
+/// On the runtime: a few /proc reads, well under a millisecond for one backend.
+async fn port_taken(backends: &[Backend]) -> String {
+    loop {
+        tokio::time::sleep(PORT_RECHECK).await;
+        if let Some(line) = impostor(backends) {
+            return line;
+        }
+    }
 }
 
 /// A signal: stop the backends in order and exit cleanly.

@@ -130,3 +130,72 @@ fn a_wrapper_whose_child_listens_is_the_backend() {
         "the engine outlived serve"
     );
 }
+
+#[test]
+fn a_process_that_takes_the_port_while_serving_ends_serve_with_exit_1() {
+    let dir = temp_dir("impostor-later");
+    let model = dummy_model(&dir, "m.gguf");
+    let trigger = dir.join("let-go");
+    let released = dir.join("released");
+    // A backend that serves until told to let go of its port, then lives on without it (as an
+    // engine that closed its listener would), so only the port's new holder answers there.
+    let wrapper = script(
+        &dir,
+        "letting-go",
+        &format!(
+            "\"{fake}\" \"$@\" &\nchild=$!\ntrap 'kill $child 2>/dev/null; exit 0' TERM\n\
+             while [ ! -e \"{trigger}\" ]; do sleep 0.1; done\n\
+             kill $child; wait $child\ntouch \"{released}\"\nwhile :; do sleep 0.2; done",
+            fake = fake_backend().display(),
+            trigger = trigger.display(),
+            released = released.display(),
+        ),
+    );
+    let mut serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            wrapper.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let port = backend_port(&serve);
+    serve.ready();
+    std::fs::write(&trigger, b"").unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || released.exists()),
+        "the backend did not let go of its port"
+    );
+    // This test process takes the port over and answers 200, as a stray server would.
+    let impostor = TcpListener::bind(("127.0.0.1", port)).expect("the backend port is free");
+    std::thread::spawn(move || {
+        for mut conn in impostor.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = conn.read(&mut buf);
+            let body = r#"{"status":"ok"}"#;
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let exit = serve.wait_exit(Duration::from_secs(20)).unwrap_or_else(|| {
+        panic!(
+            "serve kept serving with another process on its backend's port: {}",
+            serve.output()
+        )
+    });
+    let out = serve.output();
+    assert_eq!(exit.code(), Some(1), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with(&format!("1bit serve: port {port}, "))
+                && l.ends_with("not from the backend serve started")),
+        "{out}"
+    );
+}
