@@ -405,16 +405,37 @@ fn display_host(host: &str) -> String {
 /// The line to exit 1 with when another process, not the backend, listens on a backend's port
 /// (port_owner.rs); None when each port is its backend's or cannot be judged.
 fn impostor(backends: &[Backend]) -> Option<String> {
-    backends.iter().find_map(|b| {
-        match port_owner::listener(Path::new("/proc"), b.spec.port, b.pid) {
-            port_owner::Listener::Other(owner) => Some(port_owner::impostor_line(
-                &b.spec.engine,
-                b.spec.port,
-                &owner,
-            )),
-            port_owner::Listener::Backend | port_owner::Listener::Unknown => None,
+    let held: Vec<Held> = backends.iter().map(Held::of).collect();
+    impostor_among(&held)
+}
+
+/// What the port check needs of a backend, owned so the check can run on a blocking thread.
+#[derive(Clone)]
+struct Held {
+    engine: String,
+    port: u16,
+    pid: u32,
+}
+
+impl Held {
+    fn of(b: &Backend) -> Held {
+        Held {
+            engine: b.spec.engine.clone(),
+            port: b.spec.port,
+            pid: b.pid,
         }
-    })
+    }
+}
+
+fn impostor_among(held: &[Held]) -> Option<String> {
+    held.iter().find_map(
+        |b| match port_owner::listener(Path::new("/proc"), b.port, b.pid) {
+            port_owner::Listener::Other(owner) => {
+                Some(port_owner::impostor_line(&b.engine, b.port, &owner))
+            }
+            port_owner::Listener::Backend | port_owner::Listener::Unknown => None,
+        },
+    )
 }
 
 /// Why serving ended.
@@ -433,11 +454,14 @@ const PORT_RECHECK: Duration = Duration::from_secs(2);
 /// While serving: every [`PORT_RECHECK`], whether each backend's port is still held by the
 /// backend serve started (a backend that closed its listener and a process that took the
 /// port over, or a restarted engine that is not serve's). Resolves with `impostor`'s line.
-/// On the runtime: a few /proc reads, well under a millisecond for one backend.
+/// The /proc reads run on a blocking thread, never on a thread that relays.
 async fn port_taken(backends: &[Backend]) -> String {
+    let held: Vec<Held> = backends.iter().map(Held::of).collect();
     loop {
         tokio::time::sleep(PORT_RECHECK).await;
-        if let Some(line) = impostor(backends) {
+        let checked = held.clone();
+        if let Ok(Some(line)) = tokio::task::spawn_blocking(move || impostor_among(&checked)).await
+        {
             return line;
         }
     }
