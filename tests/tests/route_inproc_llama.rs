@@ -1,0 +1,283 @@
+//! The inproc add-on (addons/inproc, `--device inproc`) with llama.cpp's shared libraries and
+//! the default model: the same greedy text as the cpu route's real llama-server, streamed and
+//! not, sampling settings, stop strings, the paths it does not serve, a client that leaves, and
+//! its one-line refusals when the libraries are missing or of another version.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use onebit_tests::inproc_addon::{libraries_installed, plugin_dir};
+use onebit_tests::*;
+
+const PROMPTS: [&str; 5] = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+];
+
+const QUESTIONS: [&str; 3] = [
+    "What is the capital of France? Answer in one word.",
+    "Name a fruit that is yellow.",
+    "Say hello in Spanish.",
+];
+
+fn smollm2() -> std::path::PathBuf {
+    installed_model("SmolLM2-135M-Instruct-Q4_1.gguf")
+}
+
+fn serve_inproc(extra: &[&str], env: &[(&str, &str)]) -> Serve {
+    let model = smollm2();
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "inproc",
+        "--plugin-dir",
+        plugin_dir().to_str().unwrap(),
+        "--ctx-size",
+        "2048",
+    ];
+    args.extend_from_slice(extra);
+    let serve = Serve::start(&args, env);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(60)),
+        "the inproc route did not become ready:\n{}",
+        serve.output()
+    );
+    serve
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn completion(serve: &Serve, body: serde_json::Value) -> serde_json::Value {
+    let (status, reply) = post(&serve.url("/v1/completions"), &body.to_string());
+    assert_eq!(status, 200, "{reply}");
+    json(&reply)
+}
+
+fn chat(serve: &Serve, question: &str) -> String {
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": 24,
+    });
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body.to_string());
+    assert_eq!(status, 200, "{reply}");
+    json(&reply)["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn greedy(prompt: &str) -> serde_json::Value {
+    serde_json::json!({"prompt": prompt, "temperature": 0, "max_tokens": 24})
+}
+
+#[test]
+fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
+    if !libraries_installed("greedy_completions_and_chats_equal_llama_servers_streamed_and_not") {
+        return;
+    }
+    let (expected, expected_chats): (Vec<String>, Vec<String>) = {
+        let cpu = serve_smollm2(&["--ctx-size", "2048"]);
+        let texts = PROMPTS
+            .iter()
+            .map(|p| {
+                completion(&cpu, greedy(p))["choices"][0]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        let chats = QUESTIONS.iter().map(|q| chat(&cpu, q)).collect();
+        (texts, chats)
+    };
+    let serve = serve_inproc(&[], &[]);
+    for (prompt, expected) in PROMPTS.iter().zip(&expected) {
+        let reply = completion(&serve, greedy(prompt));
+        assert_eq!(
+            reply["choices"][0]["text"].as_str().unwrap(),
+            expected,
+            "{prompt:?}: {reply}"
+        );
+        assert_eq!(reply["object"], "text_completion");
+        assert_eq!(reply["model"], "SmolLM2-135M-Instruct-Q4_1");
+        let usage = &reply["usage"];
+        assert_eq!(usage["completion_tokens"], 24, "{reply}");
+        assert_eq!(
+            usage["total_tokens"].as_u64().unwrap(),
+            usage["prompt_tokens"].as_u64().unwrap() + 24
+        );
+        assert_eq!(reply["choices"][0]["finish_reason"], "length");
+
+        let mut streamed = greedy(prompt);
+        streamed["stream"] = true.into();
+        streamed["stream_options"] = serde_json::json!({"include_usage": true});
+        let events = sse(&serve.url("/v1/completions"), &streamed.to_string());
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let values: Vec<serde_json::Value> =
+            events[..events.len() - 1].iter().map(|e| json(e)).collect();
+        let text: String = values
+            .iter()
+            .filter_map(|v| v["choices"][0]["text"].as_str())
+            .collect();
+        assert_eq!(&text, expected, "streamed {prompt:?}");
+        let last = values.last().unwrap();
+        assert_eq!(last["choices"], serde_json::json!([]), "{last}");
+        assert_eq!(last["usage"]["completion_tokens"], 24, "{last}");
+    }
+    for (question, expected) in QUESTIONS.iter().zip(&expected_chats) {
+        assert_eq!(&chat(&serve, question), expected, "{question:?}");
+    }
+}
+
+#[test]
+fn sampling_settings_stop_strings_and_unserved_paths() {
+    if !libraries_installed("sampling_settings_stop_strings_and_unserved_paths") {
+        return;
+    }
+    let serve = serve_inproc(&[], &[]);
+    let sampled = |seed: u64| {
+        let body = serde_json::json!({
+            "prompt": "My favourite animal is", "temperature": 1.5, "top_p": 0.95,
+            "seed": seed, "max_tokens": 16,
+        });
+        completion(&serve, body)["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let first = sampled(7);
+    assert_eq!(sampled(7), first, "the same seed samples the same text");
+    let others: Vec<String> = (100..104).map(sampled).collect();
+    assert!(
+        others.iter().any(|t| *t != first),
+        "other seeds sample other text at temperature 1.5: {first:?} {others:?}"
+    );
+
+    // A stop string ends the text before it, streamed and not.
+    let whole = completion(&serve, greedy(PROMPTS[0]))["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let stop: String = whole.chars().skip(3).take(4).collect();
+    let before = &whole[..whole.find(&stop).unwrap()];
+    let mut body = greedy(PROMPTS[0]);
+    body["stop"] = serde_json::json!([stop]);
+    let reply = completion(&serve, body.clone());
+    assert_eq!(reply["choices"][0]["text"], before, "{reply}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+    body["stream"] = true.into();
+    let events = sse(&serve.url("/v1/completions"), &body.to_string());
+    let text: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, before);
+
+    let (status, reply) = post(&serve.url("/v1/embeddings"), r#"{"input":"hi"}"#);
+    assert_eq!(status, 501, "{reply}");
+    assert!(reply.contains("--device cpu"), "{reply}");
+    let (status, reply) = post(&serve.url("/v1/completions"), r#"{"max_tokens":3}"#);
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply.contains("no prompt"), "{reply}");
+}
+
+#[test]
+fn a_client_that_leaves_stops_generation() {
+    if !libraries_installed("a_client_that_leaves_stops_generation") {
+        return;
+    }
+    let serve = serve_inproc(&[], &[]);
+    let body = serde_json::json!({
+        "prompt": "Count from one to a thousand:", "temperature": 0,
+        "max_tokens": 1500, "stream": true,
+    })
+    .to_string();
+    let mut tcp = TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        tcp,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(tcp);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    drop(reader);
+    let gone = || {
+        let (_, text) = get(&serve.url("/metrics"));
+        text.lines()
+            .any(|l| l.trim() == "onebit_inproc_clients_gone_total 1")
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), gone),
+        "the route stopped generating for the client that left:\n{}",
+        get(&serve.url("/metrics")).1
+    );
+    let (_, text) = get(&serve.url("/metrics"));
+    let predicted: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("onebit_inproc_predicted_tokens_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!(predicted < 1500, "stopped early, after {predicted} tokens");
+}
+
+#[test]
+fn missing_or_foreign_libraries_are_refused_in_one_line() {
+    if !libraries_installed("missing_or_foreign_libraries_are_refused_in_one_line") {
+        return;
+    }
+    let model = smollm2();
+    let run = |lib_dir: &std::path::Path| {
+        let output = std::process::Command::new(onebit())
+            .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+            .arg("--plugin-dir")
+            .arg(plugin_dir())
+            .args(["--port", &free_port().to_string()])
+            .env("ONEBIT_INPROC_LIB_DIR", lib_dir)
+            .env("ONEBIT_STATE_DIR", temp_dir("state"))
+            .output()
+            .unwrap();
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let empty = temp_dir("inproc-nolibs");
+    let (code, stderr) = run(&empty);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("has no libggml-base.so") && stderr.contains("cargo xtask setup"),
+        "{stderr}"
+    );
+
+    // The same files with a stamp naming another llama.cpp source.
+    let foreign = temp_dir("inproc-foreign");
+    for entry in std::fs::read_dir(onebit_tests::inproc_addon::lib_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        std::os::unix::fs::symlink(&path, foreign.join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::remove_file(foreign.join("installed.json")).unwrap();
+    std::fs::write(
+        foreign.join("installed.json"),
+        r#"{"sdist_sha256":"0000000000000000000000000000000000000000000000000000000000000000"}"#,
+    )
+    .unwrap();
+    let (code, stderr) = run(&foreign);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("another version"), "{stderr}");
+}
