@@ -1,6 +1,7 @@
 //! `cargo xtask`: installs what 1bit serve needs (llama.cpp's llama-server, the pinned models) and runs the server, its checks and its tests.
 #![forbid(unsafe_code)]
 
+mod addon;
 mod bench;
 mod cache;
 mod install;
@@ -26,6 +27,7 @@ usage: cargo xtask <subcommand>
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
   bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/)
+  addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
   paths             print cache_dir, llama_server and model paths, one name=value per line
   install [--prefix DIR] [--debug]  build and install 1bit, its routes, the pinned llama-server
                     and the llama-server link to 1bit under DIR (default ~/.local)";
@@ -79,6 +81,7 @@ fn main() -> ExitCode {
             .map(|_| ExitCode::SUCCESS),
         Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
+        Some("addon") => Workspace::load().and_then(|ws| addon::run(&ws, &rest)),
         Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
         Some("install") => Workspace::load().and_then(|ws| install::run(&ws, &rest)),
         Some("paths") => no_arguments("paths", &rest)
@@ -90,7 +93,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, paths, install (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, addon, paths, install (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {
