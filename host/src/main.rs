@@ -17,6 +17,7 @@ mod guard;
 mod llama_server_cli;
 mod metrics;
 mod model;
+mod plugin_check;
 mod relay;
 mod routes;
 mod rpc;
@@ -43,6 +44,10 @@ fn main() {
             serve::run(*args)
         }
         cli::Command::LlamaServer { args } => drop_in(&args),
+        cli::Command::Plugins(cli::PluginArgs {
+            action: Some(cli::PluginAction::Check { file, model }),
+            ..
+        }) => plugin_check::run(&file, model.as_deref()),
         cli::Command::Plugins(args) => {
             let dirs = routes::search_dirs(&args.plugin_dir);
             let found = routes::discover(&dirs);
