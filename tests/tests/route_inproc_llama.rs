@@ -1,6 +1,6 @@
 //! The inproc add-on (addons/inproc, `--device inproc`) with llama.cpp's shared libraries and
 //! the default model: the same greedy text as the cpu route's real llama-server, streamed and
-//! not, sampling settings, stop strings, the paths it does not serve, a client that leaves, and
+//! not, the prompt cache reused between requests, sampling settings, stop strings, the paths it does not serve, a client that leaves, and
 //! its one-line refusals when the libraries are missing or of another version.
 
 use std::io::{BufRead, BufReader, Write};
@@ -130,10 +130,25 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
         let last = values.last().unwrap();
         assert_eq!(last["choices"], serde_json::json!([]), "{last}");
         assert_eq!(last["usage"]["completion_tokens"], 24, "{last}");
+        // The same prompt again reuses the context: all but the last prompt token.
+        assert_eq!(
+            last["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+            last["usage"]["prompt_tokens"].as_u64().map(|n| n - 1),
+            "{last}"
+        );
     }
     for (question, expected) in QUESTIONS.iter().zip(&expected_chats) {
         assert_eq!(&chat(&serve, question), expected, "{question:?}");
     }
+    let (_, metrics) = get(&serve.url("/metrics"));
+    let hits = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("onebit_inproc_cached_prompt_tokens_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(
+        hits.is_some_and(|n| n > 0),
+        "cache hits in /metrics:\n{metrics}"
+    );
 }
 
 #[test]

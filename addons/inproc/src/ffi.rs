@@ -134,6 +134,7 @@ struct Functions {
         unsafe extern "C" fn(*const Model, *const c_char, *mut c_char, usize) -> i32,
     get_memory: unsafe extern "C" fn(*const Context) -> *mut Memory,
     memory_clear: unsafe extern "C" fn(*mut Memory, bool),
+    memory_seq_rm: unsafe extern "C" fn(*mut Memory, i32, i32, i32) -> bool,
     tokenize:
         unsafe extern "C" fn(*const Vocab, *const c_char, i32, *mut Token, i32, bool, bool) -> i32,
     token_to_piece: unsafe extern "C" fn(*const Vocab, Token, *mut c_char, i32, i32, bool) -> i32,
@@ -215,6 +216,7 @@ impl Llama {
             model_meta_val_str: symbol!(llama, "llama_model_meta_val_str"),
             get_memory: symbol!(llama, "llama_get_memory"),
             memory_clear: symbol!(llama, "llama_memory_clear"),
+            memory_seq_rm: symbol!(llama, "llama_memory_seq_rm"),
             tokenize: symbol!(llama, "llama_tokenize"),
             token_to_piece: symbol!(llama, "llama_token_to_piece"),
             vocab_is_eog: symbol!(llama, "llama_vocab_is_eog"),
@@ -445,6 +447,21 @@ impl Session<'_> {
         unsafe {
             let memory = (self.f().get_memory)(self.context.as_ptr());
             (self.f().memory_clear)(memory, true);
+        }
+    }
+
+    /// Forget the context's tokens from position `from` on, keeping those before it (a prompt
+    /// that shares a prefix with the last one reuses it). False when llama.cpp cannot cut
+    /// there (then the caller clears all).
+    pub fn keep_first(&self, from: usize) -> bool {
+        let Ok(from) = i32::try_from(from) else {
+            return false;
+        };
+        // SAFETY: the context is live; sequence 0 is the only one the route uses; p1 = -1
+        // means "to the end".
+        unsafe {
+            let memory = (self.f().get_memory)(self.context.as_ptr());
+            (self.f().memory_seq_rm)(memory, 0, from, -1)
         }
     }
 

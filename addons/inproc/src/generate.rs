@@ -3,7 +3,14 @@
 
 use std::time::Instant;
 
-use crate::ffi::Session;
+use crate::ffi::{Session, Token};
+
+/// The one context and the tokens it holds, in order (what the next prompt may reuse). Held
+/// behind the route's mutex: one request at a time.
+pub struct Slot<'a> {
+    pub session: Session<'a>,
+    pub cached: Vec<Token>,
+}
 
 /// How one request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -42,6 +49,8 @@ impl Finish {
 pub struct Outcome {
     pub finish: Finish,
     pub prompt_tokens: usize,
+    /// Prompt tokens reused from the last request's context instead of decoded again.
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub prompt_ms: f64,
     pub predicted_ms: f64,
@@ -62,11 +71,12 @@ pub enum Failure {
 /// Called on the request's blocking thread with the session held; blocks for the whole
 /// generation.
 pub fn complete(
-    session: &Session<'_>,
+    slot: &mut Slot<'_>,
     prompt: &str,
     settings: &Settings,
     mut emit: impl FnMut(&str) -> bool,
 ) -> Result<Outcome, Failure> {
+    let session = &slot.session;
     let started = Instant::now();
     let tokens = session.tokenize(prompt).map_err(Failure::Engine)?;
     let n_ctx = session.n_ctx() as usize;
@@ -83,8 +93,23 @@ pub fn complete(
     }
     let room = n_ctx - tokens.len();
     let budget = settings.max_tokens.map_or(room, |m| (m as usize).min(room));
-    session.clear();
-    session.decode(&tokens).map_err(Failure::Engine)?;
+    // Reuse the longest prefix the context already holds, but decode at least the prompt's
+    // last token: its logits choose the first new token.
+    let common = slot
+        .cached
+        .iter()
+        .zip(&tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let mut reused = common.min(tokens.len() - 1);
+    if reused == 0 || !session.keep_first(reused) {
+        session.clear();
+        reused = 0;
+    }
+    // Until this request's decodes succeed, the context's contents are unknown.
+    slot.cached.clear();
+    session.decode(&tokens[reused..]).map_err(Failure::Engine)?;
+    slot.cached.extend_from_slice(&tokens);
     let prompt_ms = started.elapsed().as_secs_f64() * 1000.0;
     let predicting = Instant::now();
 
@@ -108,7 +133,11 @@ pub fn complete(
             break Finish::Stop;
         }
         if generated < budget {
-            session.decode(&[token]).map_err(Failure::Engine)?;
+            if let Err(e) = session.decode(&[token]) {
+                slot.cached.clear();
+                return Err(Failure::Engine(e));
+            }
+            slot.cached.push(token);
         }
     };
     if finish != Finish::Gone {
@@ -120,6 +149,7 @@ pub fn complete(
     Ok(Outcome {
         finish,
         prompt_tokens: tokens.len(),
+        cached_tokens: reused,
         completion_tokens: generated,
         prompt_ms,
         predicted_ms: predicting.elapsed().as_secs_f64() * 1000.0,

@@ -16,8 +16,8 @@ use std::sync::{Mutex, OnceLock};
 use onebit_plugin_api::*;
 use serde::{Deserialize, Serialize};
 
-use crate::ffi::{Llama, Session};
-use crate::generate::{Failure, Finish};
+use crate::ffi::Llama;
+use crate::generate::{Failure, Finish, Slot};
 use crate::openai::{Ask, Kind, Reply};
 
 /// The route's `--device` name.
@@ -45,7 +45,7 @@ pub struct State {
 
 /// The loaded engine: llama.cpp, the model and its one context (one request at a time).
 struct Engine {
-    session: Mutex<Session<'static>>,
+    slot: Mutex<Slot<'static>>,
     template: Option<String>,
     bos: String,
     eos: String,
@@ -59,6 +59,7 @@ pub struct InprocRoute {
     failed: Mutex<Option<String>>,
     requests: AtomicU64,
     prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
     predicted_tokens: AtomicU64,
     predicted_us: AtomicU64,
     clients_gone: AtomicU64,
@@ -271,8 +272,13 @@ impl DeviceRoute for InprocRoute {
             ),
             (
                 "onebit_inproc_prompt_tokens_total",
-                "Prompt tokens the inproc route decoded.",
+                "Prompt tokens of the requests the inproc route answered.",
                 &self.prompt_tokens,
+            ),
+            (
+                "onebit_inproc_cached_prompt_tokens_total",
+                "Prompt tokens reused from the last request's context (cache hits).",
+                &self.cached_tokens,
             ),
             (
                 "onebit_inproc_predicted_tokens_total",
@@ -341,13 +347,15 @@ impl DeviceRoute for InprocRoute {
         self.requests.fetch_add(1, Ordering::Relaxed);
         let mut reply = Reply::new(sink, kind, &ask, &engine.served_name);
         // One request at a time on the one context; the next waits here.
-        let session = engine.session.lock().unwrap_or_else(|e| e.into_inner());
-        let outcome = generate::complete(&session, &prompt, &settings, |text| reply.piece(text));
-        drop(session);
+        let mut slot = engine.slot.lock().unwrap_or_else(|e| e.into_inner());
+        let outcome = generate::complete(&mut slot, &prompt, &settings, |text| reply.piece(text));
+        drop(slot);
         match outcome {
             Ok(outcome) => {
                 self.prompt_tokens
                     .fetch_add(outcome.prompt_tokens as u64, Ordering::Relaxed);
+                self.cached_tokens
+                    .fetch_add(outcome.cached_tokens as u64, Ordering::Relaxed);
                 self.predicted_tokens
                     .fetch_add(outcome.completion_tokens as u64, Ordering::Relaxed);
                 self.predicted_us
@@ -396,7 +404,10 @@ fn load(state: &State) -> Result<Engine, String> {
         .chat_template()
         .or_else(|| session.meta("tokenizer.chat_template"));
     Ok(Engine {
-        session: Mutex::new(session),
+        slot: Mutex::new(Slot {
+            session,
+            cached: Vec::new(),
+        }),
         template,
         bos,
         eos,

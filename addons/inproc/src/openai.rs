@@ -137,7 +137,7 @@ fn usage(outcome: &Outcome) -> Value {
         "completion_tokens": outcome.completion_tokens,
         "prompt_tokens": outcome.prompt_tokens,
         "total_tokens": outcome.completion_tokens + outcome.prompt_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
     })
 }
 
@@ -150,10 +150,10 @@ fn timings(outcome: &Outcome) -> Value {
         }
     };
     json!({
-        "cache_n": 0,
-        "prompt_n": outcome.prompt_tokens,
+        "cache_n": outcome.cached_tokens,
+        "prompt_n": outcome.prompt_tokens - outcome.cached_tokens,
         "prompt_ms": outcome.prompt_ms,
-        "prompt_per_second": per_second(outcome.prompt_tokens, outcome.prompt_ms),
+        "prompt_per_second": per_second(outcome.prompt_tokens - outcome.cached_tokens, outcome.prompt_ms),
         "predicted_n": outcome.completion_tokens,
         "predicted_ms": outcome.predicted_ms,
         "predicted_per_second": per_second(outcome.completion_tokens, outcome.predicted_ms),
