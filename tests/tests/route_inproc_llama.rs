@@ -29,7 +29,10 @@ fn smollm2() -> std::path::PathBuf {
 }
 
 fn serve_inproc(extra: &[&str], env: &[(&str, &str)]) -> Serve {
-    let model = smollm2();
+    serve_inproc_model(&smollm2(), extra, env)
+}
+
+fn serve_inproc_model(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Serve {
     let mut args = vec![
         "-m",
         model.to_str().unwrap(),
@@ -149,6 +152,53 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
         hits.is_some_and(|n| n > 0),
         "cache hits in /metrics:\n{metrics}"
     );
+}
+
+#[test]
+fn greedy_completions_of_gemma3_equal_llama_servers() {
+    if !libraries_installed("greedy_completions_of_gemma3_equal_llama_servers") {
+        return;
+    }
+    let model = installed_model("gemma-3-270m-Q4_K_M.gguf");
+    let expected: Vec<String> = {
+        let server = installed_llama_server();
+        let cpu = Serve::start(
+            &[
+                "-m",
+                model.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--llama-server",
+                server.to_str().unwrap(),
+                "--ctx-size",
+                "2048",
+            ],
+            &[],
+        );
+        assert!(
+            cpu.wait_health(200, Duration::from_secs(120)),
+            "{}",
+            cpu.output()
+        );
+        PROMPTS
+            .iter()
+            .map(|p| {
+                completion(&cpu, greedy(p))["choices"][0]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    let serve = serve_inproc_model(&model, &[], &[]);
+    for (prompt, expected) in PROMPTS.iter().zip(&expected) {
+        let reply = completion(&serve, greedy(prompt));
+        assert_eq!(
+            reply["choices"][0]["text"].as_str().unwrap(),
+            expected,
+            "{prompt:?}: {reply}"
+        );
+    }
 }
 
 #[test]
