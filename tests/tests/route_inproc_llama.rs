@@ -346,3 +346,63 @@ fn missing_or_foreign_libraries_are_refused_in_one_line() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("another version"), "{stderr}");
 }
+
+/// The OpenAI Python SDK (the version setup pins) against the inproc route.
+const SDK_SCRIPT: &str = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+ask = [{"role": "user", "content": "What is the capital of France?"}]
+out = {}
+r = c.chat.completions.create(model="any", messages=ask, max_tokens=8, temperature=0)
+out["chat"] = r.choices[0].message.content
+out["chat_usage"] = r.usage.completion_tokens
+chunks = list(c.chat.completions.create(model="any", messages=ask, max_tokens=8,
+    temperature=0, stream=True, stream_options={"include_usage": True}))
+out["stream"] = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+out["stream_usage"] = chunks[-1].usage.completion_tokens if chunks[-1].usage else None
+r = c.completions.create(model="any", prompt="The capital of France is", max_tokens=6, temperature=0)
+out["completion"] = r.choices[0].text
+chunks = list(c.completions.create(model="any", prompt="The capital of France is", max_tokens=6,
+    temperature=0, stream=True))
+out["completion_stream"] = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+try:
+    c.chat.completions.create(model="any", messages=[{"role": "user", "content": "word " * 3000}], max_tokens=4)
+    out["overflow"] = None
+except openai.APIStatusError as e:
+    out["overflow"] = [type(e).__name__, e.status_code]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn the_openai_sdk_chats_and_completes_streamed_and_not() {
+    if !libraries_installed("the_openai_sdk_chats_and_completes_streamed_and_not") {
+        return;
+    }
+    let python = installed(
+        "ONEBIT_TEST_OPENAI_PYTHON",
+        "venvs/openai-3.51.0/bin/python",
+    );
+    let serve = serve_inproc(&[], &[]);
+    let out = std::process::Command::new(python)
+        .args(["-c", SDK_SCRIPT, &serve.url("")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        serve.output()
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!v["chat"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(v["chat_usage"], 8, "{v}");
+    assert_eq!(v["stream"], v["chat"], "{v}");
+    assert_eq!(v["stream_usage"], 8, "{v}");
+    assert!(!v["completion"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(v["completion_stream"], v["completion"], "{v}");
+    assert_eq!(
+        v["overflow"],
+        serde_json::json!(["BadRequestError", 400]),
+        "{v}"
+    );
+}
