@@ -406,3 +406,60 @@ fn the_openai_sdk_chats_and_completes_streamed_and_not() {
         "{v}"
     );
 }
+
+#[test]
+fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves() {
+    if !libraries_installed("the_addon_dropped_into_an_installed_1bit_is_listed_and_serves") {
+        return;
+    }
+    // A 1bit installed without the add-on, as a user has it.
+    let prefix = temp_dir("inproc-install");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .current_dir(route_fixture::root())
+        .args([
+            "run", "-q", "-p", "xtask", "--", "install", "--debug", "--prefix",
+        ])
+        .arg(&prefix)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plugins = prefix.join("lib/1bit/plugins");
+    let lib = "libonebit_route_inproc.so";
+    assert!(!plugins.join(lib).exists(), "installed without the add-on");
+    std::fs::copy(plugin_dir().join(lib), plugins.join(lib)).unwrap();
+
+    let onebit = prefix.join("bin/1bit");
+    let listing = std::process::Command::new(&onebit)
+        .arg("plugins")
+        .env_remove("ONEBIT_PLUGIN_PATH")
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout).into_owned();
+    let line = listing
+        .lines()
+        .find(|l| l.starts_with("inproc "))
+        .unwrap_or_else(|| panic!("inproc missing:\n{listing}"));
+    assert!(line.contains("loaded"), "{line}");
+
+    let port = free_port();
+    let model = smollm2();
+    let mut command = std::process::Command::new(&onebit);
+    command
+        .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+        .args(["--port", &port.to_string()])
+        .env_remove("ONEBIT_PLUGIN_PATH")
+        .env("ONEBIT_STATE_DIR", temp_dir("state"));
+    let serve = Serve::spawn(command, port);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(60)),
+        "{}",
+        serve.output()
+    );
+    let reply = completion(&serve, greedy(PROMPTS[0]));
+    assert_eq!(reply["usage"]["completion_tokens"], 24, "{reply}");
+}
