@@ -61,8 +61,8 @@ pub fn build(ws: &Workspace, release: bool) -> Result<PathBuf, Failure> {
     Ok(library)
 }
 
-/// fmt and clippy over the add-on, which `cargo ... --workspace` does not reach. Called by
-/// `cargo xtask test` before its build.
+/// fmt, clippy and the unit tests of the add-on, which `cargo ... --workspace` does not reach.
+/// Called by `cargo xtask test` before its build.
 pub fn check(ws: &Workspace) -> Result<(), Failure> {
     let manifest = ws.root.join(MANIFEST);
     for (args, todo) in [
@@ -81,6 +81,10 @@ pub fn check(ws: &Workspace) -> Result<(), Failure> {
                 "warnings",
             ],
             "clippy found problems in the add-on: fix the warnings above, then rerun",
+        ),
+        (
+            vec!["test", "--manifest-path", ""],
+            "the add-on's unit tests failed: fix them, then rerun",
         ),
     ] {
         let mut cargo = process::cargo();

@@ -72,6 +72,19 @@ mod tests {
     }
 
     #[test]
+    fn chat_template_kwargs_reach_the_template() {
+        let template = "{% if enable_thinking is defined and not enable_thinking %}no-think {% endif %}{{ messages[0].content.strip() }}";
+        let messages = vec![serde_json::json!({"role": "user", "content": " Hi "})];
+        let kwargs = serde_json::json!({"enable_thinking": false});
+        let prompt = super::render(template, &messages, kwargs.as_object(), "", "").unwrap();
+        assert_eq!(prompt, "no-think Hi", "kwargs and Python's str methods");
+        assert_eq!(
+            super::render(template, &messages, None, "", "").unwrap(),
+            "Hi"
+        );
+    }
+
+    #[test]
     fn raise_exception_becomes_an_error() {
         let err =
             super::render("{{ raise_exception('no tools') }}", &[], None, "", "").unwrap_err();
