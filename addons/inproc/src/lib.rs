@@ -10,14 +10,14 @@ pub mod generate;
 pub mod openai;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
 use onebit_plugin_api::*;
 use serde::{Deserialize, Serialize};
 
 use crate::ffi::Llama;
-use crate::generate::{Failure, Finish, Slot};
+use crate::generate::{Failure, Finish, Outcome, Settings, Slot};
 use crate::openai::{Ask, Kind, Reply};
 
 /// The route's `--device` name.
@@ -43,14 +43,35 @@ pub struct State {
     pub served_name: String,
 }
 
-/// The loaded engine: llama.cpp, the model and its one context (one request at a time).
+/// The loaded engine: a thread of its own holds llama.cpp's model and its one context and
+/// runs one job at a time. One thread for every request, because ggml's OpenMP keeps a team
+/// of threads per calling thread: decoding from whichever thread the host gives each request
+/// left earlier teams competing for the cores and halved decode speed.
 struct Engine {
-    slot: Mutex<Slot<'static>>,
+    jobs: mpsc::Sender<Job>,
     template: Option<String>,
     bos: String,
     eos: String,
     served_name: String,
 }
+
+/// One completion for the engine thread.
+struct Job {
+    prompt: String,
+    settings: Settings,
+    /// Text as it is made, then the outcome. Bounded, so a slow client slows the engine.
+    events: mpsc::SyncSender<Event>,
+    /// Set by the request's thread when the client left: the engine stops at the next token.
+    cancelled: Arc<AtomicBool>,
+}
+
+enum Event {
+    Text(String),
+    Done(Result<Outcome, Failure>),
+}
+
+/// Events the engine may be ahead of the client by.
+const EVENTS_AHEAD: usize = 16;
 
 #[derive(Default)]
 pub struct InprocRoute {
@@ -346,10 +367,35 @@ impl DeviceRoute for InprocRoute {
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
         let mut reply = Reply::new(sink, kind, &ask, &engine.served_name);
-        // One request at a time on the one context; the next waits here.
-        let mut slot = engine.slot.lock().unwrap_or_else(|e| e.into_inner());
-        let outcome = generate::complete(&mut slot, &prompt, &settings, |text| reply.piece(text));
-        drop(slot);
+        // One request at a time on the engine thread; the next waits in its queue.
+        let (events, received) = mpsc::sync_channel(EVENTS_AHEAD);
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let job = Job {
+            prompt,
+            settings,
+            events,
+            cancelled: cancelled.clone(),
+        };
+        if engine.jobs.send(job).is_err() {
+            return reply.fail(Failure::Engine(
+                "the inproc route's engine thread has stopped".to_string(),
+            ));
+        }
+        let outcome = loop {
+            match received.recv() {
+                Ok(Event::Text(text)) => {
+                    if !cancelled.load(Ordering::Relaxed) && !reply.piece(&text) {
+                        cancelled.store(true, Ordering::Relaxed);
+                    }
+                }
+                Ok(Event::Done(outcome)) => break outcome,
+                Err(_) => {
+                    break Err(Failure::Engine(
+                        "the inproc route's engine thread stopped mid-answer".to_string(),
+                    ));
+                }
+            }
+        };
         match outcome {
             Ok(outcome) => {
                 self.prompt_tokens
@@ -391,28 +437,71 @@ fn chat_prompt(engine: &Engine, ask: &Ask) -> Result<String, String> {
     )
 }
 
-/// Load llama.cpp (once per process; it stays loaded) and open the model.
+/// Start the engine thread: it loads llama.cpp (once per process; it stays loaded) and the
+/// model, then runs jobs for the life of the process. Blocks until the model is loaded.
 fn load(state: &State) -> Result<Engine, String> {
+    let (jobs, queue) = mpsc::channel::<Job>();
+    let (ready, loaded) = mpsc::channel();
+    let served_name = state.served_name.clone();
+    let state = state.clone();
+    std::thread::Builder::new()
+        .name("inproc-engine".to_string())
+        .spawn(move || engine_thread(&state, ready, queue))
+        .map_err(|e| format!("the inproc route could not start its engine thread: {e}"))?;
+    let (template, bos, eos) = loaded
+        .recv()
+        .map_err(|_| "the inproc route's engine thread failed while loading".to_string())??;
+    Ok(Engine {
+        jobs,
+        template,
+        bos,
+        eos,
+        served_name,
+    })
+}
+
+type Loaded = Result<(Option<String>, String, String), String>;
+
+/// The engine thread: load, say so, then one job at a time until the route is gone.
+fn engine_thread(state: &State, ready: mpsc::Sender<Loaded>, queue: mpsc::Receiver<Job>) {
     static LLAMA: OnceLock<Result<Llama, String>> = OnceLock::new();
-    let llama = LLAMA
+    let llama = match LLAMA
         .get_or_init(|| Llama::load(Path::new(&state.lib_dir)))
         .as_ref()
-        .map_err(|e| format!("the inproc route could not load llama.cpp: {e}"))?;
-    let session = llama.open(Path::new(&state.model), state.ctx, state.threads)?;
+    {
+        Ok(llama) => llama,
+        Err(e) => {
+            let _ = ready.send(Err(format!(
+                "the inproc route could not load llama.cpp: {e}"
+            )));
+            return;
+        }
+    };
+    let session = match llama.open(Path::new(&state.model), state.ctx, state.threads) {
+        Ok(session) => session,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
     let (bos, eos) = session.bos_eos();
     let template = session
         .chat_template()
         .or_else(|| session.meta("tokenizer.chat_template"));
-    Ok(Engine {
-        slot: Mutex::new(Slot {
-            session,
-            cached: Vec::new(),
-        }),
-        template,
-        bos,
-        eos,
-        served_name: state.served_name.clone(),
-    })
+    let mut slot = Slot {
+        session,
+        cached: Vec::new(),
+    };
+    if ready.send(Ok((template, bos, eos))).is_err() {
+        return;
+    }
+    for job in queue {
+        let outcome = generate::complete(&mut slot, &job.prompt, &job.settings, |text| {
+            !job.cancelled.load(Ordering::Relaxed)
+                && job.events.send(Event::Text(text.to_string())).is_ok()
+        });
+        let _ = job.events.send(Event::Done(outcome));
+    }
 }
 
 export_route!(InprocRoute);
