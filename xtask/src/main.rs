@@ -26,7 +26,8 @@ usage: cargo xtask <subcommand>
   serve [ARGS...]   setup, build 1bit in release mode, serve the default model on 127.0.0.1:8000
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
   bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
-                    sse, startup, rss, mem-check (all when none is named; results/)
+                    sse, startup, rss, mem-check (all when none is named; results/); alone:
+                    inproc (the fixture route), inproc-llama (the inproc add-on against the hop)
   addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
   paths             print cache_dir, llama_server and model paths, one name=value per line
   install [--prefix DIR] [--debug]  build and install 1bit, its routes, the pinned llama-server
