@@ -126,14 +126,14 @@ struct Functions {
     model_free: unsafe extern "C" fn(*mut Model),
     init_from_model: unsafe extern "C" fn(*mut Model, ContextParams) -> *mut Context,
     free: unsafe extern "C" fn(*mut Context),
-    n_ctx: unsafe extern "C" fn(*const Context) -> u32,
     n_batch: unsafe extern "C" fn(*const Context) -> u32,
+    n_ctx_seq: unsafe extern "C" fn(*const Context) -> u32,
+    batch_init: unsafe extern "C" fn(i32, i32, i32) -> Batch,
     model_get_vocab: unsafe extern "C" fn(*const Model) -> *const Vocab,
     model_chat_template: unsafe extern "C" fn(*const Model, *const c_char) -> *const c_char,
     model_meta_val_str:
         unsafe extern "C" fn(*const Model, *const c_char, *mut c_char, usize) -> i32,
     get_memory: unsafe extern "C" fn(*const Context) -> *mut Memory,
-    memory_clear: unsafe extern "C" fn(*mut Memory, bool),
     memory_seq_rm: unsafe extern "C" fn(*mut Memory, i32, i32, i32) -> bool,
     tokenize:
         unsafe extern "C" fn(*const Vocab, *const c_char, i32, *mut Token, i32, bool, bool) -> i32,
@@ -141,7 +141,6 @@ struct Functions {
     vocab_is_eog: unsafe extern "C" fn(*const Vocab, Token) -> bool,
     vocab_bos: unsafe extern "C" fn(*const Vocab) -> Token,
     vocab_eos: unsafe extern "C" fn(*const Vocab) -> Token,
-    batch_get_one: unsafe extern "C" fn(*mut Token, i32) -> Batch,
     decode: unsafe extern "C" fn(*mut Context, Batch) -> i32,
     sampler_chain_default_params: unsafe extern "C" fn() -> ChainParams,
     sampler_chain_init: unsafe extern "C" fn(ChainParams) -> *mut Sampler,
@@ -209,20 +208,19 @@ impl Llama {
             model_free: symbol!(llama, "llama_model_free"),
             init_from_model: symbol!(llama, "llama_init_from_model"),
             free: symbol!(llama, "llama_free"),
-            n_ctx: symbol!(llama, "llama_n_ctx"),
             n_batch: symbol!(llama, "llama_n_batch"),
+            n_ctx_seq: symbol!(llama, "llama_n_ctx_seq"),
+            batch_init: symbol!(llama, "llama_batch_init"),
             model_get_vocab: symbol!(llama, "llama_model_get_vocab"),
             model_chat_template: symbol!(llama, "llama_model_chat_template"),
             model_meta_val_str: symbol!(llama, "llama_model_meta_val_str"),
             get_memory: symbol!(llama, "llama_get_memory"),
-            memory_clear: symbol!(llama, "llama_memory_clear"),
             memory_seq_rm: symbol!(llama, "llama_memory_seq_rm"),
             tokenize: symbol!(llama, "llama_tokenize"),
             token_to_piece: symbol!(llama, "llama_token_to_piece"),
             vocab_is_eog: symbol!(llama, "llama_vocab_is_eog"),
             vocab_bos: symbol!(llama, "llama_vocab_bos"),
             vocab_eos: symbol!(llama, "llama_vocab_eos"),
-            batch_get_one: symbol!(llama, "llama_batch_get_one"),
             decode: symbol!(llama, "llama_decode"),
             sampler_chain_default_params: symbol!(llama, "llama_sampler_chain_default_params"),
             sampler_chain_init: symbol!(llama, "llama_sampler_chain_init"),
@@ -261,7 +259,13 @@ impl Llama {
 
     /// Load a GGUF and make a context of `n_ctx` tokens with `threads` threads. Blocks for
     /// the loading (a second for a small model).
-    pub fn open(&self, path: &Path, n_ctx: u32, threads: i32) -> Result<Session<'_>, String> {
+    pub fn open(
+        &self,
+        path: &Path,
+        n_ctx: u32,
+        threads: i32,
+        slots: u32,
+    ) -> Result<Session<'_>, String> {
         let f = &self.functions;
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| format!("{}: the path holds a NUL byte", path.display()))?;
@@ -273,7 +277,9 @@ impl Llama {
         context_params.n_ctx = n_ctx;
         context_params.n_threads = threads;
         context_params.n_threads_batch = threads;
-        context_params.n_seq_max = 1;
+        // One sequence per slot; each gets n_ctx / slots cells (llama.cpp's split, as
+        // llama-server's -np gives each slot its share).
+        context_params.n_seq_max = slots.max(1);
         // SAFETY: `c_path` is NUL-terminated and outlives the call; the params are the
         // library's defaults with plain integer fields changed.
         let model = unsafe { (f.model_load_from_file)(c_path.as_ptr(), model_params) };
@@ -318,10 +324,57 @@ impl Session<'_> {
         &self.llama.functions
     }
 
-    /// The context's size in tokens.
-    pub fn n_ctx(&self) -> u32 {
+    /// The context one sequence (slot) may hold, in tokens.
+    pub fn n_ctx_seq(&self) -> u32 {
         // SAFETY: the context is live for the session's life.
-        unsafe { (self.f().n_ctx)(self.context.as_ptr()) }
+        unsafe { (self.f().n_ctx_seq)(self.context.as_ptr()) }
+    }
+
+    /// The most tokens one decode takes.
+    pub fn n_batch(&self) -> usize {
+        // SAFETY: the context is live.
+        unsafe { (self.f().n_batch)(self.context.as_ptr()) }.max(1) as usize
+    }
+
+    /// A batch of up to `capacity` tokens (one sequence id each), for [`Session::decode_batch`].
+    pub fn batch(&self, capacity: usize) -> TokenBatch {
+        let capacity = capacity.max(1);
+        // SAFETY: llama_batch_init allocates arrays of `capacity` entries (token, pos,
+        // n_seq_id, seq_id with one id each, logits); TokenBatch writes only below capacity and
+        // never frees them (it lives as long as the engine, which is the process).
+        let raw = unsafe { (self.f().batch_init)(capacity as i32, 0, 1) };
+        TokenBatch { raw, capacity }
+    }
+
+    /// Decode `batch` (each token at its position in its sequence). Blocks for the computation.
+    pub fn decode_batch(&self, batch: &TokenBatch) -> Result<(), String> {
+        // SAFETY: the context is live; the batch's arrays hold `n_tokens` filled entries.
+        let status = unsafe { (self.f().decode)(self.context.as_ptr(), batch.raw) };
+        if status != 0 {
+            return Err(format!("llama_decode failed with status {status}"));
+        }
+        Ok(())
+    }
+
+    /// Forget sequence `seq`'s tokens from position `from` on (all of them for 0). False when
+    /// llama.cpp cannot cut there (then the caller forgets the whole sequence).
+    pub fn forget_from(&self, seq: i32, from: usize) -> bool {
+        let Ok(from) = i32::try_from(from) else {
+            return false;
+        };
+        // SAFETY: the context is live; p1 = -1 means "to the end".
+        unsafe {
+            let memory = (self.f().get_memory)(self.context.as_ptr());
+            (self.f().memory_seq_rm)(memory, seq, from, -1)
+        }
+    }
+
+    /// The next token of the output at `index` of the last batch, chosen (and accepted) by
+    /// `sampler`.
+    pub fn sample_at(&self, sampler: &mut SamplerChain, index: i32) -> Token {
+        // SAFETY: the chain and context are live; `index` is a batch entry whose logits were
+        // asked for in the last decode.
+        unsafe { (self.f().sampler_sample)(sampler.chain, self.context.as_ptr(), index) }
     }
 
     /// `tokenizer.chat_template` of the GGUF, if it has one.
@@ -441,51 +494,6 @@ impl Session<'_> {
         unsafe { (self.f().vocab_is_eog)(self.vocab, token) }
     }
 
-    /// Forget every token of the context (a new request starts from an empty cache).
-    pub fn clear(&self) {
-        // SAFETY: the context is live; its memory lives as long as it does.
-        unsafe {
-            let memory = (self.f().get_memory)(self.context.as_ptr());
-            (self.f().memory_clear)(memory, true);
-        }
-    }
-
-    /// Forget the context's tokens from position `from` on, keeping those before it (a prompt
-    /// that shares a prefix with the last one reuses it). False when llama.cpp cannot cut
-    /// there (then the caller clears all).
-    pub fn keep_first(&self, from: usize) -> bool {
-        let Ok(from) = i32::try_from(from) else {
-            return false;
-        };
-        // SAFETY: the context is live; sequence 0 is the only one the route uses; p1 = -1
-        // means "to the end".
-        unsafe {
-            let memory = (self.f().get_memory)(self.context.as_ptr());
-            (self.f().memory_seq_rm)(memory, 0, from, -1)
-        }
-    }
-
-    /// Run `tokens` through the model after the ones already in the context, in batches of at
-    /// most the context's batch size. Blocks for the computation.
-    pub fn decode(&self, tokens: &[Token]) -> Result<(), String> {
-        // SAFETY: the context is live.
-        let batch = unsafe { (self.f().n_batch)(self.context.as_ptr()) }.max(1) as usize;
-        for chunk in tokens.chunks(batch) {
-            let mut owned = chunk.to_vec();
-            // SAFETY: the batch is a view of `owned`, which outlives the decode call;
-            // llama_batch_get_one only stores the pointer and count, and llama_decode reads
-            // the tokens without keeping them.
-            let status = unsafe {
-                let view = (self.f().batch_get_one)(owned.as_mut_ptr(), owned.len() as i32);
-                (self.f().decode)(self.context.as_ptr(), view)
-            };
-            if status != 0 {
-                return Err(format!("llama_decode failed with status {status}"));
-            }
-        }
-        Ok(())
-    }
-
     /// A sampler chain for one request: greedy at temperature 0, else llama-server's order
     /// (top-k 40, top-p, min-p 0.05, temperature, then a draw seeded with `seed`).
     pub fn sampler(&self, temperature: f32, top_p: f32, seed: u32) -> SamplerChain {
@@ -509,13 +517,6 @@ impl Session<'_> {
             }
         }
     }
-
-    /// The next token after the last decode, chosen (and accepted) by `sampler`.
-    pub fn sample(&self, sampler: &mut SamplerChain) -> Token {
-        // SAFETY: the chain and context are live; index -1 is the last output of the last
-        // decode, which always asks for the last token's logits.
-        unsafe { (self.f().sampler_sample)(sampler.chain, self.context.as_ptr(), -1) }
-    }
 }
 
 impl Drop for Session<'_> {
@@ -525,6 +526,52 @@ impl Drop for Session<'_> {
             (self.f().free)(self.context.as_ptr());
             (self.f().model_free)(self.model.as_ptr());
         }
+    }
+}
+
+/// A batch of tokens for one decode, allocated by llama.cpp once and refilled for each decode.
+pub struct TokenBatch {
+    raw: Batch,
+    capacity: usize,
+}
+
+// SAFETY: the batch's arrays are owned by this value alone and only touched through `&mut`.
+unsafe impl Send for TokenBatch {}
+
+impl TokenBatch {
+    /// Empty it for the next decode.
+    pub fn clear(&mut self) {
+        self.raw.n_tokens = 0;
+    }
+
+    pub fn len(&self) -> usize {
+        self.raw.n_tokens as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.raw.n_tokens == 0
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.len() >= self.capacity
+    }
+
+    /// Add `token` at `pos` of sequence `seq`, asking for its logits when `logits`; returns its
+    /// index (what [`Session::sample_at`] takes). Panics when full (callers check `is_full`).
+    pub fn add(&mut self, token: Token, pos: usize, seq: i32, logits: bool) -> i32 {
+        let i = self.len();
+        assert!(i < self.capacity, "the batch is full");
+        // SAFETY: i < capacity, the length of every array llama_batch_init allocated; seq_id[i]
+        // points to an array of one id (n_seq_max 1 at init).
+        unsafe {
+            *self.raw.token.add(i) = token;
+            *self.raw.pos.add(i) = pos as i32;
+            *self.raw.n_seq_id.add(i) = 1;
+            *(*self.raw.seq_id.add(i)) = seq;
+            *self.raw.logits.add(i) = i8::from(logits);
+        }
+        self.raw.n_tokens += 1;
+        i as i32
     }
 }
 

@@ -1,16 +1,10 @@
-//! One completion on a loaded session: the prompt decoded, tokens sampled until an end token,
-//! a stop string or the token budget, and the text handed out as it becomes final.
+//! Completions on the loaded context: slots (`--parallel`), each prompt decoded (reusing the
+//! slot's cached prefix), tokens sampled until an end token, a stop string or the budget, the
+//! text handed out as it becomes final, and every active slot's next token in one decode.
 
 use std::time::Instant;
 
-use crate::ffi::{Session, Token};
-
-/// The one context and the tokens it holds, in order (what the next prompt may reuse). Held
-/// behind the route's mutex: one request at a time.
-pub struct Slot<'a> {
-    pub session: Session<'a>,
-    pub cached: Vec<Token>,
-}
+use crate::ffi::{SamplerChain, Session, Token, TokenBatch};
 
 /// How one request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -65,101 +59,280 @@ pub enum Failure {
     Engine(String),
 }
 
-/// Run one completion of `prompt`. Calls `emit` with each piece of final text (never a
-/// partial UTF-8 character, never text that might still turn out to start a stop string);
-/// `emit` returns false once the client is gone, which stops generation at that token.
-/// Called on the request's blocking thread with the session held; blocks for the whole
-/// generation.
-pub fn complete(
-    slot: &mut Slot<'_>,
-    prompt: &str,
-    settings: &Settings,
-    mut emit: impl FnMut(&str) -> bool,
-) -> Result<Outcome, Failure> {
-    let session = &slot.session;
-    let started = Instant::now();
-    let tokens = session.tokenize(prompt).map_err(Failure::Engine)?;
-    let n_ctx = session.n_ctx() as usize;
-    if tokens.is_empty() {
-        return Err(Failure::Request(
-            "the prompt is empty; send some text to complete".to_string(),
-        ));
-    }
-    if tokens.len() >= n_ctx {
-        return Err(Failure::Request(format!(
-            "the prompt is {} tokens and the context holds {n_ctx}; shorten it or serve with a larger --ctx-size",
-            tokens.len()
-        )));
-    }
-    let room = n_ctx - tokens.len();
-    let budget = settings.max_tokens.map_or(room, |m| (m as usize).min(room));
-    // Reuse the longest prefix the context already holds, but decode at least the prompt's
-    // last token: its logits choose the first new token.
-    let common = slot
-        .cached
-        .iter()
-        .zip(&tokens)
-        .take_while(|(a, b)| a == b)
-        .count();
-    let mut reused = common.min(tokens.len() - 1);
-    if reused == 0 || !session.keep_first(reused) {
-        session.clear();
-        reused = 0;
-    }
-    // Until this request's decodes succeed, the context's contents are unknown.
-    slot.cached.clear();
-    session.decode(&tokens[reused..]).map_err(Failure::Engine)?;
-    slot.cached.extend_from_slice(&tokens);
-    let prompt_ms = started.elapsed().as_secs_f64() * 1000.0;
-    let predicting = Instant::now();
+/// Where a completion's text and outcome go: the request's thread, through a channel.
+pub trait Client: Send {
+    /// A piece of final text (never a partial UTF-8 character, never text that might still
+    /// start a stop string). False once the client is gone: generation stops at that token.
+    fn text(&mut self, text: &str) -> bool;
+    /// The completion ended (or could not run).
+    fn done(self: Box<Self>, outcome: Result<Outcome, Failure>);
+}
 
-    let mut sampler = session.sampler(settings.temperature, settings.top_p, settings.seed);
-    let mut text = StopScan::new(&settings.stop);
-    let mut generated = 0usize;
-    let finish = loop {
-        if generated >= budget {
-            break Finish::Length;
+/// One completion to run.
+pub struct Job {
+    pub prompt: String,
+    pub settings: Settings,
+    pub client: Box<dyn Client>,
+}
+
+/// A completion in progress on a slot.
+struct Active {
+    client: Box<dyn Client>,
+    sampler: SamplerChain,
+    scan: StopScan,
+    prompt_tokens: usize,
+    reused: usize,
+    generated: usize,
+    budget: usize,
+    prompt_ms: f64,
+    predicting: Instant,
+    /// The token sampled last, to go into the next decode.
+    pending: Option<Token>,
+}
+
+/// One sequence of the context: the tokens it holds, in order (what the next prompt may
+/// reuse), and the completion running on it.
+struct Slot {
+    cached: Vec<Token>,
+    active: Option<Active>,
+}
+
+/// The engine: the context, its slots (`--parallel`), and one batch that carries every active
+/// slot's next token into each decode, so N streams cost one decode per token step, not N.
+/// Owned and run by the route's engine thread.
+pub struct SlotEngine<'a> {
+    session: Session<'a>,
+    slots: Vec<Slot>,
+    batch: TokenBatch,
+}
+
+impl<'a> SlotEngine<'a> {
+    pub fn new(session: Session<'a>, slots: usize) -> Self {
+        let batch = session.batch(session.n_batch().max(slots));
+        SlotEngine {
+            session,
+            slots: (0..slots.max(1))
+                .map(|_| Slot {
+                    cached: Vec::new(),
+                    active: None,
+                })
+                .collect(),
+            batch,
         }
-        let token = session.sample(&mut sampler);
-        if session.is_end(token) {
-            break Finish::Stop;
+    }
+
+    pub fn session(&self) -> &Session<'a> {
+        &self.session
+    }
+
+    /// Run jobs from `queue` until it closes: admit each into a free slot (the one whose
+    /// cached tokens share the longest prefix with its prompt), decode its prompt, then step
+    /// every active slot one token per decode. Blocks the calling thread (the engine thread).
+    pub fn run(&mut self, queue: &std::sync::mpsc::Receiver<Job>) {
+        loop {
+            let idle = self.slots.iter().all(|s| s.active.is_none());
+            if idle {
+                match queue.recv() {
+                    Ok(job) => self.admit(job),
+                    Err(_) => return,
+                }
+            }
+            while self.slots.iter().any(|s| s.active.is_none()) {
+                match queue.try_recv() {
+                    Ok(job) => self.admit(job),
+                    Err(_) => break,
+                }
+            }
+            self.step();
         }
-        generated += 1;
-        let (ready, stopped) = text.push(&session.piece(token, false));
-        if !ready.is_empty() && !emit(&ready) {
-            break Finish::Gone;
+    }
+
+    /// Take a job into a free slot: tokenize, reuse the cached prefix, decode the rest of the
+    /// prompt, and sample its first token. A job that cannot run is answered at once.
+    fn admit(&mut self, job: Job) {
+        let started = Instant::now();
+        let tokens = match self.session.tokenize(&job.prompt) {
+            Ok(tokens) => tokens,
+            Err(e) => return job.client.done(Err(Failure::Engine(e))),
+        };
+        let room_total = self.session.n_ctx_seq() as usize;
+        if tokens.is_empty() {
+            return job.client.done(Err(Failure::Request(
+                "the prompt is empty; send some text to complete".to_string(),
+            )));
+        }
+        if tokens.len() >= room_total {
+            return job.client.done(Err(Failure::Request(format!(
+                "the prompt is {} tokens and a slot's context holds {room_total}; shorten it or serve with a larger --ctx-size",
+                tokens.len()
+            ))));
+        }
+        let common = |cached: &[Token]| {
+            cached
+                .iter()
+                .zip(&tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        let Some(seq) = (0..self.slots.len())
+            .filter(|&i| self.slots[i].active.is_none())
+            .max_by_key(|&i| (common(&self.slots[i].cached), std::cmp::Reverse(i)))
+        else {
+            return job
+                .client
+                .done(Err(Failure::Engine("no free slot".to_string())));
+        };
+        let slot = &mut self.slots[seq];
+        // Reuse the longest prefix the slot holds, but decode at least the prompt's last
+        // token: its logits choose the first new token.
+        let mut reused = common(&slot.cached).min(tokens.len() - 1);
+        if reused == 0 || !self.session.forget_from(seq as i32, reused) {
+            self.session.forget_from(seq as i32, 0);
+            reused = 0;
+        }
+        // Until this prompt's decodes succeed, the slot's contents are unknown.
+        slot.cached.clear();
+        let chunk = self.batch_room();
+        let mut index = 0;
+        for (n, part) in tokens[reused..].chunks(chunk).enumerate() {
+            self.batch.clear();
+            let base = reused + n * chunk;
+            for (i, &token) in part.iter().enumerate() {
+                let pos = base + i;
+                index = self
+                    .batch
+                    .add(token, pos, seq as i32, pos == tokens.len() - 1);
+            }
+            if let Err(e) = self.session.decode_batch(&self.batch) {
+                self.session.forget_from(seq as i32, 0);
+                return job.client.done(Err(Failure::Engine(e)));
+            }
+        }
+        let slot = &mut self.slots[seq];
+        slot.cached.extend_from_slice(&tokens);
+        let room = room_total - tokens.len();
+        let settings = &job.settings;
+        let budget = settings.max_tokens.map_or(room, |m| (m as usize).min(room));
+        let active = Active {
+            sampler: self
+                .session
+                .sampler(settings.temperature, settings.top_p, settings.seed),
+            scan: StopScan::new(settings.stop.clone()),
+            client: job.client,
+            prompt_tokens: tokens.len(),
+            reused,
+            generated: 0,
+            budget,
+            prompt_ms: started.elapsed().as_secs_f64() * 1000.0,
+            predicting: Instant::now(),
+            pending: None,
+        };
+        self.slots[seq].active = Some(active);
+        if budget == 0 {
+            return self.finish(seq, Finish::Length);
+        }
+        // Sample now: the next decode (another prompt's, or a step) replaces these logits.
+        if let Some(active) = self.slots[seq].active.as_mut() {
+            let token = self.session.sample_at(&mut active.sampler, index);
+            self.advance(seq, token);
+        }
+    }
+
+    /// The most tokens a prompt decode takes at once (the batch's capacity, at most n_batch).
+    fn batch_room(&self) -> usize {
+        self.session.n_batch().max(1)
+    }
+
+    /// One token step: decode every active slot's pending token together, then sample each
+    /// slot's next token from its logits and hand out its text.
+    fn step(&mut self) {
+        self.batch.clear();
+        let mut decoded: Vec<(usize, Token, i32)> = Vec::new();
+        for seq in 0..self.slots.len() {
+            let pos = self.slots[seq].cached.len();
+            let Some(token) = self.slots[seq]
+                .active
+                .as_mut()
+                .and_then(|active| active.pending.take())
+            else {
+                continue;
+            };
+            let index = self.batch.add(token, pos, seq as i32, true);
+            decoded.push((seq, token, index));
+        }
+        if decoded.is_empty() {
+            return;
+        }
+        if let Err(e) = self.session.decode_batch(&self.batch) {
+            for (seq, _, _) in decoded {
+                self.session.forget_from(seq as i32, 0);
+                self.slots[seq].cached.clear();
+                if let Some(active) = self.slots[seq].active.take() {
+                    active.client.done(Err(Failure::Engine(e.clone())));
+                }
+            }
+            return;
+        }
+        for (seq, token, index) in decoded {
+            self.slots[seq].cached.push(token);
+            if let Some(active) = self.slots[seq].active.as_mut() {
+                let next = self.session.sample_at(&mut active.sampler, index);
+                self.advance(seq, next);
+            }
+        }
+    }
+
+    /// A token sampled for slot `seq`: end on an end token, hand out its text, stop at a stop
+    /// string, the budget or a client that left; else keep it for the next decode.
+    fn advance(&mut self, seq: usize, token: Token) {
+        if self.session.is_end(token) {
+            return self.finish(seq, Finish::Stop);
+        }
+        let piece = self.session.piece(token, false);
+        let Some(active) = self.slots[seq].active.as_mut() else {
+            return;
+        };
+        active.generated += 1;
+        let (ready, stopped) = active.scan.push(&piece);
+        if !ready.is_empty() && !active.client.text(&ready) {
+            return self.finish(seq, Finish::Gone);
         }
         if stopped {
-            break Finish::Stop;
+            return self.finish(seq, Finish::Stop);
         }
-        if generated < budget {
-            if let Err(e) = session.decode(&[token]) {
-                slot.cached.clear();
-                return Err(Failure::Engine(e));
-            }
-            slot.cached.push(token);
+        if active.generated >= active.budget {
+            return self.finish(seq, Finish::Length);
         }
-    };
-    if finish != Finish::Gone {
-        let rest = text.finish();
-        if !rest.is_empty() {
-            emit(&rest);
-        }
+        active.pending = Some(token);
     }
-    Ok(Outcome {
-        finish,
-        prompt_tokens: tokens.len(),
-        cached_tokens: reused,
-        completion_tokens: generated,
-        prompt_ms,
-        predicted_ms: predicting.elapsed().as_secs_f64() * 1000.0,
-    })
+
+    /// End the completion on slot `seq`: the rest of its text, then its outcome.
+    fn finish(&mut self, seq: usize, finish: Finish) {
+        let Some(mut active) = self.slots[seq].active.take() else {
+            return;
+        };
+        if finish != Finish::Gone {
+            let rest = active.scan.finish();
+            if !rest.is_empty() {
+                active.client.text(&rest);
+            }
+        }
+        let outcome = Outcome {
+            finish,
+            prompt_tokens: active.prompt_tokens,
+            cached_tokens: active.reused,
+            completion_tokens: active.generated,
+            prompt_ms: active.prompt_ms,
+            predicted_ms: active.predicting.elapsed().as_secs_f64() * 1000.0,
+        };
+        active.client.done(Ok(outcome));
+    }
 }
 
 /// The generated text, released as it becomes final: bytes wait until they make whole UTF-8
 /// characters, and text waits while its end could be the start of a stop string.
-pub struct StopScan<'a> {
-    stops: &'a [String],
+pub struct StopScan {
+    stops: Vec<String>,
     /// Bytes of an unfinished UTF-8 character.
     partial: Vec<u8>,
     /// Text held back (a possible stop string's start).
@@ -167,8 +340,8 @@ pub struct StopScan<'a> {
     stopped: bool,
 }
 
-impl<'a> StopScan<'a> {
-    pub fn new(stops: &'a [String]) -> Self {
+impl StopScan {
+    pub fn new(stops: Vec<String>) -> Self {
         StopScan {
             stops,
             partial: Vec::new(),
@@ -247,7 +420,7 @@ mod tests {
     #[test]
     fn text_before_a_stop_string_is_released_and_the_stop_string_never() {
         let stops = vec!["\n\n".to_string(), "END".to_string()];
-        let mut scan = StopScan::new(&stops);
+        let mut scan = StopScan::new(stops);
         assert_eq!(scan.push(b"Hello E"), ("Hello ".to_string(), false));
         assert_eq!(scan.push(b"N"), (String::new(), false));
         assert_eq!(scan.push(b"X, then"), ("ENX, then".to_string(), false));
@@ -258,7 +431,7 @@ mod tests {
 
     #[test]
     fn a_character_split_across_tokens_waits_for_its_last_byte() {
-        let mut scan = StopScan::new(&[]);
+        let mut scan = StopScan::new(Vec::new());
         let e = "é".as_bytes();
         assert_eq!(scan.push(&e[..1]), (String::new(), false));
         assert_eq!(scan.push(&e[1..]), ("é".to_string(), false));

@@ -17,7 +17,7 @@ use onebit_plugin_api::*;
 use serde::{Deserialize, Serialize};
 
 use crate::ffi::Llama;
-use crate::generate::{Failure, Finish, Outcome, Settings, Slot};
+use crate::generate::{Client, Failure, Finish, Job, Outcome, SlotEngine};
 use crate::openai::{Ask, Kind, Reply};
 
 /// The route's `--device` name.
@@ -40,6 +40,8 @@ pub struct State {
     pub model: String,
     pub ctx: u32,
     pub threads: i32,
+    /// `--parallel`: slots, whose next tokens share one decode.
+    pub slots: u32,
     pub served_name: String,
 }
 
@@ -55,23 +57,31 @@ struct Engine {
     served_name: String,
 }
 
-/// One completion for the engine thread.
-struct Job {
-    prompt: String,
-    settings: Settings,
-    /// Text as it is made, then the outcome. Bounded, so a slow client slows the engine.
-    events: mpsc::SyncSender<Event>,
-    /// Set by the request's thread when the client left: the engine stops at the next token.
-    cancelled: Arc<AtomicBool>,
-}
-
+/// What the engine thread tells a request's thread.
 enum Event {
     Text(String),
     Done(Result<Outcome, Failure>),
 }
 
-/// Events the engine may be ahead of the client by.
-const EVENTS_AHEAD: usize = 16;
+/// A request's end of the engine: text and the outcome go into a channel its thread reads.
+/// Unbounded, so a slow client never stalls the other slots' decoding; what it can hold is
+/// bounded by the slot's context (one piece per token).
+struct RequestClient {
+    events: mpsc::Sender<Event>,
+    /// Set by the request's thread when the client left: the engine stops at the next token.
+    cancelled: Arc<AtomicBool>,
+}
+
+impl Client for RequestClient {
+    fn text(&mut self, text: &str) -> bool {
+        !self.cancelled.load(Ordering::Relaxed)
+            && self.events.send(Event::Text(text.to_string())).is_ok()
+    }
+
+    fn done(self: Box<Self>, outcome: Result<Outcome, Failure>) {
+        let _ = self.events.send(Event::Done(outcome));
+    }
+}
 
 #[derive(Default)]
 pub struct InprocRoute {
@@ -231,7 +241,14 @@ impl DeviceRoute for InprocRoute {
             .options
             .ctx_size
             .map_or(DEFAULT_CTX, |c| c.min(u32::MAX as u64) as u32);
+        let slots = request.options.parallel.unwrap_or(1);
+        if !(1..=64).contains(&slots) {
+            return Err(Refusal::usage(format!(
+                "--parallel {slots}: the inproc route runs 1 to 64 slots; pass one such as 4"
+            )));
+        }
         let state = State {
+            slots,
             lib_dir: dir.display().to_string(),
             model: request.options.model.clone(),
             ctx,
@@ -244,7 +261,7 @@ impl DeviceRoute for InprocRoute {
             one_hop: false,
             serve_in_path: "--device inproc (the model runs inside serve)".to_string(),
             notes: vec![format!(
-                "inproc: llama.cpp from {}, ctx {ctx}, {threads} threads",
+                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slots, {threads} threads",
                 dir.display()
             )],
             route_state: serde_json::to_value(&state).expect("the state serializes"),
@@ -367,14 +384,16 @@ impl DeviceRoute for InprocRoute {
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
         let mut reply = Reply::new(sink, kind, &ask, &engine.served_name);
-        // One request at a time on the engine thread; the next waits in its queue.
-        let (events, received) = mpsc::sync_channel(EVENTS_AHEAD);
+        // The engine thread runs it on a free slot; with every slot busy it waits in the queue.
+        let (events, received) = mpsc::channel();
         let cancelled = Arc::new(AtomicBool::new(false));
         let job = Job {
             prompt,
             settings,
-            events,
-            cancelled: cancelled.clone(),
+            client: Box::new(RequestClient {
+                events,
+                cancelled: cancelled.clone(),
+            }),
         };
         if engine.jobs.send(job).is_err() {
             return reply.fail(Failure::Engine(
@@ -477,7 +496,12 @@ fn engine_thread(state: &State, ready: mpsc::Sender<Loaded>, queue: mpsc::Receiv
             return;
         }
     };
-    let session = match llama.open(Path::new(&state.model), state.ctx, state.threads) {
+    let session = match llama.open(
+        Path::new(&state.model),
+        state.ctx,
+        state.threads,
+        state.slots,
+    ) {
         Ok(session) => session,
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -488,20 +512,11 @@ fn engine_thread(state: &State, ready: mpsc::Sender<Loaded>, queue: mpsc::Receiv
     let template = session
         .chat_template()
         .or_else(|| session.meta("tokenizer.chat_template"));
-    let mut slot = Slot {
-        session,
-        cached: Vec::new(),
-    };
+    let mut engine = SlotEngine::new(session, state.slots as usize);
     if ready.send(Ok((template, bos, eos))).is_err() {
         return;
     }
-    for job in queue {
-        let outcome = generate::complete(&mut slot, &job.prompt, &job.settings, |text| {
-            !job.cancelled.load(Ordering::Relaxed)
-                && job.events.send(Event::Text(text.to_string())).is_ok()
-        });
-        let _ = job.events.send(Event::Done(outcome));
-    }
+    engine.run(&queue);
 }
 
 export_route!(InprocRoute);
