@@ -463,3 +463,60 @@ fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves() {
     let reply = completion(&serve, greedy(PROMPTS[0]));
     assert_eq!(reply["usage"]["completion_tokens"], 24, "{reply}");
 }
+
+/// A streamed completion's text and when its first and last text events came.
+fn timed_stream(serve: &Serve, prompt: &str) -> (String, std::time::Instant, std::time::Instant) {
+    let mut body = greedy(prompt);
+    body["stream"] = true.into();
+    body["max_tokens"] = 48.into();
+    let body = body.to_string();
+    let mut tcp = TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        tcp,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let (mut text, mut first, mut last) = (String::new(), None, None);
+    for line in BufReader::new(tcp).lines().map_while(Result::ok) {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+            continue;
+        };
+        if let Some(piece) = v["choices"][0]["text"].as_str().filter(|t| !t.is_empty()) {
+            let now = std::time::Instant::now();
+            first.get_or_insert(now);
+            last = Some(now);
+            text.push_str(piece);
+        }
+    }
+    (text, first.unwrap(), last.unwrap())
+}
+
+#[test]
+fn parallel_slots_stream_together_and_answer_as_one_slot_does() {
+    if !libraries_installed("parallel_slots_stream_together_and_answer_as_one_slot_does") {
+        return;
+    }
+    let alone: Vec<String> = {
+        let serve = serve_inproc(&[], &[]);
+        PROMPTS[..2]
+            .iter()
+            .map(|p| timed_stream(&serve, p).0)
+            .collect()
+    };
+    let serve = serve_inproc(&["--parallel", "2"], &[]);
+    assert!(serve.output().contains("2 slots"), "{}", serve.output());
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| timed_stream(&serve, PROMPTS[0]));
+        let b = s.spawn(|| timed_stream(&serve, PROMPTS[1]));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(a.0, alone[0], "slot answers equal one slot's");
+    assert_eq!(b.0, alone[1], "slot answers equal one slot's");
+    // Both streams were under way at once: each began before the other ended.
+    assert!(a.1 < b.2 && b.1 < a.2, "the two streams overlapped");
+}
