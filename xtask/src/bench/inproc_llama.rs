@@ -63,8 +63,12 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
     let llama_server = ws.layout.llama_server();
 
     let mut rows = Vec::new();
-    for arm in ["llama-server direct", "--device cpu", "--device inproc"] {
+    let mut concurrent = Vec::new();
+    for (parallel, arm) in [1, STREAMS].into_iter().flat_map(|p| {
+        ["llama-server direct", "--device cpu", "--device inproc"].map(|arm| (p, arm))
+    }) {
         let port = free_port()?;
+        let slots = parallel.to_string();
         let mut command = match arm {
             "llama-server direct" => {
                 let mut c = Command::new(&llama_server);
@@ -78,6 +82,8 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
                     "-ngl",
                     "0",
                     "--jinja",
+                    "-np",
+                    &slots,
                 ]);
                 c
             }
@@ -90,6 +96,8 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
                     "2048",
                     "--device",
                     arm.trim_start_matches("--device "),
+                    "--parallel",
+                    &slots,
                     "--llama-server",
                 ]);
                 c.arg(&llama_server).arg("--plugin-dir").arg(&plugins);
@@ -107,13 +115,35 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
         wait_ready(port, arm)?;
         // Warm up: one request, not counted.
         stream(port, PROMPTS[0])?;
+        if parallel > 1 {
+            let mut rates = Vec::new();
+            for _ in 0..passes {
+                let timed: Vec<Result<Timed, Failure>> = std::thread::scope(|s| {
+                    let running: Vec<_> = PROMPTS[..STREAMS]
+                        .iter()
+                        .map(|p| s.spawn(move || stream(port, p)))
+                        .collect();
+                    running
+                        .into_iter()
+                        .map(|t| t.join().expect("a stream thread"))
+                        .collect()
+                });
+                let timed = timed.into_iter().collect::<Result<Vec<_>, _>>()?;
+                let begin = timed.iter().map(|t| t.first).min().expect("streams ran");
+                let end = timed.iter().map(|t| t.last).max().expect("streams ran");
+                let tokens: u32 = timed.iter().map(|t| t.tokens).sum();
+                rates.push(f64::from(tokens) / end.duration_since(begin).as_secs_f64());
+            }
+            concurrent.push((arm, median(&mut rates)));
+            continue;
+        }
         let mut ttft = Vec::new();
         let mut tps = Vec::new();
         for _ in 0..passes {
             for prompt in PROMPTS {
-                let (first, rate) = stream(port, prompt)?;
-                ttft.push(first);
-                tps.push(rate);
+                let timed = stream(port, prompt)?;
+                ttft.push(timed.ttft_ms);
+                tps.push(timed.decode_tps);
             }
         }
         rows.push((
@@ -141,7 +171,28 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
             f.ttft_ms / direct_ttft
         );
     }
+    let direct = concurrent[0].1;
+    println!(
+        "\n{STREAMS} concurrent streams ({STREAMS} slots: -np / --parallel {STREAMS}), aggregate decode tok/s = all streams' tokens over the time from the first token to the last (median of {passes}):"
+    );
+    println!("| arm | aggregate tok/s | vs direct |");
+    println!("|---|---:|---:|");
+    for (arm, rate) in &concurrent {
+        println!("| {arm} | {rate:.1} | {:.3} |", rate / direct);
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Concurrent streams in the second part (and slots of every arm there).
+const STREAMS: usize = 4;
+
+/// One streamed completion's timings.
+struct Timed {
+    ttft_ms: f64,
+    decode_tps: f64,
+    tokens: u32,
+    first: Instant,
+    last: Instant,
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -178,10 +229,10 @@ fn wait_ready(port: u16, arm: &str) -> Result<(), Failure> {
     }
 }
 
-/// One streamed completion: (time to the first event with text in ms, tokens/s over the
-/// events after it). Each SSE event with text counts as one token, as llama-server sends one
-/// per token.
-fn stream(port: u16, prompt: &str) -> Result<(f64, f64), Failure> {
+/// One streamed completion: time to the first event with text, tokens/s over the events after
+/// it, and when the first and last came. Each SSE event with text counts as one token, as
+/// llama-server sends one per token.
+fn stream(port: u16, prompt: &str) -> Result<Timed, Failure> {
     let body = serde_json::json!({
         "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": true,
     })
@@ -255,5 +306,11 @@ fn stream(port: u16, prompt: &str) -> Result<(f64, f64), Failure> {
     } else {
         0.0
     };
-    Ok((ttft, rate))
+    Ok(Timed {
+        ttft_ms: ttft,
+        decode_tps: rate,
+        tokens,
+        first,
+        last,
+    })
 }
