@@ -45,6 +45,22 @@ pub struct PluginArgs {
     /// Also look for route files in DIR (before the plugins folder beside the binary).
     #[arg(long, value_name = "DIR")]
     pub plugin_dir: Vec<PathBuf>,
+    #[command(subcommand)]
+    pub action: Option<PluginAction>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PluginAction {
+    /// Load one route library and exercise it as serve would (info, claim, plan, and for a
+    /// route that answers in process: start, health, answers, a slow reader, a client that
+    /// leaves, bad input, a panic); one line per check, exit 1 on a failure.
+    Check {
+        /// The route library (`libonebit_route_NAME.so`).
+        file: PathBuf,
+        /// The model to claim and plan (default: a fixture file that is not a GGUF).
+        #[arg(short = 'm', long, value_name = "MODEL")]
+        model: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Debug, Default, Clone)]

@@ -4,7 +4,7 @@
 //! backend die with serve (`backends::supervisor::die_with_serve`), which has no safe equivalent.
 //!
 //! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
-//! rooms below it: `serve`, `prepare` > `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
+//! rooms below it: `serve`, `prepare`, `plugin_check` > `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
 //! `backends` > `guard`, `admission`, `settings`, `model`, `routes` > `llama_server_cli` >
 //! `error`, `cli` (docs/architecture.md).
 #![deny(unsafe_code)]
@@ -19,6 +19,7 @@ mod laya;
 mod llama_server_cli;
 mod metrics;
 mod model;
+mod plugin_check;
 mod pm;
 mod prepare;
 mod relay;
@@ -47,6 +48,10 @@ fn main() {
             serve::run(*args)
         }
         cli::Command::LlamaServer { args } => drop_in(&args),
+        cli::Command::Plugins(cli::PluginArgs {
+            action: Some(cli::PluginAction::Check { file, model }),
+            ..
+        }) => plugin_check::run(&file, model.as_deref()),
         cli::Command::Plugins(args) => {
             let dirs = routes::search_dirs(&args.plugin_dir);
             let found = routes::discover(&dirs);

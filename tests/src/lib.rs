@@ -4,6 +4,7 @@
 //! assert on what a client sees.
 #![forbid(unsafe_code)]
 
+pub mod inproc_addon;
 pub mod route_fixture;
 pub mod rpc_worker;
 

@@ -42,6 +42,8 @@ pub struct Layout {
     /// `<cache>/<llama_cpp.install_dir>`: source, build tree, `bin/` and the stamp.
     pub install_dir: PathBuf,
     source_dir_name: String,
+    shared_build_name: String,
+    lib_dir_name: String,
 }
 
 impl Layout {
@@ -49,6 +51,8 @@ impl Layout {
         Layout {
             install_dir: cache_dir.join(&pins.llama_cpp.install_dir),
             source_dir_name: pins.llama_cpp.source_dir.clone(),
+            shared_build_name: pins.llama_cpp.shared.build_dir.clone(),
+            lib_dir_name: pins.llama_cpp.shared.lib_dir.clone(),
             cache_dir,
         }
     }
@@ -69,6 +73,16 @@ impl Layout {
 
     pub fn build_dir(&self) -> PathBuf {
         self.install_dir.join("build")
+    }
+
+    /// The build tree of the shared libraries (beside the static one).
+    pub fn shared_build_dir(&self) -> PathBuf {
+        self.install_dir.join(&self.shared_build_name)
+    }
+
+    /// Where the shared libraries are installed (`libllama.so`, `libggml*.so`), with their stamp.
+    pub fn lib_dir(&self) -> PathBuf {
+        self.install_dir.join(&self.lib_dir_name)
     }
 
     /// An installed llama.cpp program, e.g. `bin("llama-server")`.

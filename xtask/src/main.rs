@@ -1,6 +1,7 @@
 //! `cargo xtask`: installs what 1bit serve needs (llama.cpp's llama-server, the pinned models) and runs the server, its checks and its tests.
 #![forbid(unsafe_code)]
 
+mod addon;
 mod bench;
 mod cache;
 mod install;
@@ -26,7 +27,9 @@ usage: cargo xtask <subcommand>
   serve [ARGS...]   setup, build 1bit in release mode, serve the default model on 127.0.0.1:8000
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
   bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
-                    sse, startup, rss, mem-check (all when none is named; results/)
+                    sse, startup, rss, mem-check (all when none is named; results/); alone:
+                    inproc (the fixture route), inproc-llama (the inproc add-on against the hop)
+  addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
   laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
   paths             print cache_dir, llama_server and model paths, one name=value per line
   install [--prefix DIR] [--debug]  build and install 1bit, its routes, the pinned llama-server
@@ -81,6 +84,7 @@ fn main() -> ExitCode {
             .map(|_| ExitCode::SUCCESS),
         Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
+        Some("addon") => Workspace::load().and_then(|ws| addon::run(&ws, &rest)),
         Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
         Some("laya-eval") => no_arguments("laya-eval", &rest)
             .and_then(|()| Workspace::load())
@@ -95,7 +99,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, laya-eval, paths, install (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, addon, laya-eval, paths, install (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

@@ -31,6 +31,21 @@ pub struct LlamaCpp {
     pub cmake_flags: Vec<String>,
     /// The cmake targets to build; each becomes `<install_dir>/bin/<target>`.
     pub targets: Vec<String>,
+    /// The shared libraries the inproc add-on loads, built from the same source.
+    pub shared: SharedLibs,
+}
+
+/// libllama and the libggml it needs as shared libraries, built in a second tree beside the
+/// static one (whose flags stay as they are, so llama-server is not rebuilt).
+#[derive(Debug, Deserialize)]
+pub struct SharedLibs {
+    /// The build tree's folder under `install_dir`.
+    pub build_dir: String,
+    /// Where the libraries are installed, under `install_dir`.
+    pub lib_dir: String,
+    pub cmake_flags: Vec<String>,
+    /// The cmake targets to build (`llama`, which pulls in the ggml libraries).
+    pub targets: Vec<String>,
 }
 
 /// A GGUF model assembled from the members of one or more wheels, in order.

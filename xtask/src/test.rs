@@ -3,7 +3,7 @@
 use std::io::{BufRead, BufReader};
 use std::process::{ExitCode, Stdio};
 
-use crate::{Failure, Workspace, bench, process, setup};
+use crate::{Failure, Workspace, addon, bench, process, setup};
 
 /// Stops at the first failing check (fmt, clippy, setup, build); otherwise runs
 /// `cargo test --workspace --no-fail-fast [extra]`, then the hop regression check (`cargo
@@ -12,7 +12,8 @@ use crate::{Failure, Workspace, bench, process, setup};
 ///
 /// The tests find the installed llama-server and default model through
 /// `ONEBIT_TEST_LLAMA_SERVER` and `ONEBIT_TEST_MODEL`, the OpenAI SDK's python through
-/// `ONEBIT_TEST_OPENAI_PYTHON`.
+/// `ONEBIT_TEST_OPENAI_PYTHON`, llama.cpp's shared libraries through `ONEBIT_INPROC_LIB_DIR`.
+/// The inproc add-on (outside the workspace) gets its own fmt and clippy checks and build.
 pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     cargo_step(
         ws,
@@ -31,6 +32,7 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         ],
         "clippy found problems: fix the warnings above, then rerun",
     )?;
+    addon::check(ws)?;
     let installed = setup::run(ws)?;
     // Builds the `1bit` binary, the fake backend and every route cdylib, which the tests look for.
     cargo_step(
@@ -38,6 +40,8 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         &["build", "--workspace", "--all-targets"],
         "the workspace does not build: fix the errors above, then rerun",
     )?;
+    // The inproc add-on is outside the workspace: built here so its tests find it built.
+    addon::build(ws, false)?;
     let model = ws.layout.model(ws.pins.default_model());
     let mut test = process::cargo();
     test.current_dir(&ws.root)
@@ -46,6 +50,7 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         .env("ONEBIT_TEST_LLAMA_SERVER", &installed.llama_server)
         .env("ONEBIT_TEST_MODEL", &model)
         .env("ONEBIT_TEST_OPENAI_PYTHON", &installed.openai_python)
+        .env("ONEBIT_INPROC_LIB_DIR", &installed.llama_lib_dir)
         .stdout(Stdio::piped());
     println!("==> {}", process::describe(&test));
     let mut child = test

@@ -13,6 +13,7 @@ mod arms;
 mod chart;
 mod client;
 mod inproc;
+mod inproc_llama;
 mod mem_check;
 mod rpc;
 
@@ -93,6 +94,10 @@ impl Options {
 /// (and `results/latency.svg` when latencies were measured). Fails (exit 1) when serve's added
 /// p50 on the hop exceeds twice nginx's: the regression check CI runs.
 pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
+    if args.iter().any(|a| a == "inproc-llama") {
+        // The inproc add-on against --device cpu and llama-server direct: its own table.
+        return inproc_llama::run(ws, args.iter().any(|a| a == "--quick"));
+    }
     if args.iter().any(|a| a == "inproc") {
         // Its own figures, on its own fixture route: not part of the hop report.
         return inproc::run(ws, args.iter().any(|a| a == "--quick"));

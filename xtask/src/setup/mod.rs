@@ -17,6 +17,8 @@ use crate::{Failure, Workspace, process};
 /// What setup installed, for the subcommands that run it first.
 pub struct Installed {
     pub llama_server: PathBuf,
+    /// The folder of the shared libllama/libggml the inproc add-on loads.
+    pub llama_lib_dir: PathBuf,
     /// Each pinned model's path, in pins order.
     pub models: Vec<PathBuf>,
     /// The python of the venv holding the pinned OpenAI SDK.
@@ -39,6 +41,7 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
     })?;
     let _lock = lock(&layout.cache_dir.join(".setup.lock"))?;
     let llama_server = llama_cpp::ensure(&ws.pins.llama_cpp, layout)?;
+    let llama_lib_dir = llama_cpp::ensure_shared(&ws.pins.llama_cpp, layout)?;
     let models = ws
         .pins
         .models
@@ -46,12 +49,14 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
         .map(|model| models::ensure(model, layout));
     let installed = Installed {
         llama_server,
+        llama_lib_dir,
         models: models.collect::<Result<_, _>>()?,
         openai_python: openai_sdk::ensure(layout)?,
     };
     ensure_prometheus_parser()?;
     ensure_iproute2()?;
     println!("llama-server: {}", installed.llama_server.display());
+    println!("llama.cpp libraries: {}", installed.llama_lib_dir.display());
     for path in &installed.models {
         println!("model: {}", path.display());
     }

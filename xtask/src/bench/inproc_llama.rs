@@ -1,0 +1,316 @@
+//! `cargo xtask bench inproc-llama [--quick]`: time to first token and decode tokens/s of the
+//! default model through the inproc add-on (in process), through `--device cpu` (serve relaying
+//! to llama-server) and on llama-server directly, side by side in one run. Release builds.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{Failure, Workspace, addon, process};
+
+/// The prompts, each completed greedily and streamed.
+const PROMPTS: [&str; 5] = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+];
+
+/// New tokens per request.
+const MAX_TOKENS: u32 = 64;
+
+/// A child killed when dropped.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One arm's medians.
+struct Figures {
+    ttft_ms: f64,
+    decode_tps: f64,
+}
+
+/// Run the three arms; `quick` makes one pass over the prompts, else three.
+pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
+    let passes = if quick { 1 } else { 3 };
+    let mut cargo = process::cargo();
+    cargo.current_dir(&ws.root).args([
+        "build",
+        "--release",
+        "-p",
+        "onebit-host",
+        "-p",
+        "onebit-route-cpu",
+    ]);
+    println!("==> {}", process::describe(&cargo));
+    process::run(&mut cargo, "the release build failed: fix the errors above")?;
+    let library = addon::build(ws, true)?;
+    let scratch =
+        std::env::temp_dir().join(format!("onebit-bench-inproc-llama-{}", std::process::id()));
+    let plugins = scratch.join("plugins");
+    std::fs::create_dir_all(&plugins).map_err(|e| Failure::new(e, "check /tmp"))?;
+    std::fs::copy(&library, plugins.join("libonebit_route_inproc.so"))
+        .map_err(|e| Failure::new(e, "check /tmp"))?;
+    let model = ws.layout.model(ws.pins.default_model());
+    let onebit = ws.root.join("target/release/1bit");
+    let llama_server = ws.layout.llama_server();
+
+    let mut rows = Vec::new();
+    let mut concurrent = Vec::new();
+    for (parallel, arm) in [1, STREAMS].into_iter().flat_map(|p| {
+        ["llama-server direct", "--device cpu", "--device inproc"].map(|arm| (p, arm))
+    }) {
+        let port = free_port()?;
+        let slots = parallel.to_string();
+        let mut command = match arm {
+            "llama-server direct" => {
+                let mut c = Command::new(&llama_server);
+                c.arg("-m").arg(&model).args([
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--ctx-size",
+                    "2048",
+                    "-ngl",
+                    "0",
+                    "--jinja",
+                    "-np",
+                    &slots,
+                ]);
+                c
+            }
+            _ => {
+                let mut c = Command::new(&onebit);
+                c.arg("serve").arg("-m").arg(&model).args([
+                    "--port",
+                    &port.to_string(),
+                    "--ctx-size",
+                    "2048",
+                    "--device",
+                    arm.trim_start_matches("--device "),
+                    "--parallel",
+                    &slots,
+                    "--llama-server",
+                ]);
+                c.arg(&llama_server).arg("--plugin-dir").arg(&plugins);
+                c.env("ONEBIT_STATE_DIR", &scratch)
+                    .env("ONEBIT_INPROC_LIB_DIR", ws.layout.lib_dir());
+                c
+            }
+        };
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| Failure::new(format!("cannot start {arm}: {e}"), "run setup"))?;
+        let _running = Running(child);
+        wait_ready(port, arm)?;
+        // Warm up: one request, not counted.
+        stream(port, PROMPTS[0])?;
+        if parallel > 1 {
+            let mut rates = Vec::new();
+            for _ in 0..passes {
+                let timed: Vec<Result<Timed, Failure>> = std::thread::scope(|s| {
+                    let running: Vec<_> = PROMPTS[..STREAMS]
+                        .iter()
+                        .map(|p| s.spawn(move || stream(port, p)))
+                        .collect();
+                    running
+                        .into_iter()
+                        .map(|t| t.join().expect("a stream thread"))
+                        .collect()
+                });
+                let timed = timed.into_iter().collect::<Result<Vec<_>, _>>()?;
+                let begin = timed.iter().map(|t| t.first).min().expect("streams ran");
+                let end = timed.iter().map(|t| t.last).max().expect("streams ran");
+                let tokens: u32 = timed.iter().map(|t| t.tokens).sum();
+                rates.push(f64::from(tokens) / end.duration_since(begin).as_secs_f64());
+            }
+            concurrent.push((arm, median(&mut rates)));
+            continue;
+        }
+        let mut ttft = Vec::new();
+        let mut tps = Vec::new();
+        for _ in 0..passes {
+            for prompt in PROMPTS {
+                let timed = stream(port, prompt)?;
+                ttft.push(timed.ttft_ms);
+                tps.push(timed.decode_tps);
+            }
+        }
+        rows.push((
+            arm,
+            Figures {
+                ttft_ms: median(&mut ttft),
+                decode_tps: median(&mut tps),
+            },
+        ));
+    }
+    let direct_tps = rows[0].1.decode_tps;
+    let direct_ttft = rows[0].1.ttft_ms;
+    println!(
+        "\nSmolLM2-135M Q4_1, greedy, {MAX_TOKENS} new tokens, {} requests per arm (medians):",
+        passes * PROMPTS.len()
+    );
+    println!("| arm | TTFT ms | decode tok/s | decode vs direct | TTFT vs direct |");
+    println!("|---|---:|---:|---:|---:|");
+    for (arm, f) in &rows {
+        println!(
+            "| {arm} | {:.1} | {:.1} | {:.3} | {:.2} |",
+            f.ttft_ms,
+            f.decode_tps,
+            f.decode_tps / direct_tps,
+            f.ttft_ms / direct_ttft
+        );
+    }
+    let direct = concurrent[0].1;
+    println!(
+        "\n{STREAMS} concurrent streams ({STREAMS} slots: -np / --parallel {STREAMS}), aggregate decode tok/s = all streams' tokens over the time from the first token to the last (median of {passes}):"
+    );
+    println!("| arm | aggregate tok/s | vs direct |");
+    println!("|---|---:|---:|");
+    for (arm, rate) in &concurrent {
+        println!("| {arm} | {rate:.1} | {:.3} |", rate / direct);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Concurrent streams in the second part (and slots of every arm there).
+const STREAMS: usize = 4;
+
+/// One streamed completion's timings.
+struct Timed {
+    ttft_ms: f64,
+    decode_tps: f64,
+    tokens: u32,
+    first: Instant,
+    last: Instant,
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn free_port() -> Result<u16, Failure> {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| Failure::new(e, "no free loopback port"))
+}
+
+fn wait_ready(port: u16, arm: &str) -> Result<(), Failure> {
+    let began = Instant::now();
+    loop {
+        let ok = TcpStream::connect(("127.0.0.1", port)).and_then(|mut tcp| {
+            tcp.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
+            let mut head = [0u8; 12];
+            tcp.read_exact(&mut head)?;
+            Ok(&head[9..12] == b"200")
+        });
+        if ok.unwrap_or(false) {
+            return Ok(());
+        }
+        if began.elapsed() > Duration::from_secs(120) {
+            return Err(Failure::new(
+                format!("{arm} did not become ready"),
+                "run it by hand to see why",
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One streamed completion: time to the first event with text, tokens/s over the events after
+/// it, and when the first and last came. Each SSE event with text counts as one token, as
+/// llama-server sends one per token.
+fn stream(port: u16, prompt: &str) -> Result<Timed, Failure> {
+    let body = serde_json::json!({
+        "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": true,
+    })
+    .to_string();
+    let broke = |e: std::io::Error| {
+        Failure::new(
+            format!("a streamed request failed: {e}"),
+            "run the arm by hand",
+        )
+    };
+    let mut tcp = TcpStream::connect(("127.0.0.1", port)).map_err(broke)?;
+    tcp.set_read_timeout(Some(Duration::from_secs(120)))
+        .map_err(broke)?;
+    let sent = Instant::now();
+    write!(
+        tcp,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(broke)?;
+    let mut reader = BufReader::new(tcp);
+    let mut line = String::new();
+    // The head.
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).map_err(broke)? == 0 || line == "\r\n" {
+            break;
+        }
+    }
+    let mut first: Option<Instant> = None;
+    let mut last = sent;
+    let mut tokens = 0u32;
+    let mut pending = Vec::new();
+    // Chunked transfer: a size line, that many bytes, CRLF; events are split into lines here.
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).map_err(broke)? == 0 {
+            break;
+        }
+        let size = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        let mut chunk = vec![0u8; size + 2];
+        reader.read_exact(&mut chunk).map_err(broke)?;
+        pending.extend_from_slice(&chunk[..size]);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let event: Vec<u8> = pending.drain(..=end).collect();
+            let text = String::from_utf8_lossy(&event);
+            let Some(data) = text.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            let has_text = serde_json::from_str::<serde_json::Value>(data)
+                .ok()
+                .and_then(|v| v["choices"][0]["text"].as_str().map(|t| !t.is_empty()))
+                .unwrap_or(false);
+            if has_text {
+                let now = Instant::now();
+                first.get_or_insert(now);
+                last = now;
+                tokens += 1;
+            }
+        }
+    }
+    let first =
+        first.ok_or_else(|| Failure::new("a stream carried no text", "run the arm by hand"))?;
+    let ttft = first.duration_since(sent).as_secs_f64() * 1000.0;
+    let decode = last.duration_since(first).as_secs_f64();
+    let rate = if decode > 0.0 {
+        f64::from(tokens - 1) / decode
+    } else {
+        0.0
+    };
+    Ok(Timed {
+        ttft_ms: ttft,
+        decode_tps: rate,
+        tokens,
+        first,
+        last,
+    })
+}
