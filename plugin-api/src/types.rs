@@ -52,6 +52,22 @@ pub struct PlanRequest {
     pub run_dir: String,
 }
 
+impl PlanRequest {
+    /// The project's cache, where `cargo xtask setup` installs llama.cpp and the models:
+    /// `$ONEBIT_CACHE_DIR`, else `$XDG_CACHE_HOME/onebit`, else `$HOME/.cache/onebit`, read
+    /// from the request's environment. Pure; any thread. None without any of the three.
+    pub fn cache_dir(&self) -> Option<std::path::PathBuf> {
+        let env = |k: &str| self.env.get(k).filter(|v| !v.is_empty());
+        if let Some(dir) = env("ONEBIT_CACHE_DIR") {
+            return Some(std::path::PathBuf::from(dir));
+        }
+        if let Some(dir) = env("XDG_CACHE_HOME") {
+            return Some(std::path::Path::new(dir).join("onebit"));
+        }
+        env("HOME").map(|home| std::path::Path::new(home).join(".cache").join("onebit"))
+    }
+}
+
 /// The parsed `1bit serve` options a route may act on. Flags a later version adds arrive as new
 /// fields here. A route's own options (a vendor's, say) come as `--route-opt KEY=VALUE` or
 /// `--npu-opt KEY=VALUE` in [`ServeOptions::route_options`]: serve's command line parser

@@ -96,20 +96,6 @@ pub struct InprocRoute {
     clients_gone: AtomicU64,
 }
 
-/// The cache `cargo xtask setup` installs into: `$ONEBIT_CACHE_DIR`, else
-/// `$XDG_CACHE_HOME/onebit`, else `$HOME/.cache/onebit` (the rule serve follows to find
-/// llama-server).
-fn cache_dir(request: &PlanRequest) -> Option<PathBuf> {
-    let env = |k: &str| request.env.get(k).filter(|v| !v.is_empty());
-    if let Some(dir) = env("ONEBIT_CACHE_DIR") {
-        return Some(PathBuf::from(dir));
-    }
-    if let Some(dir) = env("XDG_CACHE_HOME") {
-        return Some(Path::new(dir).join("onebit"));
-    }
-    env("HOME").map(|home| Path::new(home).join(".cache").join("onebit"))
-}
-
 /// The pinned llama.cpp: its sdist's sha256, the folder under the cache it installs into, and
 /// the libraries' folder within it.
 fn pinned() -> (String, String, String) {
@@ -129,7 +115,7 @@ pub fn lib_dir(request: &PlanRequest) -> Option<PathBuf> {
         return Some(PathBuf::from(dir));
     }
     let (_, install_dir, lib) = pinned();
-    Some(cache_dir(request)?.join(install_dir).join(lib))
+    Some(request.cache_dir()?.join(install_dir).join(lib))
 }
 
 /// Checks that `dir` holds the pinned llama.cpp's libraries: every library file is there, and

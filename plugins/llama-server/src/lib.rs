@@ -123,25 +123,13 @@ fn is_executable(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// The project's cache: `$ONEBIT_CACHE_DIR`, else `$XDG_CACHE_HOME/onebit`, else
-/// `$HOME/.cache/onebit` (the rule `cargo xtask setup` follows too).
-pub fn cache_dir(request: &PlanRequest) -> Option<PathBuf> {
-    let env = |k: &str| request.env.get(k).filter(|v| !v.is_empty());
-    if let Some(dir) = env("ONEBIT_CACHE_DIR") {
-        return Some(PathBuf::from(dir));
-    }
-    if let Some(dir) = env("XDG_CACHE_HOME") {
-        return Some(Path::new(dir).join("onebit"));
-    }
-    env("HOME").map(|home| Path::new(home).join(".cache").join("onebit"))
-}
-
 /// `<cache>/<install dir of the pinned llama.cpp>/bin/llama-server`.
 pub fn installed_server(request: &PlanRequest) -> Option<PathBuf> {
     let pins: serde_json::Value = serde_json::from_str(PINS).ok()?;
     let dir = pins["llama_cpp"]["install_dir"].as_str()?;
     Some(
-        cache_dir(request)?
+        request
+            .cache_dir()?
             .join(dir)
             .join("bin")
             .join("llama-server"),
@@ -358,11 +346,11 @@ mod tests {
             ("XDG_CACHE_HOME", "/x"),
             ("ONEBIT_CACHE_DIR", "/c"),
         ]);
-        assert_eq!(cache_dir(&r), Some(PathBuf::from("/c")));
+        assert_eq!(r.cache_dir(), Some(PathBuf::from("/c")));
         let r = request(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")]);
-        assert_eq!(cache_dir(&r), Some(PathBuf::from("/x/onebit")));
+        assert_eq!(r.cache_dir(), Some(PathBuf::from("/x/onebit")));
         let r = request(&[("HOME", "/h")]);
-        assert_eq!(cache_dir(&r), Some(PathBuf::from("/h/.cache/onebit")));
+        assert_eq!(r.cache_dir(), Some(PathBuf::from("/h/.cache/onebit")));
         assert_eq!(
             installed_server(&r),
             Some(PathBuf::from(
