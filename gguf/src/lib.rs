@@ -1,4 +1,5 @@
-//! Reads a GGUF model's header (metadata and tensor infos, never tensor data) and writes header-only fixtures.
+//! Reads a GGUF model's header (metadata and tensor infos, never tensor data), sizes the
+//! sequence memory llama.cpp allocates for it ([`memory`]), and writes header-only fixtures.
 //!
 //! The memory check runs before any backend starts and must answer in milliseconds for a
 //! 100 GB model, so everything here reads through a small buffer and stops where the tensor
@@ -10,6 +11,7 @@
 
 mod error;
 mod header;
+pub mod memory;
 mod reader;
 mod shards;
 mod value;

@@ -197,10 +197,11 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
         None => (route.clone(), plan, None),
     };
-    // The drop-in's llama-server arguments reach every plan's llama-server (one per device
-    // with --laya).
+    // Every plan (one per device with --laya): llama.cpp's KV sized where the plan asks the
+    // host to, and the drop-in's llama-server arguments passed to its llama-server.
     let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
     for each in std::iter::once(&mut plan).chain(more.map(|(_, p)| p)) {
+        admission::llama_kv::size(each, &args.model);
         llama_server_cli::pass_to_backend(each, &args.backend_args)?;
         llama_server_cli::refuse_self(each)?;
         llama_server_cli::align_rules(each, &args.backend_args);

@@ -485,6 +485,55 @@ pub struct MemoryNeed {
     pub ctx_source: String,
     /// Which memory the backend allocates from: `ram` or `gtt`.
     pub pool: String,
+    /// For a route that runs the model with llama.cpp's own kernels (in process, say): the
+    /// settings of its context, for the host to size llama.cpp's KV cache and recurrent state
+    /// from the GGUF header it read, with the formulas the llama-server routes use. The host
+    /// adds the estimate to `kv_bytes` and sets `ctx` to the padded context (ABI 1.3).
+    pub llama_kv: Option<LlamaKv>,
+}
+
+/// The settings of a llama.cpp context that size its sequence memory ([`MemoryNeed::llama_kv`]).
+/// `LlamaKv::new(ctx, slots)` is llama.cpp's context defaults with llama-server's SWA window.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LlamaKv {
+    /// Cells across all sequences (`n_ctx`), before llama.cpp pads it; 0 is the model's own
+    /// training context.
+    pub ctx: u64,
+    /// Sequences (`n_seq_max`, slots).
+    pub n_parallel: u32,
+    /// One cache shared by all sequences (`kv_unified`) rather than one stream each.
+    pub unified: bool,
+    /// The K and V cache types, by llama.cpp's names (`f16`, `q8_0`, ...).
+    pub type_k: String,
+    pub type_v: String,
+    /// Flash attention on (or auto) when the cache is made; off stores V transposed.
+    pub flash_attn: bool,
+    /// `n_ubatch`.
+    pub n_ubatch: u64,
+    /// Sliding-window layers keep the whole context (`swa_full`) instead of the window.
+    pub swa_full: bool,
+}
+
+impl LlamaKv {
+    pub fn new(ctx: u64, n_parallel: u32) -> LlamaKv {
+        LlamaKv {
+            ctx,
+            n_parallel,
+            unified: false,
+            type_k: "f16".to_string(),
+            type_v: "f16".to_string(),
+            flash_attn: true,
+            n_ubatch: 512,
+            swa_full: false,
+        }
+    }
+}
+
+impl Default for LlamaKv {
+    fn default() -> LlamaKv {
+        LlamaKv::new(0, 1)
+    }
 }
 
 /// What the host passes to [`crate::DeviceRoute::start`].

@@ -347,6 +347,151 @@ fn missing_or_foreign_libraries_are_refused_in_one_line() {
     assert!(stderr.contains("another version"), "{stderr}");
 }
 
+/// `1bit serve ... --mem-check` with the add-on's plugin folder and libraries: exit code,
+/// stdout and stderr.
+fn mem_check(
+    model: &std::path::Path,
+    args: &[&str],
+    lib_dir: &std::path::Path,
+) -> (Option<i32>, String, String) {
+    let output = std::process::Command::new(onebit())
+        .args(["serve", "-m", model.to_str().unwrap()])
+        .args(args)
+        .arg("--plugin-dir")
+        .arg(plugin_dir())
+        .arg("--llama-server")
+        .arg(fake_backend())
+        .arg("--mem-check")
+        .env("ONEBIT_INPROC_LIB_DIR", lib_dir)
+        .output()
+        .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// The memory check runs on the inproc route's plan as on the cpu route's: llama.cpp's KV
+/// cache at the route's context, sized by serve from the GGUF header (the figure the cpu route
+/// gives one slot at the same context), and a model that cannot fit refused with exit 3 in
+/// one line before anything loads.
+#[test]
+fn the_memory_check_runs_on_the_inproc_plan_as_on_the_cpu_routes() {
+    if !libraries_installed("the_memory_check_runs_on_the_inproc_plan_as_on_the_cpu_routes") {
+        return;
+    }
+    let libs = onebit_tests::inproc_addon::lib_dir();
+    let model = smollm2();
+    let kv = |line: &str| {
+        line.split("KV/state ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .map(str::to_string)
+    };
+    let at = ["--ctx-size", "32768", "--parallel", "1"];
+    let (code, inproc, _) = mem_check(&model, &[&["--device", "inproc"][..], &at].concat(), &libs);
+    assert_eq!(code, Some(0), "{inproc}");
+    let (_, cpu, _) = mem_check(&model, &[&["--device", "cpu"][..], &at].concat(), &libs);
+    // 30 layers x 3 KV heads x 64 x (K + V) x 2 bytes x 32768 cells = 0.70 GiB.
+    assert_eq!(kv(&inproc).as_deref(), Some("0.70"), "{inproc}");
+    assert_eq!(kv(&inproc), kv(&cpu), "inproc: {inproc}cpu: {cpu}");
+    assert!(inproc.contains("at ctx 32768 (--ctx-size)"), "{inproc}");
+
+    // A SmolLM2-shaped header over 4 TiB: refused before the route loads anything.
+    let dir = temp_dir("inproc-4tib");
+    let huge = dir.join("huge-4TiB.gguf");
+    gguf::writer::Builder::smollm2_shaped()
+        .total_size(4 << 40)
+        .write(&huge)
+        .unwrap();
+    let began = std::time::Instant::now();
+    let mut serve = Serve::start(
+        &[
+            "-m",
+            huge.to_str().unwrap(),
+            "--device",
+            "inproc",
+            "--plugin-dir",
+            plugin_dir().to_str().unwrap(),
+        ],
+        &[],
+    );
+    let exit = serve.wait_exit(Duration::from_secs(10)).expect("refused");
+    let out = serve.output();
+    assert_eq!(exit.code(), Some(3), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("1bit serve: huge-4TiB does not fit: need "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.contains("weights 4096.00 + KV/state 0.09 + compute 0.50"),
+        "{line}"
+    );
+    assert!(
+        !out.contains("inproc: llama.cpp from"),
+        "the route got as far as its notes: {out}"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        began.elapsed()
+    );
+}
+
+/// Under `--device auto` the add-on claims the architectures it lists (SmolLM2's `llama`,
+/// Gemma 3's `gemma3`) over the public cpu route; not another architecture, not without its
+/// libraries, and not for what only the llama-server routes serve.
+#[test]
+fn under_auto_the_addon_claims_the_architectures_it_lists() {
+    if !libraries_installed("under_auto_the_addon_claims_the_architectures_it_lists") {
+        return;
+    }
+    let libs = onebit_tests::inproc_addon::lib_dir();
+    let none = temp_dir("inproc-auto-nolibs");
+    let dir = temp_dir("inproc-auto");
+    let qwen3 = dir.join("qwen3.gguf");
+    gguf::writer::Builder::new()
+        .kv("general.architecture", "qwen3")
+        .kv("qwen3.block_count", 2u32)
+        .kv("qwen3.context_length", 4096u32)
+        .kv("qwen3.embedding_length", 64u32)
+        .kv("qwen3.attention.head_count", 2u32)
+        .kv("qwen3.attention.head_count_kv", 1u32)
+        .write(&qwen3)
+        .unwrap();
+    let gemma = installed_model("gemma-3-270m-Q4_K_M.gguf");
+    let smol = smollm2();
+    let cases: [(&std::path::Path, &std::path::Path, &[&str], &str); 5] = [
+        (
+            &smol,
+            &libs,
+            &[],
+            "inproc (the inproc add-on runs llama GGUFs in process",
+        ),
+        (
+            &gemma,
+            &libs,
+            &[],
+            "inproc (the inproc add-on runs gemma3 GGUFs in process",
+        ),
+        (&qwen3, &libs, &[], "cpu ("),
+        (&smol, &none, &[], "cpu ("),
+        (&smol, &libs, &["--embedding"], "cpu ("),
+    ];
+    for (model, lib_dir, extra, chose) in cases {
+        let args = [&["--device", "auto"][..], extra].concat();
+        let (code, stdout, stderr) = mem_check(model, &args, lib_dir);
+        assert_eq!(code, Some(0), "{stdout}{stderr}");
+        assert!(
+            stderr.contains(&format!("1bit serve: --device auto chose {chose}")),
+            "{} {extra:?} with {}: {stderr}",
+            model.display(),
+            lib_dir.display()
+        );
+    }
+}
+
 /// The OpenAI Python SDK (the version setup pins) against the inproc route.
 const SDK_SCRIPT: &str = r#"
 import json, sys, openai

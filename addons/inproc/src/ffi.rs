@@ -76,8 +76,8 @@ pub struct ContextParams {
     offload_kqv: bool,
     pub no_perf: bool,
     op_offload: bool,
-    swa_full: bool,
-    kv_unified: bool,
+    pub swa_full: bool,
+    pub kv_unified: bool,
     samplers: *mut c_void,
     n_samplers: usize,
     ctx_other: *mut c_void,
@@ -280,6 +280,10 @@ impl Llama {
         // One sequence per slot; each gets n_ctx / slots cells (llama.cpp's split, as
         // llama-server's -np gives each slot its share).
         context_params.n_seq_max = slots.max(1);
+        context_params.kv_unified = false;
+        // Sliding-window layers keep their window, not the whole context, as llama-server's
+        // do (llama.cpp's library default keeps the whole context: 6x Gemma 3's KV).
+        context_params.swa_full = false;
         // SAFETY: `c_path` is NUL-terminated and outlives the call; the params are the
         // library's defaults with plain integer fields changed.
         let model = unsafe { (f.model_load_from_file)(c_path.as_ptr(), model_params) };

@@ -32,6 +32,19 @@ pub const LIB_DIR_VAR: &str = "ONEBIT_INPROC_LIB_DIR";
 /// The context when `--ctx-size` is not given.
 const DEFAULT_CTX: u32 = 4096;
 
+/// What llama.cpp's compute buffers take beyond weights and KV, counted as the llama-server
+/// routes count it (SmolLM2 at ctx 4096 takes about 100 MiB; larger vocabularies more).
+const COMPUTE_BYTES: u64 = 512 * 1024 * 1024;
+
+/// The `general.architecture` values this route claims under `--device auto`: the ones its
+/// tests show answering token for token as `--device cpu` does (SmolLM2 is `llama`, Gemma 3
+/// 270M is `gemma3`). Other GGUFs it serves when asked by name (`--device inproc`).
+pub const CLAIMED_ARCHITECTURES: [&str; 2] = ["llama", "gemma3"];
+
+/// The claim's strength: an add-on that serves a model better than the public route for its
+/// format (plugin-api's convention), so it outranks cpu (10) and hrx (50).
+const CLAIM_STRENGTH: u8 = 95;
+
 /// What `plan` decided and `start` acts on (the plan's `route_state`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -203,6 +216,33 @@ impl DeviceRoute for InprocRoute {
         }
     }
 
+    /// Under `--device auto`: the GGUFs of [`CLAIMED_ARCHITECTURES`], when llama.cpp's pinned
+    /// libraries are in place and nothing is asked that only the llama-server routes serve
+    /// (embeddings, reranking, a projector, a drafter). Otherwise no claim, so auto picks the
+    /// public route rather than one that would refuse.
+    fn claim(&self, request: &PlanRequest) -> Claim {
+        let model = &request.model;
+        let Some(arch) = model.architecture.as_deref().filter(|_| !model.is_dir) else {
+            return Claim::none();
+        };
+        let o = &request.options;
+        let other_role = o.embedding
+            || o.reranking
+            || o.embed.is_some()
+            || o.rerank.is_some()
+            || o.mmproj.is_some()
+            || o.mtp.is_some()
+            || o.dflash.is_some();
+        let libraries = lib_dir(request).is_some_and(|dir| check_lib_dir(&dir).is_ok());
+        if !CLAIMED_ARCHITECTURES.contains(&arch) || other_role || !libraries {
+            return Claim::none();
+        }
+        Claim {
+            strength: CLAIM_STRENGTH,
+            reason: format!("the inproc add-on runs {arch} GGUFs in process, with no hop"),
+        }
+    }
+
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
         request.options.checked_route_options(NAME, &[])?;
         let model = &request.model;
@@ -233,6 +273,21 @@ impl DeviceRoute for InprocRoute {
                 "--parallel {slots}: the inproc route runs 1 to 64 slots; pass one such as 4"
             )));
         }
+        let ctx_source = match request.options.ctx_size {
+            Some(n) => format!("ctx {n} (--ctx-size)"),
+            None => format!("ctx {DEFAULT_CTX} (the inproc route's default; no --ctx-size)"),
+        };
+        // The weights are the file (llama.cpp maps it); llama.cpp's KV cache is sized by the
+        // host from the header it read, for the context `start` makes.
+        let memory = MemoryNeed {
+            weights_bytes: model.bytes,
+            compute_bytes: COMPUTE_BYTES,
+            ctx: u64::from(ctx),
+            ctx_source,
+            pool: "ram".to_string(),
+            llama_kv: Some(LlamaKv::new(u64::from(ctx), slots)),
+            ..Default::default()
+        };
         let state = State {
             slots,
             lib_dir: dir.display().to_string(),
@@ -251,6 +306,7 @@ impl DeviceRoute for InprocRoute {
                 dir.display()
             )],
             route_state: serde_json::to_value(&state).expect("the state serializes"),
+            memory: Some(memory),
             ..Default::default()
         })
     }

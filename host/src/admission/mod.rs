@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod llama_kv;
+
 use onebit_plugin_api::MemoryNeed;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -191,6 +193,7 @@ mod tests {
             ctx: 262144,
             ctx_source: "the model's own ctx 262144 (no --ctx-size)".into(),
             pool: "gtt".into(),
+            llama_kv: None,
         }
     }
 

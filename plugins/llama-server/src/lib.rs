@@ -1,9 +1,9 @@
 //! What the llama-server routes (cpu, hrx, hybrid) share: which server binary, its argv, the
-//! request table, and llama.cpp's memory formulas.
+//! request table, and the memory facts of a plan (llama.cpp's formulas are `gguf::memory`).
 #![forbid(unsafe_code)]
 
 pub mod log;
-pub mod memory;
+pub use gguf::memory;
 pub mod options;
 pub mod placement;
 pub mod plan;
@@ -317,6 +317,7 @@ pub fn memory_need(
                 ctx: estimate.n_ctx,
                 ctx_source,
                 pool: pool.to_string(),
+                llama_kv: None,
             }),
             unknown: None,
         },

@@ -10,7 +10,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use gguf::Header;
+use crate::Header;
 
 /// llama.cpp pads the context and the SWA cache to this many cells
 /// (`llama-context.cpp`, `llama-kv-cache-iswa.cpp`).
@@ -701,13 +701,13 @@ pub fn kv_estimate(h: &Header, s: &KvSettings) -> Result<KvEstimate, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gguf::writer::Builder;
+    use crate::writer::Builder;
 
     const MIB_U: u64 = 1024 * 1024;
 
     fn header(b: Builder) -> Header {
         let bytes = b.to_bytes();
-        gguf::read_header_from(&bytes[..], bytes.len() as u64, "fixture.gguf").unwrap()
+        crate::read_header_from(&bytes[..], bytes.len() as u64, "fixture.gguf").unwrap()
     }
 
     fn estimate(b: Builder, s: &KvSettings) -> KvEstimate {
@@ -715,7 +715,7 @@ mod tests {
     }
 
     /// `base` with `key` set to `value` (replaced in place, or appended).
-    fn set(base: Builder, key: &str, value: impl Into<gguf::Value>) -> Builder {
+    fn set(base: Builder, key: &str, value: impl Into<crate::Value>) -> Builder {
         let value = value.into();
         let h = header(base);
         let mut b = Builder::new();
@@ -1211,10 +1211,10 @@ mod tests {
             },
         ];
         let absurd = [
-            gguf::Value::U64(u64::MAX),
-            gguf::Value::U32(0),
-            gguf::Value::I32(-1),
-            gguf::Value::U32(513),
+            crate::Value::U64(u64::MAX),
+            crate::Value::U32(0),
+            crate::Value::I32(-1),
+            crate::Value::U32(513),
             vec![u64::MAX; 3].into(),
         ];
         for fixture in fixtures {
@@ -1259,7 +1259,7 @@ mod tests {
             "{} is missing: run `cargo xtask setup` to download the default model",
             path.display()
         );
-        let h = gguf::read_header(&path).unwrap();
+        let h = crate::read_header(&path).unwrap();
         assert_eq!(h.architecture(), Some("llama"));
         assert_eq!(h.get_u64("llama.block_count"), Some(30));
         assert_eq!(h.get_u64("llama.attention.head_count_kv"), Some(3));
