@@ -50,11 +50,7 @@ pub fn plugin_dir() -> &'static PathBuf {
         let dir = bin_dir().join("inproc-addon-plugins");
         std::fs::create_dir_all(&dir).unwrap();
         let lib = "libonebit_route_inproc.so";
-        std::fs::copy(
-            root().join("addons/inproc/target/debug").join(lib),
-            dir.join(lib),
-        )
-        .expect("the add-on's library is built");
+        crate::place_library(&root().join("addons/inproc/target/debug").join(lib), &dir);
         dir
     })
 }

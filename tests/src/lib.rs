@@ -15,6 +15,21 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Put the library `built` into the plugin folder `dir` under its own file name. Each test
+/// process does this while other tests' serve may have that file mapped: a copy over it in
+/// place would change the pages under them (SIGBUS), so a new file is renamed over it.
+pub fn place_library(built: &Path, dir: &Path) {
+    let name = built.file_name().expect("a library file");
+    let fresh = dir.join(format!(
+        ".{}.{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    std::fs::copy(built, &fresh)
+        .unwrap_or_else(|e| panic!("{} is not built: {e}", built.display()));
+    std::fs::rename(&fresh, dir.join(name)).expect("the plugin folder is writable");
+}
+
 /// The cargo profile folder the tests were built into (`target/debug`), where `1bit`, the
 /// fake backend and the route libraries are.
 pub fn bin_dir() -> PathBuf {

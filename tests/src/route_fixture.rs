@@ -95,7 +95,7 @@ impl Fixture<'_> {
         let dir = work.join("plugins");
         std::fs::create_dir_all(&dir).unwrap();
         let lib = format!("libonebit_route_{name}.so");
-        std::fs::copy(base.join("target/debug").join(&lib), dir.join(&lib)).unwrap();
+        crate::place_library(&base.join("target/debug").join(&lib), &dir);
         dir
     }
 }

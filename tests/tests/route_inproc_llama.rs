@@ -664,4 +664,12 @@ fn parallel_slots_stream_together_and_answer_as_one_slot_does() {
     assert_eq!(b.0, alone[1], "slot answers equal one slot's");
     // Both streams were under way at once: each began before the other ended.
     assert!(a.1 < b.2 && b.1 < a.2, "the two streams overlapped");
+    // So the prompt that came second went into a decode beside the other slot's tokens (or
+    // both prompts into one), never into a decode of its own while the other stream waited.
+    let (_, metrics) = get(&serve.url("/metrics"));
+    let shared = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("onebit_inproc_shared_prompt_decodes_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(shared.is_some_and(|n| n >= 1), "{metrics}");
 }

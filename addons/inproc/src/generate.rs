@@ -1,7 +1,10 @@
 //! Completions on the loaded context: slots (`--parallel`), each prompt decoded (reusing the
 //! slot's cached prefix), tokens sampled until an end token, a stop string or the budget, the
-//! text handed out as it becomes final, and every active slot's next token in one decode.
+//! text handed out as it becomes final. One decode per step carries every generating slot's
+//! next token and as much of the waiting prompts as the batch holds, as llama-server's slots
+//! share one decode: a new prompt never stops the other streams for a decode of its own.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::ffi::{SamplerChain, Session, Token, TokenBatch};
@@ -75,19 +78,45 @@ pub struct Job {
     pub client: Box<dyn Client>,
 }
 
+/// What the engine counts, read by the route's /metrics.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Decodes run (prompt chunks and token steps alike).
+    pub decodes: AtomicU64,
+    /// Decodes that carried a prompt's tokens together with other slots' tokens.
+    pub shared_prompt_decodes: AtomicU64,
+}
+
 /// A completion in progress on a slot.
 struct Active {
     client: Box<dyn Client>,
     sampler: SamplerChain,
     scan: StopScan,
-    prompt_tokens: usize,
+    /// The whole prompt; `fed` of its tokens are in the slot's cache (the reused prefix
+    /// first), the rest wait for the next decodes.
+    prompt: Vec<Token>,
+    fed: usize,
     reused: usize,
     generated: usize,
     budget: usize,
+    started: Instant,
     prompt_ms: f64,
     predicting: Instant,
     /// The token sampled last, to go into the next decode.
     pending: Option<Token>,
+}
+
+impl Active {
+    fn prefilling(&self) -> bool {
+        self.fed < self.prompt.len()
+    }
+}
+
+/// What a slot put into a decode: its next token, or prompt tokens `from..to`.
+#[derive(Clone, Copy)]
+enum Fed {
+    Token(Token),
+    Prompt(usize, usize),
 }
 
 /// One sequence of the context: the tokens it holds, in order (what the next prompt may
@@ -104,12 +133,14 @@ pub struct SlotEngine<'a> {
     session: Session<'a>,
     slots: Vec<Slot>,
     batch: TokenBatch,
+    counters: std::sync::Arc<Counters>,
 }
 
 impl<'a> SlotEngine<'a> {
-    pub fn new(session: Session<'a>, slots: usize) -> Self {
+    pub fn new(session: Session<'a>, slots: usize, counters: std::sync::Arc<Counters>) -> Self {
         let batch = session.batch(session.n_batch().max(slots));
         SlotEngine {
+            counters,
             session,
             slots: (0..slots.max(1))
                 .map(|_| Slot {
@@ -147,8 +178,8 @@ impl<'a> SlotEngine<'a> {
         }
     }
 
-    /// Take a job into a free slot: tokenize, reuse the cached prefix, decode the rest of the
-    /// prompt, and sample its first token. A job that cannot run is answered at once.
+    /// Take a job into a free slot: tokenize, and keep the cached prefix it shares; the rest of
+    /// the prompt goes into the next steps' decodes. A job that cannot run is answered at once.
     fn admit(&mut self, job: Job) {
         let started = Instant::now();
         let tokens = match self.session.tokenize(&job.prompt) {
@@ -190,51 +221,30 @@ impl<'a> SlotEngine<'a> {
             self.session.forget_from(seq as i32, 0);
             reused = 0;
         }
-        // Until this prompt's decodes succeed, the slot's contents are unknown.
-        slot.cached.clear();
-        let chunk = self.batch_room();
-        let mut index = 0;
-        for (n, part) in tokens[reused..].chunks(chunk).enumerate() {
-            self.batch.clear();
-            let base = reused + n * chunk;
-            for (i, &token) in part.iter().enumerate() {
-                let pos = base + i;
-                index = self
-                    .batch
-                    .add(token, pos, seq as i32, pos == tokens.len() - 1);
-            }
-            if let Err(e) = self.session.decode_batch(&self.batch) {
-                self.session.forget_from(seq as i32, 0);
-                return job.client.done(Err(Failure::Engine(e)));
-            }
-        }
-        let slot = &mut self.slots[seq];
-        slot.cached.extend_from_slice(&tokens);
         let room = room_total - tokens.len();
         let settings = &job.settings;
         let budget = settings.max_tokens.map_or(room, |m| (m as usize).min(room));
-        let active = Active {
-            sampler: self
-                .session
-                .sampler(settings.temperature, settings.top_p, settings.seed),
+        let sampler = self
+            .session
+            .sampler(settings.temperature, settings.top_p, settings.seed);
+        let slot = &mut self.slots[seq];
+        slot.cached.truncate(reused);
+        slot.active = Some(Active {
+            sampler,
             scan: StopScan::new(settings.stop.clone()),
             client: job.client,
-            prompt_tokens: tokens.len(),
+            prompt: tokens,
+            fed: reused,
             reused,
             generated: 0,
             budget,
-            prompt_ms: started.elapsed().as_secs_f64() * 1000.0,
+            started,
+            prompt_ms: 0.0,
             predicting: Instant::now(),
             pending: None,
-        };
-        self.slots[seq].active = Some(active);
+        });
         if budget == 0 {
-            return self.finish(seq, Finish::Length);
-        }
-        // Sample now: the next decode (another prompt's, or a step) replaces these logits.
-        if let Some(active) = self.slots[seq].active.as_mut() {
-            let token = self.session.sample_at(&mut active.sampler, index);
-            self.advance(seq, token);
+            self.finish(seq, Finish::Length);
         }
     }
 
@@ -243,25 +253,56 @@ impl<'a> SlotEngine<'a> {
         self.session.n_batch().max(1)
     }
 
-    /// One token step: decode every active slot's pending token together, then sample each
-    /// slot's next token from its logits and hand out its text.
+    /// One step: one decode carrying every generating slot's next token and, in the room
+    /// left, the waiting prompts' next tokens (a prompt longer than the room goes on in the
+    /// next steps); then each slot whose logits came back samples its next token.
     fn step(&mut self) {
         self.batch.clear();
-        let mut decoded: Vec<(usize, Token, i32)> = Vec::new();
+        let room = self.batch_room();
+        // (slot, what it put in, the batch index of its logits when it asked for them)
+        let mut decoded: Vec<(usize, Fed, Option<i32>)> = Vec::new();
         for seq in 0..self.slots.len() {
             let pos = self.slots[seq].cached.len();
             let Some(token) = self.slots[seq]
                 .active
                 .as_mut()
+                .filter(|active| !active.prefilling())
                 .and_then(|active| active.pending.take())
             else {
                 continue;
             };
             let index = self.batch.add(token, pos, seq as i32, true);
-            decoded.push((seq, token, index));
+            decoded.push((seq, Fed::Token(token), Some(index)));
+        }
+        for seq in 0..self.slots.len() {
+            let free = room.saturating_sub(self.batch.len());
+            let Some(active) = self.slots[seq].active.as_ref().filter(|a| a.prefilling()) else {
+                continue;
+            };
+            if free == 0 {
+                break;
+            }
+            let (from, to) = (active.fed, active.prompt.len().min(active.fed + free));
+            let mut logits = None;
+            for pos in from..to {
+                let last = pos == active.prompt.len() - 1;
+                let index = self.batch.add(active.prompt[pos], pos, seq as i32, last);
+                logits = logits.or(last.then_some(index));
+            }
+            decoded.push((seq, Fed::Prompt(from, to), logits));
         }
         if decoded.is_empty() {
             return;
+        }
+        self.counters.decodes.fetch_add(1, Ordering::Relaxed);
+        if decoded.len() > 1
+            && decoded
+                .iter()
+                .any(|(_, fed, _)| matches!(fed, Fed::Prompt(..)))
+        {
+            self.counters
+                .shared_prompt_decodes
+                .fetch_add(1, Ordering::Relaxed);
         }
         if let Err(e) = self.session.decode_batch(&self.batch) {
             for (seq, _, _) in decoded {
@@ -273,9 +314,23 @@ impl<'a> SlotEngine<'a> {
             }
             return;
         }
-        for (seq, token, index) in decoded {
-            self.slots[seq].cached.push(token);
-            if let Some(active) = self.slots[seq].active.as_mut() {
+        for (seq, fed, logits) in decoded {
+            let slot = &mut self.slots[seq];
+            let Some(active) = slot.active.as_mut() else {
+                continue;
+            };
+            match fed {
+                Fed::Token(token) => slot.cached.push(token),
+                Fed::Prompt(from, to) => {
+                    slot.cached.extend_from_slice(&active.prompt[from..to]);
+                    active.fed = to;
+                    if !active.prefilling() {
+                        active.prompt_ms = active.started.elapsed().as_secs_f64() * 1000.0;
+                        active.predicting = Instant::now();
+                    }
+                }
+            }
+            if let Some(index) = logits {
                 let next = self.session.sample_at(&mut active.sampler, index);
                 self.advance(seq, next);
             }
@@ -319,7 +374,7 @@ impl<'a> SlotEngine<'a> {
         }
         let outcome = Outcome {
             finish,
-            prompt_tokens: active.prompt_tokens,
+            prompt_tokens: active.prompt.len(),
             cached_tokens: active.reused,
             completion_tokens: active.generated,
             prompt_ms: active.prompt_ms,

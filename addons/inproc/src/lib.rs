@@ -17,7 +17,7 @@ use onebit_plugin_api::*;
 use serde::{Deserialize, Serialize};
 
 use crate::ffi::Llama;
-use crate::generate::{Client, Failure, Finish, Job, Outcome, SlotEngine};
+use crate::generate::{Client, Counters, Failure, Finish, Job, Outcome, SlotEngine};
 use crate::openai::{Ask, Kind, Reply};
 
 /// The route's `--device` name.
@@ -107,6 +107,8 @@ pub struct InprocRoute {
     predicted_tokens: AtomicU64,
     predicted_us: AtomicU64,
     clients_gone: AtomicU64,
+    /// The engine thread's own counts (decodes, prompts decoded beside other slots).
+    engine_counters: Arc<Counters>,
 }
 
 /// The pinned llama.cpp: its sdist's sha256, the folder under the cache it installs into, and
@@ -314,7 +316,7 @@ impl DeviceRoute for InprocRoute {
     fn start(&self, started: &Started) -> Result<(), RouteError> {
         let state: State = serde_json::from_value(started.plan.route_state.clone())
             .map_err(|e| RouteError::new(format!("the inproc route's plan is unreadable: {e}")))?;
-        let result = load(&state);
+        let result = load(&state, self.engine_counters.clone());
         match result {
             Ok(engine) => {
                 let _ = self.engine.set(engine);
@@ -376,8 +378,21 @@ impl DeviceRoute for InprocRoute {
                 &self.clients_gone,
             ),
         ];
+        let engine = [
+            (
+                "onebit_inproc_decodes_total",
+                "llama.cpp decodes the inproc route ran (token steps and prompt chunks).",
+                &self.engine_counters.decodes,
+            ),
+            (
+                "onebit_inproc_shared_prompt_decodes_total",
+                "Decodes that carried a prompt's tokens together with other slots' tokens.",
+                &self.engine_counters.shared_prompt_decodes,
+            ),
+        ];
         series
             .iter()
+            .chain(&engine)
             .map(|(name, help, value)| {
                 format!(
                     "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}\n",
@@ -500,14 +515,14 @@ fn chat_prompt(engine: &Engine, ask: &Ask) -> Result<String, String> {
 
 /// Start the engine thread: it loads llama.cpp (once per process; it stays loaded) and the
 /// model, then runs jobs for the life of the process. Blocks until the model is loaded.
-fn load(state: &State) -> Result<Engine, String> {
+fn load(state: &State, counters: Arc<Counters>) -> Result<Engine, String> {
     let (jobs, queue) = mpsc::channel::<Job>();
     let (ready, loaded) = mpsc::channel();
     let served_name = state.served_name.clone();
     let state = state.clone();
     std::thread::Builder::new()
         .name("inproc-engine".to_string())
-        .spawn(move || engine_thread(&state, ready, queue))
+        .spawn(move || engine_thread(&state, ready, queue, counters))
         .map_err(|e| format!("the inproc route could not start its engine thread: {e}"))?;
     let (template, bos, eos) = loaded
         .recv()
@@ -524,7 +539,12 @@ fn load(state: &State) -> Result<Engine, String> {
 type Loaded = Result<(Option<String>, String, String), String>;
 
 /// The engine thread: load, say so, then one job at a time until the route is gone.
-fn engine_thread(state: &State, ready: mpsc::Sender<Loaded>, queue: mpsc::Receiver<Job>) {
+fn engine_thread(
+    state: &State,
+    ready: mpsc::Sender<Loaded>,
+    queue: mpsc::Receiver<Job>,
+    counters: Arc<Counters>,
+) {
     static LLAMA: OnceLock<Result<Llama, String>> = OnceLock::new();
     let llama = match LLAMA
         .get_or_init(|| Llama::load(Path::new(&state.lib_dir)))
@@ -554,7 +574,7 @@ fn engine_thread(state: &State, ready: mpsc::Sender<Loaded>, queue: mpsc::Receiv
     let template = session
         .chat_template()
         .or_else(|| session.meta("tokenizer.chat_template"));
-    let mut engine = SlotEngine::new(session, state.slots as usize);
+    let mut engine = SlotEngine::new(session, state.slots as usize, counters);
     if ready.send(Ok((template, bos, eos))).is_err() {
         return;
     }
