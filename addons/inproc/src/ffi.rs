@@ -106,9 +106,42 @@ struct ChainParams {
 /// `ggml_log_callback`.
 type LogCallback = unsafe extern "C" fn(c_int, *const c_char, *mut c_void);
 
-/// Drops llama.cpp's log lines: its many lines on stderr would be taken for serve's own, and
-/// every failure the route meets reaches the user as a one-line error anyway.
-unsafe extern "C" fn quiet(_level: c_int, _text: *const c_char, _data: *mut c_void) {}
+/// The buffers llama.cpp said it allocated (its `... buffer size = N MiB` lines), by kind
+/// (`model`, `KV`, `compute`, `output`), until a session takes them.
+static BUFFERS: std::sync::Mutex<Vec<(String, u64)>> = std::sync::Mutex::new(Vec::new());
+
+/// llama.cpp's log callback: keeps the buffer sizes and drops every line (its many lines on
+/// stderr would be taken for serve's own, and every failure the route meets reaches the user
+/// as a one-line error anyway).
+unsafe extern "C" fn keep_buffer_sizes(_level: c_int, text: *const c_char, _data: *mut c_void) {
+    if text.is_null() {
+        return;
+    }
+    // SAFETY: llama.cpp passes a NUL-terminated line that lives for the call.
+    let line = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+    if let Some(buffer) = buffer_size(&line) {
+        BUFFERS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buffer);
+    }
+}
+
+/// `load_tensors:   CPU_Mapped model buffer size =    90.00 MiB` → (`model`, bytes).
+pub fn buffer_size(line: &str) -> Option<(String, u64)> {
+    let (before, after) = line.split_once(" buffer size =")?;
+    let kind = before.split_whitespace().last()?.to_string();
+    let mut words = after.split_whitespace();
+    let value: f64 = words.next()?.parse().ok()?;
+    let scale = match words.next()? {
+        "MiB" => 1024.0 * 1024.0,
+        "KiB" => 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "B" => 1.0,
+        _ => return None,
+    };
+    Some((kind, (value * scale).round() as u64))
+}
 
 /// Opaque handles.
 type Model = c_void;
@@ -239,9 +272,9 @@ impl Llama {
         // SAFETY: both take no arguments; llama_backend_init is documented as "call once at
         // the start", which `load` is (the route loads llama.cpp once per process).
         // llama_log_set stores the callback (a function that lives as long as this library,
-        // and ignores its arguments) for ggml and llama.cpp alike.
+        // and reads only the line it is given) for ggml and llama.cpp alike.
         unsafe {
-            (functions.log_set)(Some(quiet), std::ptr::null_mut());
+            (functions.log_set)(Some(keep_buffer_sizes), std::ptr::null_mut());
             (functions.backend_init)();
         }
         Ok(Llama {
@@ -301,26 +334,29 @@ impl Llama {
         };
         // SAFETY: the model is live; the vocabulary lives as long as the model.
         let vocab = unsafe { (f.model_get_vocab)(model.as_ptr()) };
+        let buffers = std::mem::take(&mut *BUFFERS.lock().unwrap_or_else(|e| e.into_inner()));
         Ok(Session {
             llama: self,
             model,
             context,
             vocab,
+            buffers,
         })
     }
 }
 
-/// A loaded model and its one context. Not shared between threads at once: the route holds it
-/// behind a mutex, one request at a time.
+/// A loaded model and its one context. Used by one thread alone: the route's engine thread.
 pub struct Session<'a> {
     llama: &'a Llama,
     model: NonNull<Model>,
     context: NonNull<Context>,
     vocab: *const Vocab,
+    /// The buffers llama.cpp said it allocated for the model and context, by kind.
+    pub buffers: Vec<(String, u64)>,
 }
 
 // SAFETY: llama.cpp's model and context may be used from any thread as long as one thread at
-// a time uses a context; the route keeps the session behind a mutex.
+// a time uses a context; the session moves to the engine thread and stays there.
 unsafe impl Send for Session<'_> {}
 
 impl Session<'_> {
@@ -444,6 +480,31 @@ impl Session<'_> {
     }
 
     /// The BOS and EOS tokens' text, for chat templates.
+    /// One decode of the begin and end tokens on sequence 0, then forgotten, as llama-server
+    /// warms up at load: the weights' pages come in and the compute buffers are laid out now,
+    /// not during the first request.
+    pub fn warm_up(&self) -> Result<(), String> {
+        // SAFETY: the vocabulary is live.
+        let ends = unsafe {
+            [
+                (self.f().vocab_bos)(self.vocab),
+                (self.f().vocab_eos)(self.vocab),
+            ]
+        };
+        // LLAMA_TOKEN_NULL (-1): the model has no such token.
+        let mut tokens: Vec<Token> = ends.into_iter().filter(|&t| t >= 0).collect();
+        if tokens.is_empty() {
+            tokens.push(0);
+        }
+        let mut batch = self.batch(tokens.len());
+        for (pos, &token) in tokens.iter().enumerate() {
+            batch.add(token, pos, 0, pos + 1 == tokens.len());
+        }
+        let decoded = self.decode_batch(&batch);
+        self.forget_from(0, 0);
+        decoded
+    }
+
     pub fn bos_eos(&self) -> (String, String) {
         // SAFETY: the vocabulary is live.
         let (bos, eos) = unsafe {
@@ -602,5 +663,24 @@ mod tests {
         assert_eq!(std::mem::size_of::<super::ContextParams>(), 160);
         assert_eq!(std::mem::size_of::<super::Batch>(), 56);
         assert_eq!(std::mem::size_of::<super::ChainParams>(), 1);
+    }
+
+    #[test]
+    fn buffer_sizes_are_read_from_llama_cpps_lines() {
+        let read = super::buffer_size;
+        assert_eq!(
+            read("load_tensors:   CPU_Mapped model buffer size =    90.00 MiB\n"),
+            Some(("model".to_string(), 94_371_840))
+        );
+        assert_eq!(
+            read("llama_kv_cache:        CPU KV buffer size =    22.50 MiB"),
+            Some(("KV".to_string(), 23_592_960))
+        );
+        assert_eq!(
+            read("llama_context:        CPU  output buffer size =     0.19 MiB"),
+            Some(("output".to_string(), 199_229))
+        );
+        assert_eq!(read("llama_context: n_ctx = 2048"), None);
+        assert_eq!(read("x buffer size = lots MiB"), None);
     }
 }

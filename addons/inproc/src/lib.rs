@@ -68,6 +68,11 @@ struct Engine {
     bos: String,
     eos: String,
     served_name: String,
+    /// What llama.cpp said it allocated for the model and its context, by kind.
+    buffers: Vec<(String, u64)>,
+    /// What loading the model, its context and the warm-up added to the process's resident
+    /// memory.
+    model_resident_bytes: u64,
 }
 
 /// What the engine thread tells a request's thread.
@@ -390,7 +395,7 @@ impl DeviceRoute for InprocRoute {
                 &self.engine_counters.shared_prompt_decodes,
             ),
         ];
-        series
+        let mut text: String = series
             .iter()
             .chain(&engine)
             .map(|(name, help, value)| {
@@ -399,7 +404,16 @@ impl DeviceRoute for InprocRoute {
                     value.load(Ordering::Relaxed)
                 )
             })
-            .collect()
+            .collect();
+        if let Some(engine) = self.engine.get() {
+            text.push_str(&buffer_gauges(&engine.buffers));
+            let name = "onebit_inproc_model_resident_bytes";
+            text.push_str(&format!(
+                "# HELP {name} What loading the model, making its context and the warm-up decode added to serve's resident memory.\n# TYPE {name} gauge\n{name} {}\n",
+                engine.model_resident_bytes
+            ));
+        }
+        text
     }
 
     fn respond(
@@ -494,6 +508,23 @@ impl DeviceRoute for InprocRoute {
     }
 }
 
+/// `onebit_inproc_model_buffer_bytes{buffer="..."}`: llama.cpp's buffers by kind (`model`, the
+/// mapped weights; `kv`; `compute`; `output`), summed over devices, as llama.cpp reported them.
+fn buffer_gauges(buffers: &[(String, u64)]) -> String {
+    let mut by_kind = std::collections::BTreeMap::<String, u64>::new();
+    for (kind, bytes) in buffers {
+        *by_kind.entry(kind.to_lowercase()).or_default() += bytes;
+    }
+    let name = "onebit_inproc_model_buffer_bytes";
+    let mut text = format!(
+        "# HELP {name} What llama.cpp allocated for the model and its context, by buffer.\n# TYPE {name} gauge\n"
+    );
+    for (kind, bytes) in by_kind {
+        text.push_str(&format!("{name}{{buffer=\"{kind}\"}} {bytes}\n"));
+    }
+    text
+}
+
 /// The chat prompt: the model's template over the request's messages.
 fn chat_prompt(engine: &Engine, ask: &Ask) -> Result<String, String> {
     let messages = ask
@@ -524,19 +555,43 @@ fn load(state: &State, counters: Arc<Counters>) -> Result<Engine, String> {
         .name("inproc-engine".to_string())
         .spawn(move || engine_thread(&state, ready, queue, counters))
         .map_err(|e| format!("the inproc route could not start its engine thread: {e}"))?;
-    let (template, bos, eos) = loaded
+    let model = loaded
         .recv()
         .map_err(|_| "the inproc route's engine thread failed while loading".to_string())??;
     Ok(Engine {
         jobs,
-        template,
-        bos,
-        eos,
+        template: model.template,
+        bos: model.bos,
+        eos: model.eos,
         served_name,
+        buffers: model.buffers,
+        model_resident_bytes: model.resident_bytes,
     })
 }
 
-type Loaded = Result<(Option<String>, String, String), String>;
+/// What the engine thread hands back once the model is loaded.
+struct Model {
+    template: Option<String>,
+    bos: String,
+    eos: String,
+    buffers: Vec<(String, u64)>,
+    resident_bytes: u64,
+}
+
+type Loaded = Result<Model, String>;
+
+/// The process's resident memory (VmRSS), in bytes; 0 when /proc cannot say.
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
 
 /// The engine thread: load, say so, then one job at a time until the route is gone.
 fn engine_thread(
@@ -558,6 +613,7 @@ fn engine_thread(
             return;
         }
     };
+    let before = resident_bytes();
     let session = match llama.open(
         Path::new(&state.model),
         state.ctx,
@@ -570,12 +626,29 @@ fn engine_thread(
             return;
         }
     };
+    if let Err(e) = session.warm_up() {
+        let _ = ready.send(Err(format!(
+            "the inproc route could not run {} once (warm-up): {e}",
+            state.model
+        )));
+        return;
+    }
+    // What loading the model, making its context and one decode added to the process.
+    let model_resident = resident_bytes().saturating_sub(before);
     let (bos, eos) = session.bos_eos();
     let template = session
         .chat_template()
         .or_else(|| session.meta("tokenizer.chat_template"));
+    let buffers = session.buffers.clone();
     let mut engine = SlotEngine::new(session, state.slots as usize, counters);
-    if ready.send(Ok((template, bos, eos))).is_err() {
+    let loaded = Model {
+        template,
+        bos,
+        eos,
+        buffers,
+        resident_bytes: model_resident,
+    };
+    if ready.send(Ok(loaded)).is_err() {
         return;
     }
     engine.run(&queue);

@@ -66,7 +66,7 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
     // Warm up (the blocking thread, the buffers), then idle.
     read_all(port, r#"{"stream":true,"events":200,"event_bytes":1000}"#)?;
     std::thread::sleep(Duration::from_millis(300));
-    let idle = rss_kib(pid);
+    let idle = super::arms::vm_rss_kib(pid).unwrap_or(0);
 
     // A 50 MB stream read at 100 KB/s.
     let mut tcp = open(port, r#"{"stream":true,"events":50000,"event_bytes":1000}"#)?;
@@ -82,7 +82,7 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
             break;
         }
         read += n;
-        peak = peak.max(rss_kib(pid));
+        peak = peak.max(super::arms::vm_rss_kib(pid).unwrap_or(0));
         std::thread::sleep(Duration::from_millis(100));
     }
     drop(tcp);
@@ -228,17 +228,6 @@ fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
         .unwrap_or(0)
 }
 

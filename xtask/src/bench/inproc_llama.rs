@@ -7,6 +7,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use super::arms::vm_rss_kib;
 use crate::{Failure, Workspace, addon, process};
 
 /// The prompts, each completed greedily and streamed.
@@ -64,6 +65,8 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
 
     let mut rows = Vec::new();
     let mut concurrent = Vec::new();
+    let mut resident = Vec::new();
+    let mut beyond = None;
     for (parallel, arm) in [1, STREAMS].into_iter().flat_map(|p| {
         ["llama-server direct", "--device cpu", "--device inproc"].map(|arm| (p, arm))
     }) {
@@ -111,6 +114,7 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| Failure::new(format!("cannot start {arm}: {e}"), "run setup"))?;
+        let pid = child.id();
         let _running = Running(child);
         wait_ready(port, arm)?;
         // Warm up: one request, not counted.
@@ -153,6 +157,11 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
                 decode_tps: median(&mut tps),
             },
         ));
+        let rss = vm_rss_kib(pid).unwrap_or(0);
+        if arm == "--device inproc" {
+            beyond = Some(beyond_the_model(port, rss)?);
+        }
+        resident.push((arm, rss));
     }
     let direct_tps = rows[0].1.decode_tps;
     let direct_ttft = rows[0].1.ttft_ms;
@@ -180,7 +189,90 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
     for (arm, rate) in &concurrent {
         println!("| {arm} | {rate:.1} | {:.3} |", rate / direct);
     }
+    println!(
+        "\nResident memory after the single-slot runs (VmRSS of the process the client talks to; for --device cpu that is serve alone, its llama-server apart):"
+    );
+    println!("| arm | VmRSS MiB |");
+    println!("|---|---:|");
+    for (arm, kib) in &resident {
+        println!("| {arm} | {:.1} |", mib(*kib));
+    }
+    if let Some(b) = beyond {
+        println!(
+            "\nserve with the inproc route: VmRSS {:.1} MiB = the model's own allocations {:.1} MiB (what loading it, making its context and the warm-up decode added to serve's resident memory; llama.cpp's buffers: {}) + everything else {:.1} MiB (serve, the add-on, llama.cpp's code, and what the requests added; target: at most 20 MiB)",
+            mib(b.rss_kib),
+            mib(b.model_kib),
+            b.buffers,
+            mib(b.rss_kib.saturating_sub(b.model_kib))
+        );
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// serve's resident memory and the part of it that is the model's own.
+struct Beyond {
+    rss_kib: u64,
+    /// `onebit_inproc_model_resident_bytes`: what the model's load, its context and the
+    /// warm-up added to serve's VmRSS, measured by the add-on around them.
+    model_kib: u64,
+    /// llama.cpp's buffers as it reported them: `model 92.1 MiB, kv 45.0 MiB, ...`.
+    buffers: String,
+}
+
+/// Read the model's part from the inproc route's /metrics. Whatever the requests added later
+/// (the compute buffer's pages a longer prompt first touched, say) counts as the rest, so the
+/// rest may be overstated, never understated.
+fn beyond_the_model(port: u16, rss_kib: u64) -> Result<Beyond, Failure> {
+    let metrics = get(port, "/metrics")?;
+    let gauge = |line: &str, name: &str| {
+        line.strip_prefix(name)
+            .and_then(|rest| rest.trim().parse::<u64>().ok())
+    };
+    let model = metrics
+        .lines()
+        .find_map(|l| gauge(l, "onebit_inproc_model_resident_bytes "))
+        .ok_or_else(|| {
+            Failure::new(
+                "the inproc route reported no onebit_inproc_model_resident_bytes in /metrics",
+                "rebuild the add-on (cargo xtask addon --release)",
+            )
+        })?;
+    let buffers: Vec<String> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("onebit_inproc_model_buffer_bytes{buffer=\""))
+        .filter_map(|l| {
+            let (kind, value) = l.split_once("\"} ")?;
+            let bytes: u64 = value.trim().parse().ok()?;
+            Some(format!("{kind} {:.1} MiB", bytes as f64 / 1048576.0))
+        })
+        .collect();
+    Ok(Beyond {
+        rss_kib,
+        model_kib: model / 1024,
+        buffers: buffers.join(", "),
+    })
+}
+
+/// A GET's body (HTTP/1.1, Connection: close).
+fn get(port: u16, path: &str) -> Result<String, Failure> {
+    let broke =
+        |e: std::io::Error| Failure::new(format!("GET {path} failed: {e}"), "run the arm by hand");
+    let mut tcp = TcpStream::connect(("127.0.0.1", port)).map_err(broke)?;
+    write!(
+        tcp,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(broke)?;
+    let mut reply = String::new();
+    tcp.read_to_string(&mut reply).map_err(broke)?;
+    Ok(reply
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default())
 }
 
 /// Concurrent streams in the second part (and slots of every arm there).
