@@ -101,6 +101,27 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
         (texts, chats)
     };
     let serve = serve_inproc(&[], &[]);
+    // Loaded: one warm-up decode before any request, as llama-server warms up; llama.cpp's
+    // KV buffer is what serve's memory check sized for ctx 2048 (30 layers x 3 KV heads x 64
+    // x K and V x 2 bytes x 2048 cells); the model's load shows in serve's RSS.
+    let (_, metrics) = get(&serve.url("/metrics"));
+    let value = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    assert_eq!(value("onebit_inproc_decodes_total "), Some(1), "{metrics}");
+    assert_eq!(
+        value("onebit_inproc_model_buffer_bytes{buffer=\"kv\"} "),
+        Some(30 * 3 * 64 * 2 * 2 * 2048),
+        "{metrics}"
+    );
+    let file = std::fs::metadata(smollm2()).unwrap().len();
+    assert!(
+        value("onebit_inproc_model_resident_bytes ").is_some_and(|b| b > file / 2),
+        "{metrics}"
+    );
     for (prompt, expected) in PROMPTS.iter().zip(&expected) {
         let reply = completion(&serve, greedy(prompt));
         assert_eq!(

@@ -386,7 +386,7 @@ impl DeviceRoute for InprocRoute {
         let engine = [
             (
                 "onebit_inproc_decodes_total",
-                "llama.cpp decodes the inproc route ran (token steps and prompt chunks).",
+                "llama.cpp decodes the inproc route ran (the warm-up at load, then token steps and prompt chunks).",
                 &self.engine_counters.decodes,
             ),
             (
@@ -633,6 +633,7 @@ fn engine_thread(
         )));
         return;
     }
+    counters.decodes.fetch_add(1, Ordering::Relaxed);
     // What loading the model, making its context and one decode added to the process.
     let model_resident = resident_bytes().saturating_sub(before);
     let (bos, eos) = session.bos_eos();
