@@ -160,6 +160,19 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
             last["usage"]["prompt_tokens"].as_u64().map(|n| n - 1),
             "{last}"
         );
+        // Unless the request says `cache_prompt: false`, as llama-server takes it: the whole
+        // prompt is decoded again, and the text is the same.
+        let mut fresh = greedy(prompt);
+        fresh["cache_prompt"] = false.into();
+        let again = completion(&serve, fresh);
+        assert_eq!(
+            again["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+            "{again}"
+        );
+        assert_eq!(
+            again["choices"][0]["text"].as_str(),
+            Some(expected.as_str())
+        );
     }
     for (question, expected) in QUESTIONS.iter().zip(&expected_chats) {
         assert_eq!(&chat(&serve, question), expected, "{question:?}");

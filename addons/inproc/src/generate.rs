@@ -21,6 +21,8 @@ pub struct Settings {
     pub seed: u32,
     /// Strings that end the completion; the text stops before the first one found.
     pub stop: Vec<String>,
+    /// Reuse the slot's cached prefix (llama-server's `cache_prompt`, default true).
+    pub reuse_prefix: bool,
 }
 
 /// Why generation ended, as OpenAI's `finish_reason` says it.
@@ -198,11 +200,12 @@ impl<'a> SlotEngine<'a> {
                 tokens.len()
             ))));
         }
+        let reuse = job.settings.reuse_prefix;
         let common = |cached: &[Token]| {
             cached
                 .iter()
                 .zip(&tokens)
-                .take_while(|(a, b)| a == b)
+                .take_while(|(a, b)| reuse && a == b)
                 .count()
         };
         let Some(seq) = (0..self.slots.len())

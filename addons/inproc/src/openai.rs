@@ -28,6 +28,8 @@ pub struct Ask {
     pub seed: Option<i64>,
     pub stop: Option<Value>,
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// llama-server's `cache_prompt`: false decodes the whole prompt, reusing nothing.
+    pub cache_prompt: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -70,6 +72,7 @@ impl Ask {
                 .and_then(|s| u32::try_from(s).ok())
                 .unwrap_or(u32::MAX),
             stop,
+            reuse_prefix: self.cache_prompt.unwrap_or(true),
         })
     }
 

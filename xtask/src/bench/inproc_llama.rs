@@ -1,6 +1,8 @@
 //! `cargo xtask bench inproc-llama [--quick]`: time to first token and decode tokens/s of the
 //! default model through the inproc add-on (in process), through `--device cpu` (serve relaying
-//! to llama-server) and on llama-server directly, side by side in one run. Release builds.
+//! to llama-server) and on llama-server directly: the three run side by side and take turns
+//! request by request; and serve's resident memory split into the model's and the rest.
+//! Release builds.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -38,9 +40,9 @@ struct Figures {
     decode_tps: f64,
 }
 
-/// Run the three arms; `quick` makes one pass over the prompts, else three.
+/// Run the three arms; `quick` makes one pass over the prompts, else five.
 pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
-    let passes = if quick { 1 } else { 3 };
+    let passes = if quick { 1 } else { 5 };
     let mut cargo = process::cargo();
     cargo.current_dir(&ws.root).args([
         "build",
@@ -67,101 +69,94 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
     let mut concurrent = Vec::new();
     let mut resident = Vec::new();
     let mut beyond = None;
-    for (parallel, arm) in [1, STREAMS].into_iter().flat_map(|p| {
-        ["llama-server direct", "--device cpu", "--device inproc"].map(|arm| (p, arm))
-    }) {
-        let port = free_port()?;
-        let slots = parallel.to_string();
-        let mut command = match arm {
-            "llama-server direct" => {
-                let mut c = Command::new(&llama_server);
-                c.arg("-m").arg(&model).args([
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    &port.to_string(),
-                    "--ctx-size",
-                    "2048",
-                    "-ngl",
-                    "0",
-                    "--jinja",
-                    "-np",
-                    &slots,
-                ]);
-                c
-            }
-            _ => {
-                let mut c = Command::new(&onebit);
-                c.arg("serve").arg("-m").arg(&model).args([
-                    "--port",
-                    &port.to_string(),
-                    "--ctx-size",
-                    "2048",
-                    "--device",
-                    arm.trim_start_matches("--device "),
-                    "--parallel",
-                    &slots,
-                    "--llama-server",
-                ]);
-                c.arg(&llama_server).arg("--plugin-dir").arg(&plugins);
-                c.env("ONEBIT_STATE_DIR", &scratch)
+    for parallel in [1, STREAMS] {
+        // The three arms run side by side and take turns request by request (the order
+        // rotating each round), so a slow spell of the shared VM falls on all three alike.
+        let mut running = Vec::new();
+        for arm in ARMS {
+            let port = free_port()?;
+            let mut command = arm_command(arm, parallel, port, &model, &onebit, &llama_server);
+            if arm != ARMS[0] {
+                command
+                    .arg("--plugin-dir")
+                    .arg(&plugins)
+                    .env("ONEBIT_STATE_DIR", &scratch)
                     .env("ONEBIT_INPROC_LIB_DIR", ws.layout.lib_dir());
-                c
             }
+            let child = command
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| Failure::new(format!("cannot start {arm}: {e}"), "run setup"))?;
+            let pid = child.id();
+            running.push((arm, port, pid, Running(child)));
+        }
+        for (arm, port, _, _) in &running {
+            wait_ready(*port, arm)?;
+            // Warm up: one request, not counted.
+            stream(*port, PROMPTS[0], arm)?;
+        }
+        let turns = |round: usize| {
+            let n = running.len();
+            (0..n).map(move |i| (i + round) % n)
         };
-        let child = command
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| Failure::new(format!("cannot start {arm}: {e}"), "run setup"))?;
-        let pid = child.id();
-        let _running = Running(child);
-        wait_ready(port, arm)?;
-        // Warm up: one request, not counted.
-        stream(port, PROMPTS[0])?;
         if parallel > 1 {
-            let mut rates = Vec::new();
-            for _ in 0..passes {
-                let timed: Vec<Result<Timed, Failure>> = std::thread::scope(|s| {
-                    let running: Vec<_> = PROMPTS[..STREAMS]
-                        .iter()
-                        .map(|p| s.spawn(move || stream(port, p)))
-                        .collect();
-                    running
-                        .into_iter()
-                        .map(|t| t.join().expect("a stream thread"))
-                        .collect()
-                });
-                let timed = timed.into_iter().collect::<Result<Vec<_>, _>>()?;
-                let begin = timed.iter().map(|t| t.first).min().expect("streams ran");
-                let end = timed.iter().map(|t| t.last).max().expect("streams ran");
-                let tokens: u32 = timed.iter().map(|t| t.tokens).sum();
-                rates.push(f64::from(tokens) / end.duration_since(begin).as_secs_f64());
+            let mut rates = vec![Vec::new(); running.len()];
+            for round in 0..passes {
+                for i in turns(round) {
+                    let (arm, port, _, _) = running[i];
+                    settle();
+                    let timed: Vec<Result<Timed, Failure>> = std::thread::scope(|s| {
+                        let streams: Vec<_> = PROMPTS[..STREAMS]
+                            .iter()
+                            .map(|p| s.spawn(move || stream(port, p, arm)))
+                            .collect();
+                        streams
+                            .into_iter()
+                            .map(|t| t.join().expect("a stream thread"))
+                            .collect()
+                    });
+                    let timed = timed.into_iter().collect::<Result<Vec<_>, _>>()?;
+                    let begin = timed.iter().map(|t| t.first).min().expect("streams ran");
+                    let end = timed.iter().map(|t| t.last).max().expect("streams ran");
+                    let tokens: u32 = timed.iter().map(|t| t.tokens).sum();
+                    rates[i].push(f64::from(tokens) / end.duration_since(begin).as_secs_f64());
+                }
             }
-            concurrent.push((arm, median(&mut rates)));
+            for ((arm, _, _, _), mut rates) in running.iter().zip(rates) {
+                concurrent.push((*arm, median(&mut rates)));
+            }
             continue;
         }
-        let mut ttft = Vec::new();
-        let mut tps = Vec::new();
+        let mut ttft = vec![Vec::new(); running.len()];
+        let mut tps = vec![Vec::new(); running.len()];
+        let mut round = 0;
         for _ in 0..passes {
             for prompt in PROMPTS {
-                let timed = stream(port, prompt)?;
-                ttft.push(timed.ttft_ms);
-                tps.push(timed.decode_tps);
+                for i in turns(round) {
+                    let (arm, port, _, _) = running[i];
+                    settle();
+                    let timed = stream(port, prompt, arm)?;
+                    ttft[i].push(timed.ttft_ms);
+                    tps[i].push(timed.decode_tps);
+                }
+                round += 1;
             }
         }
-        rows.push((
-            arm,
-            Figures {
-                ttft_ms: median(&mut ttft),
-                decode_tps: median(&mut tps),
-            },
-        ));
-        let rss = vm_rss_kib(pid).unwrap_or(0);
-        if arm == "--device inproc" {
-            beyond = Some(beyond_the_model(port, rss)?);
+        for (i, (arm, port, pid, _)) in running.iter().enumerate() {
+            rows.push((
+                *arm,
+                Figures {
+                    ttft_ms: median(&mut ttft[i]),
+                    decode_tps: median(&mut tps[i]),
+                },
+            ));
+            let rss = vm_rss_kib(*pid).unwrap_or(0);
+            if *arm == "--device inproc" {
+                beyond = Some(beyond_the_model(*port, rss)?);
+            }
+            resident.push((*arm, rss));
         }
-        resident.push((arm, rss));
     }
     let direct_tps = rows[0].1.decode_tps;
     let direct_ttft = rows[0].1.ttft_ms;
@@ -278,6 +273,58 @@ fn get(port: u16, path: &str) -> Result<String, Failure> {
 /// Concurrent streams in the second part (and slots of every arm there).
 const STREAMS: usize = 4;
 
+/// The arms, llama-server direct first (the others are compared with it).
+const ARMS: [&str; 3] = ["llama-server direct", "--device cpu", "--device inproc"];
+
+/// How an arm starts, with `parallel` slots on `port`.
+fn arm_command(
+    arm: &str,
+    parallel: usize,
+    port: u16,
+    model: &std::path::Path,
+    onebit: &std::path::Path,
+    llama_server: &std::path::Path,
+) -> Command {
+    let (port, slots) = (port.to_string(), parallel.to_string());
+    if arm == ARMS[0] {
+        let mut c = Command::new(llama_server);
+        c.arg("-m").arg(model).args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--ctx-size",
+            "2048",
+            "-ngl",
+            "0",
+            "--jinja",
+            "-np",
+            &slots,
+        ]);
+        return c;
+    }
+    let mut c = Command::new(onebit);
+    c.arg("serve").arg("-m").arg(model).args([
+        "--port",
+        &port,
+        "--ctx-size",
+        "2048",
+        "--device",
+        arm.trim_start_matches("--device "),
+        "--parallel",
+        &slots,
+        "--llama-server",
+    ]);
+    c.arg(llama_server);
+    c
+}
+
+/// A pause before each timed request, so the threads of the arm that ran last have stopped
+/// spinning (ggml's workers poll for a while after a decode) and idle the cores.
+fn settle() {
+    std::thread::sleep(Duration::from_millis(30));
+}
+
 /// One streamed completion's timings.
 struct Timed {
     ttft_ms: f64,
@@ -324,14 +371,18 @@ fn wait_ready(port: u16, arm: &str) -> Result<(), Failure> {
 /// One streamed completion: time to the first event with text, tokens/s over the events after
 /// it, and when the first and last came. Each SSE event with text counts as one token, as
 /// llama-server sends one per token.
-fn stream(port: u16, prompt: &str) -> Result<Timed, Failure> {
+fn stream(port: u16, prompt: &str, arm: &str) -> Result<Timed, Failure> {
     let body = serde_json::json!({
         "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": true,
+        // Every request decodes its whole prompt in every arm: llama-server would otherwise
+        // restore an earlier request's state from its prompt cache in RAM, which the add-on
+        // does not have, and TTFT would compare caches, not the hop.
+        "cache_prompt": false,
     })
     .to_string();
     let broke = |e: std::io::Error| {
         Failure::new(
-            format!("a streamed request failed: {e}"),
+            format!("{arm}: a streamed request failed: {e}"),
             "run the arm by hand",
         )
     };
@@ -348,10 +399,14 @@ fn stream(port: u16, prompt: &str) -> Result<Timed, Failure> {
     let mut reader = BufReader::new(tcp);
     let mut line = String::new();
     // The head.
+    let mut status = String::new();
     loop {
         line.clear();
         if reader.read_line(&mut line).map_err(broke)? == 0 || line == "\r\n" {
             break;
+        }
+        if status.is_empty() {
+            status = line.trim().to_string();
         }
     }
     let mut first: Option<Instant> = None;
@@ -389,8 +444,12 @@ fn stream(port: u16, prompt: &str) -> Result<Timed, Failure> {
             }
         }
     }
-    let first =
-        first.ok_or_else(|| Failure::new("a stream carried no text", "run the arm by hand"))?;
+    let first = first.ok_or_else(|| {
+        Failure::new(
+            format!("{arm}: a stream of {prompt:?} carried no text ({status}; {tokens} events with text)"),
+            "run the arm by hand",
+        )
+    })?;
     let ttft = first.duration_since(sent).as_secs_f64() * 1000.0;
     let decode = last.duration_since(first).as_secs_f64();
     let rate = if decode > 0.0 {
