@@ -70,8 +70,8 @@ struct Engine {
     served_name: String,
     /// What llama.cpp said it allocated for the model and its context, by kind.
     buffers: Vec<(String, u64)>,
-    /// What loading the model, its context and the warm-up added to the process's resident
-    /// memory.
+    /// The model's own resident memory: what its load, its context and the warm-up added to
+    /// the process's anonymous memory, and the mapped GGUF's resident pages.
     model_resident_bytes: u64,
 }
 
@@ -409,7 +409,7 @@ impl DeviceRoute for InprocRoute {
             text.push_str(&buffer_gauges(&engine.buffers));
             let name = "onebit_inproc_model_resident_bytes";
             text.push_str(&format!(
-                "# HELP {name} What loading the model, making its context and the warm-up decode added to serve's resident memory.\n# TYPE {name} gauge\n{name} {}\n",
+                "# HELP {name} The model's own resident memory: what loading it, making its context and the warm-up decode added to serve's anonymous memory, and the mapped GGUF's resident pages.\n# TYPE {name} gauge\n{name} {}\n",
                 engine.model_resident_bytes
             ));
         }
@@ -580,17 +580,42 @@ struct Model {
 
 type Loaded = Result<Model, String>;
 
-/// The process's resident memory (VmRSS), in bytes; 0 when /proc cannot say.
-fn resident_bytes() -> u64 {
+/// A `/proc/self/status` figure in bytes (`RssAnon:`, say); 0 when /proc cannot say.
+fn status_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|status| {
             status
                 .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         })
         .map_or(0, |kib| kib * 1024)
+}
+
+/// The resident bytes of the process's mappings of `file` (`/proc/self/smaps`); 0 when /proc
+/// cannot say.
+fn mapped_bytes(file: &Path) -> u64 {
+    let file = file.canonicalize().unwrap_or_else(|_| file.to_path_buf());
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
+        return 0;
+    };
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or_default();
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's first line: range, perms, offset, device, inode, path.
+            inside = words.nth(4).is_some_and(|path| Path::new(path) == file);
+        } else if inside && first == "Rss:" {
+            kib += words
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    kib * 1024
 }
 
 /// The engine thread: load, say so, then one job at a time until the route is gone.
@@ -613,7 +638,7 @@ fn engine_thread(
             return;
         }
     };
-    let before = resident_bytes();
+    let anon_before = status_bytes("RssAnon:");
     let session = match llama.open(
         Path::new(&state.model),
         state.ctx,
@@ -634,8 +659,11 @@ fn engine_thread(
         return;
     }
     counters.decodes.fetch_add(1, Ordering::Relaxed);
-    // What loading the model, making its context and one decode added to the process.
-    let model_resident = resident_bytes().saturating_sub(before);
+    // The model's own resident memory: what loading it, making its context and one decode
+    // added to the process's anonymous memory (KV, compute, vocabulary), and the mapped
+    // GGUF's resident pages. Library code is file-backed and apart from the GGUF: not counted.
+    let model_resident = status_bytes("RssAnon:").saturating_sub(anon_before)
+        + mapped_bytes(Path::new(&state.model));
     let (bos, eos) = session.bos_eos();
     let template = session
         .chat_template()

@@ -194,7 +194,7 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
     }
     if let Some(b) = beyond {
         println!(
-            "\nserve with the inproc route: VmRSS {:.1} MiB = the model's own allocations {:.1} MiB (what loading it, making its context and the warm-up decode added to serve's resident memory; llama.cpp's buffers: {}) + everything else {:.1} MiB (serve, the add-on, llama.cpp's code, and what the requests added; target: at most 20 MiB)",
+            "\nserve with the inproc route: VmRSS {:.1} MiB = the model's own allocations {:.1} MiB (the mapped GGUF's resident pages, and the anonymous memory that loading it, making its context and the warm-up decode added; llama.cpp's buffers: {}) + everything else {:.1} MiB (serve, the add-on, llama.cpp's code, and what the requests added; target: at most 20 MiB)",
             mib(b.rss_kib),
             mib(b.model_kib),
             b.buffers,
@@ -211,8 +211,8 @@ fn mib(kib: u64) -> f64 {
 /// serve's resident memory and the part of it that is the model's own.
 struct Beyond {
     rss_kib: u64,
-    /// `onebit_inproc_model_resident_bytes`: what the model's load, its context and the
-    /// warm-up added to serve's VmRSS, measured by the add-on around them.
+    /// `onebit_inproc_model_resident_bytes`: the mapped GGUF's resident pages and the anonymous
+    /// memory the model's load, its context and the warm-up added, measured by the add-on.
     model_kib: u64,
     /// llama.cpp's buffers as it reported them: `model 92.1 MiB, kv 45.0 MiB, ...`.
     buffers: String,
