@@ -53,20 +53,11 @@ mod tests {
     use super::*;
     use gguf::writer::Builder;
 
-    /// A Qwen3-0.6B-shaped header (28 layers, 8 KV heads of 128): 112 KiB of f16 KV per cell.
-    fn qwen3_like(dir: &Path) -> std::path::PathBuf {
-        let path = dir.join("q.gguf");
-        let bytes = Builder::new()
-            .kv("general.architecture", "qwen3")
-            .kv("qwen3.block_count", 28u32)
-            .kv("qwen3.context_length", 40960u32)
-            .kv("qwen3.embedding_length", 1024u32)
-            .kv("qwen3.attention.head_count", 16u32)
-            .kv("qwen3.attention.head_count_kv", 8u32)
-            .kv("qwen3.attention.key_length", 128u32)
-            .kv("qwen3.attention.value_length", 128u32)
-            .to_bytes();
-        std::fs::write(&path, bytes).unwrap();
+    /// A header of SmolLM2-135M's shape (30 layers, 3 KV heads of 64): 22.5 KiB of f16 KV
+    /// per cell.
+    fn smollm2_like(dir: &Path) -> std::path::PathBuf {
+        let path = dir.join("s.gguf");
+        Builder::smollm2_shaped().write(&path).unwrap();
         path
     }
 
@@ -86,13 +77,13 @@ mod tests {
     fn the_asked_kv_is_added_and_the_padded_context_judged() {
         let dir = std::env::temp_dir().join(format!("onebit-llama-kv-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let model = qwen3_like(&dir);
+        let model = smollm2_like(&dir);
         let mut plan = plan_asking(LlamaKv::new(4000, 1));
         size(&mut plan, &model);
         let need = plan.memory.unwrap();
-        // 4000 cells padded to 4096; 28 layers x 2 x 8 heads x 128 x 2 bytes per cell.
+        // 4000 cells padded to 4096; 30 layers x (K + V) x 3 heads x 64 x 2 bytes per cell.
         assert_eq!(need.ctx, 4096);
-        assert_eq!(need.kv_bytes, 4096 * 28 * 2 * 8 * 128 * 2);
+        assert_eq!(need.kv_bytes, 4096 * 30 * 2 * 3 * 64 * 2);
         assert_eq!((need.weights_bytes, need.compute_bytes), (1000, 7));
         assert!(need.llama_kv.is_none());
         assert!(plan.memory_unknown.is_none());
@@ -114,7 +105,7 @@ mod tests {
             "{:?}",
             plan.memory_unknown
         );
-        let model = qwen3_like(&dir);
+        let model = smollm2_like(&dir);
         let mut plan = plan_asking(LlamaKv {
             type_k: "f17".to_string(),
             ..LlamaKv::new(4096, 1)
