@@ -587,8 +587,10 @@ fn the_openai_sdk_chats_and_completes_streamed_and_not() {
 }
 
 #[test]
-fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves() {
-    if !libraries_installed("the_addon_dropped_into_an_installed_1bit_is_listed_and_serves") {
+fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves_under_auto() {
+    if !libraries_installed(
+        "the_addon_dropped_into_an_installed_1bit_is_listed_and_serves_under_auto",
+    ) {
         return;
     }
     // A 1bit installed without the add-on, as a user has it.
@@ -625,11 +627,12 @@ fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves() {
         .unwrap_or_else(|| panic!("inproc missing:\n{listing}"));
     assert!(line.contains("loaded"), "{line}");
 
+    // No --device: the dropped-in add-on's claim outranks the installed cpu route's.
     let port = free_port();
     let model = smollm2();
     let mut command = std::process::Command::new(&onebit);
     command
-        .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+        .args(["serve", "-m", model.to_str().unwrap()])
         .args(["--port", &port.to_string()])
         .env_remove("ONEBIT_PLUGIN_PATH")
         .env("ONEBIT_STATE_DIR", temp_dir("state"));
@@ -639,8 +642,14 @@ fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves() {
         "{}",
         serve.output()
     );
+    assert!(
+        serve.output().contains("--device auto chose inproc ("),
+        "{}",
+        serve.output()
+    );
     let reply = completion(&serve, greedy(PROMPTS[0]));
     assert_eq!(reply["usage"]["completion_tokens"], 24, "{reply}");
+    assert_eq!(reply["system_fingerprint"], "inproc", "{reply}");
 }
 
 /// A streamed completion's text and when its first and last text events came.

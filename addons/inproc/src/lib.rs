@@ -309,8 +309,9 @@ impl DeviceRoute for InprocRoute {
             one_hop: false,
             serve_in_path: "--device inproc (the model runs inside serve)".to_string(),
             notes: vec![format!(
-                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slots, {threads} threads",
-                dir.display()
+                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slot{}, {threads} threads",
+                dir.display(),
+                if slots == 1 { "" } else { "s" }
             )],
             route_state: serde_json::to_value(&state).expect("the state serializes"),
             memory: Some(memory),
