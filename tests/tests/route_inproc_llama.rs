@@ -473,6 +473,51 @@ fn the_memory_check_runs_on_the_inproc_plan_as_on_the_cpu_routes() {
     );
 }
 
+/// Threads: llama-server's default (one per physical core) unless `--route-opt threads=N`;
+/// a count out of range or an option the route does not know is refused in one line.
+#[test]
+fn threads_come_from_the_cores_or_the_route_option() {
+    if !libraries_installed("threads_come_from_the_cores_or_the_route_option") {
+        return;
+    }
+    let model = smollm2();
+    let run = |extra: &[&str]| {
+        let output = std::process::Command::new(onebit())
+            .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+            .arg("--plugin-dir")
+            .arg(plugin_dir())
+            .args(extra)
+            .arg("--print-backend")
+            .env(
+                "ONEBIT_INPROC_LIB_DIR",
+                onebit_tests::inproc_addon::lib_dir(),
+            )
+            .output()
+            .unwrap();
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (_, stderr) = run(&["--route-opt", "threads=1"]);
+    assert!(stderr.contains(", 1 slot, 1 thread\n"), "{stderr}");
+    let (_, stderr) = run(&["--route-opt", "threads=3"]);
+    assert!(stderr.contains(", 3 threads\n"), "{stderr}");
+    for (option, says) in [
+        ("threads=0", "the inproc route runs 1 to 512 threads"),
+        ("threads=many", "the inproc route runs 1 to 512 threads"),
+        (
+            "turbo=on",
+            "the inproc route has no option turbo; it knows threads",
+        ),
+    ] {
+        let (code, stderr) = run(&["--route-opt", option]);
+        assert_eq!(code, Some(2), "{option}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(says), "{option}: {stderr}");
+    }
+}
+
 /// Under `--device auto` the add-on claims the architectures it lists (SmolLM2's `llama`,
 /// Gemma 3's `gemma3`) over the public cpu route; not another architecture, not without its
 /// libraries, and not for what only the llama-server routes serve.

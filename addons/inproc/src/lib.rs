@@ -174,6 +174,35 @@ pub fn check_lib_dir(dir: &Path) -> Result<(), String> {
     }
 }
 
+/// llama-server's default thread count: one per physical core (the distinct
+/// `thread_siblings` sets under `<sysfs>/devices/system/cpu/cpuN/topology/`, sysfs being
+/// `$ONEBIT_SYSFS_ROOT` or `/sys`), so hyperthread siblings do not fight over one core's
+/// units; the CPUs serve may use when sysfs does not say. (llama-server also leaves out the
+/// efficiency cores of a hybrid Intel CPU, which needs `cpuid` on each core: not done here.)
+pub fn default_threads(request: &PlanRequest) -> i32 {
+    let sysfs = request
+        .env
+        .get("ONEBIT_SYSFS_ROOT")
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from("/sys"), PathBuf::from);
+    let cpus = sysfs.join("devices/system/cpu");
+    let mut cores = std::collections::BTreeSet::new();
+    for cpu in 0.. {
+        let siblings = cpus.join(format!("cpu{cpu}/topology/thread_siblings"));
+        match std::fs::read_to_string(siblings) {
+            Ok(text) => {
+                cores.insert(text.trim().to_string());
+            }
+            Err(_) => break,
+        }
+    }
+    let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match cores.len() {
+        0 => usable as i32,
+        n => n.min(usable).max(1) as i32,
+    }
+}
+
 /// The paths this route answers in process, and the reply shape of each.
 const SERVED: [(&str, Kind); 4] = [
     ("/v1/completions", Kind::Completion),
@@ -251,7 +280,7 @@ impl DeviceRoute for InprocRoute {
     }
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
-        request.options.checked_route_options(NAME, &[])?;
+        let options = request.options.checked_route_options(NAME, &["threads"])?;
         let model = &request.model;
         if model.is_dir || model.architecture.is_none() {
             let why = model
@@ -269,7 +298,17 @@ impl DeviceRoute for InprocRoute {
             ))
         })?;
         check_lib_dir(&dir).map_err(Refusal::engine)?;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as i32;
+        let threads = match options.get("threads") {
+            Some(value) => match value.trim().parse::<i32>() {
+                Ok(n) if (1..=512).contains(&n) => n,
+                _ => {
+                    return Err(Refusal::usage(format!(
+                        "--route-opt threads={value}: the inproc route runs 1 to 512 threads; pass a count such as 4"
+                    )));
+                }
+            },
+            None => default_threads(request),
+        };
         let ctx = request
             .options
             .ctx_size
@@ -309,9 +348,10 @@ impl DeviceRoute for InprocRoute {
             one_hop: false,
             serve_in_path: "--device inproc (the model runs inside serve)".to_string(),
             notes: vec![format!(
-                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slot{}, {threads} threads",
+                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slot{}, {threads} thread{}",
                 dir.display(),
-                if slots == 1 { "" } else { "s" }
+                if slots == 1 { "" } else { "s" },
+                if threads == 1 { "" } else { "s" }
             )],
             route_state: serde_json::to_value(&state).expect("the state serializes"),
             memory: Some(memory),
@@ -685,3 +725,45 @@ fn engine_thread(
 }
 
 export_route!(InprocRoute);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sysfs with `pairs` cores of two hyperthreads each.
+    fn sysfs(name: &str, pairs: usize) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("inproc-sysfs-{name}-{}", std::process::id()));
+        for cpu in 0..pairs * 2 {
+            let topology = root.join(format!("devices/system/cpu/cpu{cpu}/topology"));
+            std::fs::create_dir_all(&topology).unwrap();
+            // The kernel writes a hex mask; each core's siblings get a mask of their own.
+            let mask = format!("{:x}", 3u128 << (2 * (cpu / 2)));
+            std::fs::write(topology.join("thread_siblings"), format!("{mask}\n")).unwrap();
+        }
+        root
+    }
+
+    fn request_with(sysfs: &Path) -> PlanRequest {
+        PlanRequest {
+            env: [("ONEBIT_SYSFS_ROOT".to_string(), sysfs.display().to_string())].into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn threads_default_to_one_per_physical_core_as_llama_servers_do() {
+        let usable = std::thread::available_parallelism().map_or(1, |n| n.get()) as i32;
+        // One core of two siblings: one thread, never both hyperthreads.
+        assert_eq!(default_threads(&request_with(&sysfs("one", 1))), 1);
+        // More cores than serve may use: no more threads than CPUs.
+        assert_eq!(
+            default_threads(&request_with(&sysfs("many", 60))),
+            usable.min(60)
+        );
+        // No topology to read: the CPUs serve may use.
+        assert_eq!(
+            default_threads(&request_with(Path::new("/nonexistent"))),
+            usable
+        );
+    }
+}
