@@ -235,6 +235,80 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
     }
 }
 
+/// Gemma 3's windowed layers keep only their window (as llama-server's do): a prompt that
+/// shares an early prefix with a long one before it cannot reuse it, since the window that
+/// prefix's next position reads is gone; it is decoded whole and answers as a fresh one. A
+/// prompt that continues the long one reuses it, as llama-server does, with llama-server's
+/// answer.
+#[test]
+fn windowed_layers_reuse_a_prefix_only_while_its_window_is_held() {
+    if !libraries_installed("windowed_layers_reuse_a_prefix_only_while_its_window_is_held") {
+        return;
+    }
+    let model = installed_model("gemma-3-270m-Q4_K_M.gguf");
+    let sentence = |i: usize| format!("Line {i} of the ledger lists a crate of apples. ");
+    let long: String = (0..150).map(sentence).collect();
+    let early: String = (0..30).map(sentence).collect::<String>() + "The ledger's owner was";
+    let later = long.clone() + "The ledger's owner was";
+    let ask = |serve: &Serve, prompt: &str, cache: bool| {
+        let mut body = greedy(prompt);
+        body["max_tokens"] = 16.into();
+        body["cache_prompt"] = cache.into();
+        completion(serve, body)
+    };
+    let cached = |reply: &serde_json::Value| {
+        reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let (continued, continued_cached) = {
+        let server = installed_llama_server();
+        let cpu = Serve::start(
+            &[
+                "-m",
+                model.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--ctx-size",
+                "2048",
+                "--parallel",
+                "1",
+                "--llama-server",
+                server.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(
+            cpu.wait_health(200, Duration::from_secs(60)),
+            "{}",
+            cpu.output()
+        );
+        ask(&cpu, &long, false);
+        let reply = ask(&cpu, &later, true);
+        (reply["choices"][0]["text"].clone(), cached(&reply))
+    };
+
+    let serve = serve_inproc_model(&model, &[], &[]);
+    let fresh_early = ask(&serve, &early, false);
+    let first = ask(&serve, &long, false);
+    assert!(
+        first["usage"]["prompt_tokens"].as_u64().unwrap() > 1100,
+        "the long prompt outgrows the window: {first}"
+    );
+    let reply = ask(&serve, &early, true);
+    assert_eq!(cached(&reply), 0, "{reply}");
+    assert_eq!(
+        reply["choices"][0]["text"],
+        fresh_early["choices"][0]["text"]
+    );
+
+    ask(&serve, &long, false);
+    let reply = ask(&serve, &later, true);
+    assert!(cached(&reply) > 1000, "{reply}");
+    assert_eq!(cached(&reply), continued_cached, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], continued, "{reply}");
+}
+
 #[test]
 fn sampling_settings_stop_strings_and_unserved_paths() {
     if !libraries_installed("sampling_settings_stop_strings_and_unserved_paths") {

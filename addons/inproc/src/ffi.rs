@@ -168,6 +168,8 @@ struct Functions {
         unsafe extern "C" fn(*const Model, *const c_char, *mut c_char, usize) -> i32,
     get_memory: unsafe extern "C" fn(*const Context) -> *mut Memory,
     memory_seq_rm: unsafe extern "C" fn(*mut Memory, i32, i32, i32) -> bool,
+    memory_seq_pos_min: unsafe extern "C" fn(*mut Memory, i32) -> i32,
+    model_n_swa: unsafe extern "C" fn(*const Model) -> i32,
     tokenize:
         unsafe extern "C" fn(*const Vocab, *const c_char, i32, *mut Token, i32, bool, bool) -> i32,
     token_to_piece: unsafe extern "C" fn(*const Vocab, Token, *mut c_char, i32, i32, bool) -> i32,
@@ -249,6 +251,8 @@ impl Llama {
             model_meta_val_str: symbol!(llama, "llama_model_meta_val_str"),
             get_memory: symbol!(llama, "llama_get_memory"),
             memory_seq_rm: symbol!(llama, "llama_memory_seq_rm"),
+            memory_seq_pos_min: symbol!(llama, "llama_memory_seq_pos_min"),
+            model_n_swa: symbol!(llama, "llama_model_n_swa"),
             tokenize: symbol!(llama, "llama_tokenize"),
             token_to_piece: symbol!(llama, "llama_token_to_piece"),
             vocab_is_eog: symbol!(llama, "llama_vocab_is_eog"),
@@ -394,6 +398,24 @@ impl Session<'_> {
             return Err(format!("llama_decode failed with status {status}"));
         }
         Ok(())
+    }
+
+    /// The sliding window of the model's windowed attention layers, in tokens (0: none).
+    pub fn n_swa(&self) -> usize {
+        // SAFETY: the model is live for the session's life.
+        let n = unsafe { (self.f().model_n_swa)(self.model.as_ptr()) };
+        usize::try_from(n).unwrap_or(0)
+    }
+
+    /// The lowest position sequence `seq` still holds in every cache (a windowed cache drops
+    /// the positions that fell out of its window); None when it holds none.
+    pub fn first_position(&self, seq: i32) -> Option<usize> {
+        // SAFETY: the context is live; the memory lives as long as the context.
+        let pos = unsafe {
+            let memory = (self.f().get_memory)(self.context.as_ptr());
+            (self.f().memory_seq_pos_min)(memory, seq)
+        };
+        usize::try_from(pos).ok()
     }
 
     /// Forget sequence `seq`'s tokens from position `from` on (all of them for 0). False when

@@ -220,6 +220,19 @@ impl<'a> SlotEngine<'a> {
         // Reuse the longest prefix the slot holds, but decode at least the prompt's last
         // token: its logits choose the first new token.
         let mut reused = common(&slot.cached).min(tokens.len() - 1);
+        // A windowed layer's cache dropped the positions that fell out of its window: the
+        // prefix is reusable only while it still holds the window the next position reads.
+        let window = self.session.n_swa();
+        if window > 0 && reused > 0 {
+            let needed = (reused + 1).saturating_sub(window);
+            if self
+                .session
+                .first_position(seq as i32)
+                .is_none_or(|first| first > needed)
+            {
+                reused = 0;
+            }
+        }
         if reused == 0 || !self.session.forget_from(seq as i32, reused) {
             self.session.forget_from(seq as i32, 0);
             reused = 0;
