@@ -36,6 +36,16 @@ fn an_installed_1bit_lists_every_route_and_its_llama_server_link_serves_lemonade
         Path::new("1bit")
     );
     assert!(prefix.join("lib/1bit/llama-server/llama-server").is_file());
+    // The hybrid route's prefill provider, for --prefill-provider: it runs and says what it
+    // lacks.
+    let provider = Command::new(bin.join("1bit-prefill-llama"))
+        .output()
+        .unwrap();
+    assert_eq!(provider.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&provider.stderr).trim(),
+        "1bit-prefill-llama: --tokens IDS is missing"
+    );
 
     // Only the installed routes: no --plugin-dir, no ONEBIT_PLUGIN_PATH.
     let out = Command::new(bin.join("1bit"))
@@ -44,7 +54,7 @@ fn an_installed_1bit_lists_every_route_and_its_llama_server_link_serves_lemonade
         .output()
         .unwrap();
     let listing = String::from_utf8_lossy(&out.stdout);
-    for route in ["cpu", "hrx", "hybrid", "ds4"] {
+    for route in ["cpu", "hrx", "hybrid", "ds4", "npu"] {
         let line = listing
             .lines()
             .find(|l| l.starts_with(&format!("{route} ")))

@@ -167,6 +167,12 @@ fn a_chat_is_prefilled_by_the_provider_restored_and_decoded_from_slot_0() {
     );
     assert_eq!(runs[0]["backend_url"], format!("http://127.0.0.1:{port}"));
     assert_eq!(runs[0]["slot_dir"], slot_dir.as_str());
+    // A provider that starts a llama-server of its own starts the decoder's.
+    assert_eq!(
+        runs[0]["llama_server"],
+        fake_backend().to_str().unwrap(),
+        "{runs:?}"
+    );
     let left: Vec<_> = std::fs::read_dir(&slot_dir)
         .unwrap()
         .filter_map(|e| e.ok())

@@ -10,12 +10,17 @@ use std::process::ExitCode;
 use crate::{Failure, Workspace, process, setup};
 
 /// The route libraries, by cargo package.
-const ROUTES: [&str; 4] = [
+const ROUTES: [&str; 5] = [
     "onebit-route-cpu",
     "onebit-route-hrx",
     "onebit-route-hybrid",
     "onebit-route-ds4",
+    "onebit-route-npu",
 ];
+
+/// Programs beside `1bit` in `bin/`: the hybrid route's prefill provider (built with its
+/// package), named with `--prefill-provider`.
+const PROGRAMS: [&str; 1] = ["1bit-prefill-llama"];
 
 /// Where each part goes under the prefix.
 pub struct Layout {
@@ -94,6 +99,9 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
         })?;
     }
     copy(&target.join("1bit"), &layout.bin.join("1bit"))?;
+    for program in PROGRAMS {
+        copy(&target.join(program), &layout.bin.join(program))?;
+    }
     link_llama_server(&layout.bin)?;
     for route in ROUTES {
         let file = format!("lib{}.so", route.replace('-', "_"));
@@ -109,6 +117,9 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
         "  {} -> 1bit (for Lemonade: LEMONADE_LLAMACPP_CPU_BIN={0})",
         layout.bin.join("llama-server").display()
     );
+    for program in PROGRAMS {
+        println!("  {}", layout.bin.join(program).display());
+    }
     println!("  {}/*.so", layout.plugins.display());
     println!(
         "  {}",

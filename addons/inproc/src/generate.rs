@@ -159,8 +159,9 @@ impl<'a> SlotEngine<'a> {
     }
 
     /// Run jobs from `queue` until it closes: admit each into a free slot (the one whose
-    /// cached tokens share the longest prefix with its prompt), decode its prompt, then step
-    /// every active slot one token per decode. Blocks the calling thread (the engine thread).
+    /// cached tokens share the longest prefix with its prompt), then step: one decode carries
+    /// every generating slot's next token and the waiting prompts' tokens. Blocks the calling
+    /// thread (the engine thread).
     pub fn run(&mut self, queue: &std::sync::mpsc::Receiver<Job>) {
         loop {
             let idle = self.slots.iter().all(|s| s.active.is_none());
@@ -216,10 +217,9 @@ impl<'a> SlotEngine<'a> {
                 .client
                 .done(Err(Failure::Engine("no free slot".to_string())));
         };
-        let slot = &mut self.slots[seq];
         // Reuse the longest prefix the slot holds, but decode at least the prompt's last
         // token: its logits choose the first new token.
-        let mut reused = common(&slot.cached).min(tokens.len() - 1);
+        let mut reused = common(&self.slots[seq].cached).min(tokens.len() - 1);
         // A windowed layer's cache dropped the positions that fell out of its window: the
         // prefix is reusable only while it still holds the window the next position reads.
         let window = self.session.n_swa();

@@ -85,10 +85,18 @@ pub fn run(
     let report = provider::run(&Invocation {
         program,
         args,
-        env: vec![
+        env: [
             ("ONEBIT_HYBRID_BACKEND_URL", settings.backend_url.clone()),
             ("ONEBIT_HYBRID_SLOT_DIR", settings.slot_dir.clone()),
-        ],
+        ]
+        .into_iter()
+        .chain(
+            settings
+                .prefill_server
+                .clone()
+                .map(|server| ("ONEBIT_PREFILL_LLAMA_SERVER", server)),
+        )
+        .collect(),
         limit: Duration::from_secs_f64(settings.timeout_s),
         grace: crate::PROVIDER_STOP_GRACE,
     })?;
@@ -245,6 +253,7 @@ mod tests {
             model: "/m/x.gguf".into(),
             backend_url: "http://127.0.0.1:1".into(),
             timeout_s: 5.0,
+            prefill_server: None,
         }
     }
 

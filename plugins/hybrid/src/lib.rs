@@ -73,6 +73,9 @@ pub struct Settings {
     pub backend_url: String,
     /// The provider's time limit in seconds.
     pub timeout_s: f64,
+    /// The decoder's llama-server, for `ONEBIT_PREFILL_LLAMA_SERVER` (a provider that starts a
+    /// server of its own starts the same one); None when the user's environment names one.
+    pub prefill_server: Option<String>,
 }
 
 /// One per process: the settings from `start`, and a counter naming each handoff's files.
@@ -168,6 +171,11 @@ impl DeviceRoute for HybridRoute {
             model: request.options.model.clone(),
             backend_url: format!("http://127.0.0.1:{port}"),
             timeout_s: prefill_timeout(request)?.as_secs_f64(),
+            prefill_server: decoder
+                .argv
+                .first()
+                .filter(|_| !request.env.contains_key("ONEBIT_PREFILL_LLAMA_SERVER"))
+                .cloned(),
         };
         let notes = match &provider {
             Some(p) => vec![format!(

@@ -38,6 +38,7 @@ fn run() -> Result<(), String> {
     if let Ok(log) = std::env::var("FAKE_PREFILL_LOG") {
         let line = serde_json::json!({
             "args": args, "backend_url": url, "slot_dir": slot_dir,
+            "llama_server": std::env::var("ONEBIT_PREFILL_LLAMA_SERVER").ok(),
         });
         let mut file = std::fs::OpenOptions::new()
             .create(true)

@@ -7,8 +7,9 @@
 //! ```
 //! Environment: `ONEBIT_HYBRID_SLOT_DIR` (set by serve: where NAME goes), `ONEBIT_PREFILL_URL`
 //! (as `--prefill-url`), `ONEBIT_PREFILL_SLOT_DIR` (that server's `--slot-save-path`, as a path
-//! here; needed with a URL), `ONEBIT_PREFILL_LLAMA_SERVER` (the server to start; default as
-//! serve finds one), `ONEBIT_PREFILL_CTX` (its context, default 4096).
+//! here; needed with a URL), `ONEBIT_PREFILL_LLAMA_SERVER` (the server to start: serve sets
+//! it to the decoder's; run by hand, found as serve finds one), `ONEBIT_PREFILL_CTX` (its
+//! context, default 4096).
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
