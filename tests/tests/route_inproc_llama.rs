@@ -178,6 +178,14 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
         assert_eq!(&chat(&serve, question), expected, "{question:?}");
     }
     let (_, metrics) = get(&serve.url("/metrics"));
+    let speed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("onebit_inproc_predicted_tokens_per_second "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert!(
+        speed.is_some_and(|s| s > 1.0),
+        "tokens/s in /metrics:\n{metrics}"
+    );
     let hits = metrics
         .lines()
         .find_map(|l| l.strip_prefix("onebit_inproc_cached_prompt_tokens_total "))

@@ -446,6 +446,14 @@ impl DeviceRoute for InprocRoute {
                 )
             })
             .collect();
+        // Generation speed over the route's life, as llama-server's `predicted_tokens_seconds`.
+        let tokens = self.predicted_tokens.load(Ordering::Relaxed);
+        let us = self.predicted_us.load(Ordering::Relaxed);
+        let name = "onebit_inproc_predicted_tokens_per_second";
+        text.push_str(&format!(
+            "# HELP {name} Tokens generated per second of generating, over the route's life.\n# TYPE {name} gauge\n{name} {:.3}\n",
+            if us == 0 { 0.0 } else { tokens as f64 * 1e6 / us as f64 }
+        ));
         if let Some(engine) = self.engine.get() {
             text.push_str(&buffer_gauges(&engine.buffers));
             let name = "onebit_inproc_model_resident_bytes";
