@@ -317,6 +317,59 @@ fn windowed_layers_reuse_a_prefix_only_while_its_window_is_held() {
     assert_eq!(reply["choices"][0]["text"], continued, "{reply}");
 }
 
+/// The prompt cache in RAM (llama-server's `--cache-ram`): with one slot, a prompt that comes
+/// back after another took the slot is put back from RAM (all but its last token reused), with
+/// the same answer; with `--route-opt cache_ram_mib=0` it is decoded again.
+#[test]
+fn a_prompt_that_comes_back_is_put_back_from_the_prompt_cache() {
+    if !libraries_installed("a_prompt_that_comes_back_is_put_back_from_the_prompt_cache") {
+        return;
+    }
+    let first_prompt = "A ship's log, day one: the wind turned north and the crew took in the \
+        topsails, then the mate called all hands to the deck and read the captain's orders \
+        aloud while the cook";
+    let other_prompt = "Recipe for bread: mix flour, water, salt and yeast, knead for ten \
+        minutes, let it rise for an hour, shape the loaf and bake it until";
+    let cached = |reply: &serde_json::Value| {
+        reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let metric = |serve: &Serve, name: &str| {
+        let (_, metrics) = get(&serve.url("/metrics"));
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let serve = serve_inproc(&[], &[]);
+    assert!(
+        serve.output().contains("prompt cache 256 MiB"),
+        "{}",
+        serve.output()
+    );
+    let first = completion(&serve, greedy(first_prompt));
+    completion(&serve, greedy(other_prompt));
+    let again = completion(&serve, greedy(first_prompt));
+    let prompt_tokens = again["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens >= 32, "{again}");
+    assert_eq!(cached(&again), prompt_tokens - 1, "{again}");
+    assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
+    assert_eq!(
+        metric(&serve, "onebit_inproc_prompt_cache_restores_total "),
+        Some(1)
+    );
+    assert!(metric(&serve, "onebit_inproc_prompt_cache_bytes ").is_some_and(|b| b > 0));
+    drop(serve);
+
+    let serve = serve_inproc(&["--route-opt", "cache_ram_mib=0"], &[]);
+    completion(&serve, greedy(first_prompt));
+    completion(&serve, greedy(other_prompt));
+    let again = completion(&serve, greedy(first_prompt));
+    assert_eq!(cached(&again), 0, "{again}");
+    assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
+}
+
 #[test]
 fn sampling_settings_stop_strings_and_unserved_paths() {
     if !libraries_installed("sampling_settings_stop_strings_and_unserved_paths") {
@@ -540,8 +593,9 @@ fn the_memory_check_runs_on_the_inproc_plan_as_on_the_cpu_routes() {
         .lines()
         .find(|l| l.starts_with("1bit serve: huge-4TiB does not fit: need "))
         .unwrap_or_else(|| panic!("{out}"));
+    // Compute counts 512 MiB and the prompt cache's 256 MiB budget.
     assert!(
-        line.contains("weights 4096.00 + KV/state 0.09 + compute 0.50"),
+        line.contains("weights 4096.00 + KV/state 0.09 + compute 0.75"),
         "{line}"
     );
     assert!(
@@ -582,9 +636,9 @@ fn threads_come_from_the_cores_or_the_route_option() {
         )
     };
     let (_, stderr) = run(&["--route-opt", "threads=1"]);
-    assert!(stderr.contains(", 1 slot, 1 thread\n"), "{stderr}");
+    assert!(stderr.contains(", 1 slot, 1 thread, "), "{stderr}");
     let (_, stderr) = run(&["--route-opt", "threads=3"]);
-    assert!(stderr.contains(", 3 threads\n"), "{stderr}");
+    assert!(stderr.contains(", 3 threads, "), "{stderr}");
     for (option, says) in [
         ("threads=0", "the inproc route runs 1 to 512 threads"),
         ("threads=many", "the inproc route runs 1 to 512 threads"),

@@ -169,6 +169,9 @@ struct Functions {
     get_memory: unsafe extern "C" fn(*const Context) -> *mut Memory,
     memory_seq_rm: unsafe extern "C" fn(*mut Memory, i32, i32, i32) -> bool,
     memory_seq_pos_min: unsafe extern "C" fn(*mut Memory, i32) -> i32,
+    state_seq_get_size: unsafe extern "C" fn(*mut Context, i32) -> usize,
+    state_seq_get_data: unsafe extern "C" fn(*mut Context, *mut u8, usize, i32) -> usize,
+    state_seq_set_data: unsafe extern "C" fn(*mut Context, *const u8, usize, i32) -> usize,
     model_n_swa: unsafe extern "C" fn(*const Model) -> i32,
     tokenize:
         unsafe extern "C" fn(*const Vocab, *const c_char, i32, *mut Token, i32, bool, bool) -> i32,
@@ -252,6 +255,9 @@ impl Llama {
             get_memory: symbol!(llama, "llama_get_memory"),
             memory_seq_rm: symbol!(llama, "llama_memory_seq_rm"),
             memory_seq_pos_min: symbol!(llama, "llama_memory_seq_pos_min"),
+            state_seq_get_size: symbol!(llama, "llama_state_seq_get_size"),
+            state_seq_get_data: symbol!(llama, "llama_state_seq_get_data"),
+            state_seq_set_data: symbol!(llama, "llama_state_seq_set_data"),
             model_n_swa: symbol!(llama, "llama_model_n_swa"),
             tokenize: symbol!(llama, "llama_tokenize"),
             token_to_piece: symbol!(llama, "llama_token_to_piece"),
@@ -416,6 +422,39 @@ impl Session<'_> {
             (self.f().memory_seq_pos_min)(memory, seq)
         };
         usize::try_from(pos).ok()
+    }
+
+    /// A copy of sequence `seq`'s state (its cells in every cache), for the prompt cache in
+    /// RAM; None when llama.cpp copies nothing.
+    pub fn save_sequence(&self, seq: i32) -> Option<Vec<u8>> {
+        let context = self.context.as_ptr();
+        // SAFETY: the context is live; the size is what the copy below needs.
+        let size = unsafe { (self.f().state_seq_get_size)(context, seq) };
+        if size == 0 {
+            return None;
+        }
+        let mut state = vec![0u8; size];
+        // SAFETY: `state` holds `size` writable bytes for the call.
+        let written =
+            unsafe { (self.f().state_seq_get_data)(context, state.as_mut_ptr(), size, seq) };
+        (written > 0 && written <= size).then(|| {
+            state.truncate(written);
+            state
+        })
+    }
+
+    /// Put a state `save_sequence` copied back into sequence `seq`, emptied first. False when
+    /// llama.cpp refuses it; the sequence is then empty.
+    pub fn restore_sequence(&self, seq: i32, state: &[u8]) -> bool {
+        self.forget_from(seq, 0);
+        // SAFETY: `state` is readable for its length for the call; llama.cpp copies from it.
+        let read = unsafe {
+            (self.f().state_seq_set_data)(self.context.as_ptr(), state.as_ptr(), state.len(), seq)
+        };
+        if read == 0 {
+            self.forget_from(seq, 0);
+        }
+        read > 0
     }
 
     /// Forget sequence `seq`'s tokens from position `from` on (all of them for 0). False when

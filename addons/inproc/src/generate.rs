@@ -87,6 +87,74 @@ pub struct Counters {
     pub decodes: AtomicU64,
     /// Decodes that carried a prompt's tokens together with other slots' tokens.
     pub shared_prompt_decodes: AtomicU64,
+    /// Prompts put back into a slot from the prompt cache in RAM.
+    pub prompt_cache_restores: AtomicU64,
+    /// What the prompt cache in RAM holds, in bytes (a gauge).
+    pub prompt_cache_bytes: AtomicU64,
+}
+
+/// A slot's contents worth keeping when the slot moves on to another prompt: at least this
+/// many tokens.
+const KEEP_AT_LEAST: usize = 32;
+
+/// Prompts kept in RAM once their slot moved on to another (llama-server's `--cache-ram`): a
+/// later prompt that shares more with one of them than with any free slot gets that state put
+/// back into its slot instead of decoding the shared part again. Bounded in bytes; the least
+/// recently kept go first.
+pub struct PromptCache {
+    budget: usize,
+    /// Oldest first.
+    kept: Vec<Kept>,
+}
+
+struct Kept {
+    tokens: Vec<Token>,
+    state: Vec<u8>,
+}
+
+impl PromptCache {
+    pub fn new(budget_bytes: usize) -> Self {
+        PromptCache {
+            budget: budget_bytes,
+            kept: Vec::new(),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.kept.iter().map(|k| k.state.len()).sum()
+    }
+
+    /// Keep `tokens`' state, dropping what it makes useless (a kept prompt it starts with)
+    /// and then the oldest until it fits; a state larger than the whole budget is not kept.
+    fn keep(&mut self, tokens: Vec<Token>, state: Vec<u8>) {
+        if state.len() > self.budget {
+            return;
+        }
+        self.kept.retain(|k| !tokens.starts_with(&k.tokens));
+        while self.bytes() + state.len() > self.budget && !self.kept.is_empty() {
+            self.kept.remove(0);
+        }
+        self.kept.push(Kept { tokens, state });
+    }
+
+    /// Take out the kept prompt sharing the longest prefix with `prompt`, when it shares more
+    /// than `than` tokens.
+    fn take_best(&mut self, prompt: &[Token], than: usize) -> Option<Kept> {
+        let shared = |k: &Kept| {
+            k.tokens
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        let (i, n) = self
+            .kept
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (i, shared(k)))
+            .max_by_key(|&(i, n)| (n, i))?;
+        (n > than).then(|| self.kept.remove(i))
+    }
 }
 
 /// A completion in progress on a slot.
@@ -136,12 +204,19 @@ pub struct SlotEngine<'a> {
     slots: Vec<Slot>,
     batch: TokenBatch,
     counters: std::sync::Arc<Counters>,
+    cache: PromptCache,
 }
 
 impl<'a> SlotEngine<'a> {
-    pub fn new(session: Session<'a>, slots: usize, counters: std::sync::Arc<Counters>) -> Self {
+    pub fn new(
+        session: Session<'a>,
+        slots: usize,
+        cache: PromptCache,
+        counters: std::sync::Arc<Counters>,
+    ) -> Self {
         let batch = session.batch(session.n_batch().max(slots));
         SlotEngine {
+            cache,
             counters,
             session,
             slots: (0..slots.max(1))
@@ -217,6 +292,9 @@ impl<'a> SlotEngine<'a> {
                 .client
                 .done(Err(Failure::Engine("no free slot".to_string())));
         };
+        if reuse {
+            self.swap_with_cache(seq, &tokens, common(&self.slots[seq].cached));
+        }
         // Reuse the longest prefix the slot holds, but decode at least the prompt's last
         // token: its logits choose the first new token.
         let mut reused = common(&self.slots[seq].cached).min(tokens.len() - 1);
@@ -262,6 +340,35 @@ impl<'a> SlotEngine<'a> {
         if budget == 0 {
             self.finish(seq, Finish::Length);
         }
+    }
+
+    /// Before slot `seq` takes `prompt`, of which it holds `held` tokens: keep what the slot
+    /// would lose in the prompt cache, and put back a kept prompt that shares more.
+    fn swap_with_cache(&mut self, seq: usize, prompt: &[Token], held: usize) {
+        if self.cache.budget == 0 {
+            return;
+        }
+        let slot = &self.slots[seq];
+        if slot.cached.len() >= KEEP_AT_LEAST
+            && held < slot.cached.len()
+            && let Some(state) = self.session.save_sequence(seq as i32)
+        {
+            self.cache.keep(slot.cached.clone(), state);
+        }
+        if let Some(kept) = self.cache.take_best(prompt, held.max(KEEP_AT_LEAST - 1)) {
+            let slot = &mut self.slots[seq];
+            if self.session.restore_sequence(seq as i32, &kept.state) {
+                slot.cached = kept.tokens;
+                self.counters
+                    .prompt_cache_restores
+                    .fetch_add(1, Ordering::Relaxed);
+            } else {
+                slot.cached.clear();
+            }
+        }
+        self.counters
+            .prompt_cache_bytes
+            .store(self.cache.bytes() as u64, Ordering::Relaxed);
     }
 
     /// The most tokens a prompt decode takes at once (the batch's capacity, at most n_batch).
@@ -486,7 +593,29 @@ fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::StopScan;
+    use super::{PromptCache, StopScan};
+
+    #[test]
+    fn the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_match() {
+        let mut cache = PromptCache::new(100);
+        cache.keep(vec![1, 2, 3], vec![0; 40]);
+        cache.keep(vec![4, 5, 6], vec![0; 40]);
+        // A third does not fit beside both: the oldest goes.
+        cache.keep(vec![7, 8, 9], vec![0; 40]);
+        assert_eq!(cache.bytes(), 80);
+        assert!(cache.take_best(&[1, 2, 3, 4], 0).is_none(), "[1, 2, 3] was dropped");
+        // A prompt that starts with a kept one makes it useless.
+        cache.keep(vec![4, 5, 6, 10], vec![0; 10]);
+        assert_eq!(cache.bytes(), 50);
+        // Larger than the whole budget: not kept.
+        cache.keep(vec![11], vec![0; 101]);
+        assert_eq!(cache.bytes(), 50);
+        // Only a match longer than the slot's own is taken out.
+        assert!(cache.take_best(&[4, 5, 6, 10, 12], 4).is_none());
+        let best = cache.take_best(&[4, 5, 6, 10, 12], 3).expect("a longer match");
+        assert_eq!(best.tokens, [4, 5, 6, 10]);
+        assert_eq!(cache.bytes(), 40);
+    }
 
     #[test]
     fn text_before_a_stop_string_is_released_and_the_stop_string_never() {

@@ -17,7 +17,7 @@ use onebit_plugin_api::*;
 use serde::{Deserialize, Serialize};
 
 use crate::ffi::Llama;
-use crate::generate::{Client, Counters, Failure, Finish, Job, Outcome, SlotEngine};
+use crate::generate::{Client, Counters, Failure, Finish, Job, Outcome, PromptCache, SlotEngine};
 use crate::openai::{Ask, Kind, Reply};
 
 /// The route's `--device` name.
@@ -31,6 +31,9 @@ pub const LIB_DIR_VAR: &str = "ONEBIT_INPROC_LIB_DIR";
 
 /// The context when `--ctx-size` is not given.
 const DEFAULT_CTX: u32 = 4096;
+
+/// The prompt cache in RAM when `--route-opt cache_ram_mib` is not given, in MiB.
+const DEFAULT_CACHE_RAM_MIB: u64 = 256;
 
 /// What llama.cpp's compute buffers take beyond weights and KV, counted as the llama-server
 /// routes count it (SmolLM2 at ctx 4096 takes about 100 MiB; larger vocabularies more).
@@ -56,6 +59,8 @@ pub struct State {
     /// `--parallel`: slots, whose next tokens share one decode.
     pub slots: u32,
     pub served_name: String,
+    /// The prompt cache's budget in RAM, in MiB (0: none).
+    pub cache_ram_mib: u64,
 }
 
 /// The loaded engine: a thread of its own holds llama.cpp's model and its one context and
@@ -280,7 +285,9 @@ impl DeviceRoute for InprocRoute {
     }
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
-        let options = request.options.checked_route_options(NAME, &["threads"])?;
+        let options = request
+            .options
+            .checked_route_options(NAME, &["threads", "cache_ram_mib"])?;
         let model = &request.model;
         if model.is_dir || model.architecture.is_none() {
             let why = model
@@ -319,6 +326,14 @@ impl DeviceRoute for InprocRoute {
                 "--parallel {slots}: the inproc route runs 1 to 64 slots; pass one such as 4"
             )));
         }
+        let cache_ram_mib = match options.get("cache_ram_mib") {
+            Some(value) => value.trim().parse::<u64>().ok().filter(|&n| n <= 1 << 20).ok_or_else(|| {
+                Refusal::usage(format!(
+                    "--route-opt cache_ram_mib={value}: the prompt cache takes 0 (none) to 1048576 MiB; pass a size such as 256"
+                ))
+            })?,
+            None => DEFAULT_CACHE_RAM_MIB,
+        };
         let ctx_source = match request.options.ctx_size {
             Some(n) => format!("ctx {n} (--ctx-size)"),
             None => format!("ctx {DEFAULT_CTX} (the inproc route's default; no --ctx-size)"),
@@ -327,7 +342,8 @@ impl DeviceRoute for InprocRoute {
         // host from the header it read, for the context `start` makes.
         let memory = MemoryNeed {
             weights_bytes: model.bytes,
-            compute_bytes: COMPUTE_BYTES,
+            // The prompt cache fills up to its budget as prompts come and go.
+            compute_bytes: COMPUTE_BYTES + (cache_ram_mib << 20),
             ctx: u64::from(ctx),
             ctx_source,
             pool: "ram".to_string(),
@@ -341,6 +357,7 @@ impl DeviceRoute for InprocRoute {
             ctx,
             threads,
             served_name: request.options.served_name.clone(),
+            cache_ram_mib,
         };
         Ok(Plan {
             device: NAME.to_string(),
@@ -348,7 +365,7 @@ impl DeviceRoute for InprocRoute {
             one_hop: false,
             serve_in_path: "--device inproc (the model runs inside serve)".to_string(),
             notes: vec![format!(
-                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slot{}, {threads} thread{}",
+                "inproc: llama.cpp from {}, ctx {ctx}, {slots} slot{}, {threads} thread{}, prompt cache {cache_ram_mib} MiB",
                 dir.display(),
                 if slots == 1 { "" } else { "s" },
                 if threads == 1 { "" } else { "s" }
@@ -435,6 +452,11 @@ impl DeviceRoute for InprocRoute {
                 "Decodes that carried a prompt's tokens together with other slots' tokens.",
                 &self.engine_counters.shared_prompt_decodes,
             ),
+            (
+                "onebit_inproc_prompt_cache_restores_total",
+                "Prompts put back into a slot from the prompt cache in RAM.",
+                &self.engine_counters.prompt_cache_restores,
+            ),
         ];
         let mut text: String = series
             .iter()
@@ -446,6 +468,13 @@ impl DeviceRoute for InprocRoute {
                 )
             })
             .collect();
+        let name = "onebit_inproc_prompt_cache_bytes";
+        text.push_str(&format!(
+            "# HELP {name} What the prompt cache in RAM holds.\n# TYPE {name} gauge\n{name} {}\n",
+            self.engine_counters
+                .prompt_cache_bytes
+                .load(Ordering::Relaxed)
+        ));
         // Generation speed over the route's life, as llama-server's `predicted_tokens_seconds`.
         let tokens = self.predicted_tokens.load(Ordering::Relaxed);
         let us = self.predicted_us.load(Ordering::Relaxed);
@@ -718,7 +747,8 @@ fn engine_thread(
         .chat_template()
         .or_else(|| session.meta("tokenizer.chat_template"));
     let buffers = session.buffers.clone();
-    let mut engine = SlotEngine::new(session, state.slots as usize, counters);
+    let cache = PromptCache::new((state.cache_ram_mib << 20) as usize);
+    let mut engine = SlotEngine::new(session, state.slots as usize, cache, counters);
     let loaded = Model {
         template,
         bos,

@@ -374,9 +374,9 @@ fn wait_ready(port: u16, arm: &str) -> Result<(), Failure> {
 fn stream(port: u16, prompt: &str, arm: &str) -> Result<Timed, Failure> {
     let body = serde_json::json!({
         "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": true,
-        // Every request decodes its whole prompt in every arm: llama-server would otherwise
-        // restore an earlier request's state from its prompt cache in RAM, which the add-on
-        // does not have, and TTFT would compare caches, not the hop.
+        // Every request decodes its whole prompt in every arm: llama-server and the add-on
+        // would otherwise restore earlier requests' states from their prompt caches in RAM,
+        // and TTFT would compare caches, not the hop.
         "cache_prompt": false,
     })
     .to_string();
