@@ -603,7 +603,10 @@ mod tests {
         // A third does not fit beside both: the oldest goes.
         cache.keep(vec![7, 8, 9], vec![0; 40]);
         assert_eq!(cache.bytes(), 80);
-        assert!(cache.take_best(&[1, 2, 3, 4], 0).is_none(), "[1, 2, 3] was dropped");
+        assert!(
+            cache.take_best(&[1, 2, 3, 4], 0).is_none(),
+            "[1, 2, 3] was dropped"
+        );
         // A prompt that starts with a kept one makes it useless.
         cache.keep(vec![4, 5, 6, 10], vec![0; 10]);
         assert_eq!(cache.bytes(), 50);
@@ -612,7 +615,9 @@ mod tests {
         assert_eq!(cache.bytes(), 50);
         // Only a match longer than the slot's own is taken out.
         assert!(cache.take_best(&[4, 5, 6, 10, 12], 4).is_none());
-        let best = cache.take_best(&[4, 5, 6, 10, 12], 3).expect("a longer match");
+        let best = cache
+            .take_best(&[4, 5, 6, 10, 12], 3)
+            .expect("a longer match");
         assert_eq!(best.tokens, [4, 5, 6, 10]);
         assert_eq!(cache.bytes(), 40);
     }
