@@ -53,6 +53,17 @@ fn serve_inproc_model(model: &std::path::Path, extra: &[&str], env: &[(&str, &st
     serve
 }
 
+/// A sample of serve's /metrics: the value on the line `NAME VALUE` (NAME with its labels,
+/// if any), with the whole text for a failure's message.
+fn metric(serve: &Serve, name: &str) -> (Option<f64>, String) {
+    let (_, metrics) = get(&serve.url("/metrics"));
+    let value = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok());
+    (value, metrics)
+}
+
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
@@ -104,24 +115,13 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
     // Loaded: one warm-up decode before any request, as llama-server warms up; llama.cpp's
     // KV buffer is what serve's memory check sized for ctx 2048 (30 layers x 3 KV heads x 64
     // x K and V x 2 bytes x 2048 cells); the model's load shows in serve's RSS.
-    let (_, metrics) = get(&serve.url("/metrics"));
-    let value = |name: &str| {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-    };
-    assert_eq!(value("onebit_inproc_decodes_total "), Some(1), "{metrics}");
-    assert_eq!(
-        value("onebit_inproc_model_buffer_bytes{buffer=\"kv\"} "),
-        Some(30 * 3 * 64 * 2 * 2 * 2048),
-        "{metrics}"
-    );
-    let file = std::fs::metadata(smollm2()).unwrap().len();
-    assert!(
-        value("onebit_inproc_model_resident_bytes ").is_some_and(|b| b > file / 2),
-        "{metrics}"
-    );
+    let (decodes, metrics) = metric(&serve, "onebit_inproc_decodes_total");
+    assert_eq!(decodes, Some(1.0), "{metrics}");
+    let (kv, metrics) = metric(&serve, "onebit_inproc_model_buffer_bytes{buffer=\"kv\"}");
+    assert_eq!(kv, Some((30 * 3 * 64 * 2 * 2 * 2048) as f64), "{metrics}");
+    let file = std::fs::metadata(smollm2()).unwrap().len() as f64;
+    let (resident, metrics) = metric(&serve, "onebit_inproc_model_resident_bytes");
+    assert!(resident.is_some_and(|b| b > file / 2.0), "{metrics}");
     for (prompt, expected) in PROMPTS.iter().zip(&expected) {
         let reply = completion(&serve, greedy(prompt));
         assert_eq!(
@@ -177,23 +177,10 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
     for (question, expected) in QUESTIONS.iter().zip(&expected_chats) {
         assert_eq!(&chat(&serve, question), expected, "{question:?}");
     }
-    let (_, metrics) = get(&serve.url("/metrics"));
-    let speed = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("onebit_inproc_predicted_tokens_per_second "))
-        .and_then(|v| v.trim().parse::<f64>().ok());
-    assert!(
-        speed.is_some_and(|s| s > 1.0),
-        "tokens/s in /metrics:\n{metrics}"
-    );
-    let hits = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("onebit_inproc_cached_prompt_tokens_total "))
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    assert!(
-        hits.is_some_and(|n| n > 0),
-        "cache hits in /metrics:\n{metrics}"
-    );
+    let (speed, metrics) = metric(&serve, "onebit_inproc_predicted_tokens_per_second");
+    assert!(speed.is_some_and(|s| s > 1.0), "tokens/s:\n{metrics}");
+    let (hits, metrics) = metric(&serve, "onebit_inproc_cached_prompt_tokens_total");
+    assert!(hits.is_some_and(|n| n > 0.0), "cache hits:\n{metrics}");
 }
 
 #[test]
@@ -335,13 +322,6 @@ fn a_prompt_that_comes_back_is_put_back_from_the_prompt_cache() {
             .as_u64()
             .unwrap_or(0)
     };
-    let metric = |serve: &Serve, name: &str| {
-        let (_, metrics) = get(&serve.url("/metrics"));
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-    };
     let serve = serve_inproc(&[], &[]);
     assert!(
         serve.output().contains("prompt cache 256 MiB"),
@@ -355,11 +335,10 @@ fn a_prompt_that_comes_back_is_put_back_from_the_prompt_cache() {
     assert!(prompt_tokens >= 32, "{again}");
     assert_eq!(cached(&again), prompt_tokens - 1, "{again}");
     assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
-    assert_eq!(
-        metric(&serve, "onebit_inproc_prompt_cache_restores_total "),
-        Some(1)
-    );
-    assert!(metric(&serve, "onebit_inproc_prompt_cache_bytes ").is_some_and(|b| b > 0));
+    let (restores, metrics) = metric(&serve, "onebit_inproc_prompt_cache_restores_total");
+    assert_eq!(restores, Some(1.0), "{metrics}");
+    let (bytes, metrics) = metric(&serve, "onebit_inproc_prompt_cache_bytes");
+    assert!(bytes.is_some_and(|b| b > 0.0), "{metrics}");
     drop(serve);
 
     let serve = serve_inproc(&["--route-opt", "cache_ram_mib=0"], &[]);
@@ -459,13 +438,12 @@ fn a_client_that_leaves_stops_generation() {
         "the route stopped generating for the client that left:\n{}",
         get(&serve.url("/metrics")).1
     );
-    let (_, text) = get(&serve.url("/metrics"));
-    let predicted: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("onebit_inproc_predicted_tokens_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap();
-    assert!(predicted < 1500, "stopped early, after {predicted} tokens");
+    let (predicted, metrics) = metric(&serve, "onebit_inproc_predicted_tokens_total");
+    let predicted = predicted.unwrap_or_else(|| panic!("{metrics}"));
+    assert!(
+        predicted < 1500.0,
+        "stopped early, after {predicted} tokens"
+    );
 }
 
 #[test]
@@ -890,10 +868,6 @@ fn parallel_slots_stream_together_and_answer_as_one_slot_does() {
     assert!(a.1 < b.2 && b.1 < a.2, "the two streams overlapped");
     // So the prompt that came second went into a decode beside the other slot's tokens (or
     // both prompts into one), never into a decode of its own while the other stream waited.
-    let (_, metrics) = get(&serve.url("/metrics"));
-    let shared = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("onebit_inproc_shared_prompt_decodes_total "))
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    assert!(shared.is_some_and(|n| n >= 1), "{metrics}");
+    let (shared, metrics) = metric(&serve, "onebit_inproc_shared_prompt_decodes_total");
+    assert!(shared.is_some_and(|n| n >= 1.0), "{metrics}");
 }
