@@ -134,8 +134,12 @@ pub fn installed_model(file: &str) -> PathBuf {
 /// `1bit serve` of the default model (SmolLM2) on the cpu route with the real, pinned
 /// llama-server and `extra` flags, once it is ready (model loads take seconds).
 pub fn serve_smollm2(extra: &[&str]) -> Serve {
+    serve_cpu(&installed_model("SmolLM2-135M-Instruct-Q4_1.gguf"), extra)
+}
+
+/// `model` on the cpu route with the pinned llama-server, ready.
+pub fn serve_cpu(model: &Path, extra: &[&str]) -> Serve {
     let server = installed_llama_server();
-    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
     let mut args = vec![
         "-m",
         model.to_str().unwrap(),

@@ -64,6 +64,13 @@ fn metric(serve: &Serve, name: &str) -> (Option<f64>, String) {
     (value, metrics)
 }
 
+/// A reply's `usage.prompt_tokens_details.cached_tokens` (0 when absent).
+fn cached_tokens(reply: &serde_json::Value) -> u64 {
+    reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
@@ -190,25 +197,7 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
     }
     let model = installed_model("gemma-3-270m-Q4_K_M.gguf");
     let expected: Vec<String> = {
-        let server = installed_llama_server();
-        let cpu = Serve::start(
-            &[
-                "-m",
-                model.to_str().unwrap(),
-                "--device",
-                "cpu",
-                "--llama-server",
-                server.to_str().unwrap(),
-                "--ctx-size",
-                "2048",
-            ],
-            &[],
-        );
-        assert!(
-            cpu.wait_health(200, Duration::from_secs(120)),
-            "{}",
-            cpu.output()
-        );
+        let cpu = serve_cpu(&model, &["--ctx-size", "2048"]);
         PROMPTS
             .iter()
             .map(|p| {
@@ -251,36 +240,11 @@ fn windowed_layers_reuse_a_prefix_only_while_its_window_is_held() {
         body["cache_prompt"] = cache.into();
         completion(serve, body)
     };
-    let cached = |reply: &serde_json::Value| {
-        reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0)
-    };
     let (continued, continued_cached) = {
-        let server = installed_llama_server();
-        let cpu = Serve::start(
-            &[
-                "-m",
-                model.to_str().unwrap(),
-                "--device",
-                "cpu",
-                "--ctx-size",
-                "2048",
-                "--parallel",
-                "1",
-                "--llama-server",
-                server.to_str().unwrap(),
-            ],
-            &[],
-        );
-        assert!(
-            cpu.wait_health(200, Duration::from_secs(60)),
-            "{}",
-            cpu.output()
-        );
+        let cpu = serve_cpu(&model, &["--ctx-size", "2048", "--parallel", "1"]);
         ask(&cpu, &long, false);
         let reply = ask(&cpu, &later, true);
-        (reply["choices"][0]["text"].clone(), cached(&reply))
+        (reply["choices"][0]["text"].clone(), cached_tokens(&reply))
     };
 
     let serve = serve_inproc_model(&model, &[], &[]);
@@ -291,7 +255,7 @@ fn windowed_layers_reuse_a_prefix_only_while_its_window_is_held() {
         "the long prompt outgrows the window: {first}"
     );
     let reply = ask(&serve, &early, true);
-    assert_eq!(cached(&reply), 0, "{reply}");
+    assert_eq!(cached_tokens(&reply), 0, "{reply}");
     assert_eq!(
         reply["choices"][0]["text"],
         fresh_early["choices"][0]["text"]
@@ -299,8 +263,8 @@ fn windowed_layers_reuse_a_prefix_only_while_its_window_is_held() {
 
     ask(&serve, &long, false);
     let reply = ask(&serve, &later, true);
-    assert!(cached(&reply) > 1000, "{reply}");
-    assert_eq!(cached(&reply), continued_cached, "{reply}");
+    assert!(cached_tokens(&reply) > 1000, "{reply}");
+    assert_eq!(cached_tokens(&reply), continued_cached, "{reply}");
     assert_eq!(reply["choices"][0]["text"], continued, "{reply}");
 }
 
@@ -317,11 +281,6 @@ fn a_prompt_that_comes_back_is_put_back_from_the_prompt_cache() {
         aloud while the cook";
     let other_prompt = "Recipe for bread: mix flour, water, salt and yeast, knead for ten \
         minutes, let it rise for an hour, shape the loaf and bake it until";
-    let cached = |reply: &serde_json::Value| {
-        reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0)
-    };
     let serve = serve_inproc(&[], &[]);
     assert!(
         serve.output().contains("prompt cache 256 MiB"),
@@ -333,7 +292,7 @@ fn a_prompt_that_comes_back_is_put_back_from_the_prompt_cache() {
     let again = completion(&serve, greedy(first_prompt));
     let prompt_tokens = again["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(prompt_tokens >= 32, "{again}");
-    assert_eq!(cached(&again), prompt_tokens - 1, "{again}");
+    assert_eq!(cached_tokens(&again), prompt_tokens - 1, "{again}");
     assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
     let (restores, metrics) = metric(&serve, "onebit_inproc_prompt_cache_restores_total");
     assert_eq!(restores, Some(1.0), "{metrics}");
@@ -345,7 +304,7 @@ fn a_prompt_that_comes_back_is_put_back_from_the_prompt_cache() {
     completion(&serve, greedy(first_prompt));
     completion(&serve, greedy(other_prompt));
     let again = completion(&serve, greedy(first_prompt));
-    assert_eq!(cached(&again), 0, "{again}");
+    assert_eq!(cached_tokens(&again), 0, "{again}");
     assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
 }
 
