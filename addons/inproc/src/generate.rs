@@ -83,7 +83,7 @@ pub struct Job {
 /// What the engine counts, read by the route's /metrics.
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Decodes run (prompt chunks and token steps alike).
+    /// Decodes run (the warm-up at load, then prompt chunks and token steps alike).
     pub decodes: AtomicU64,
     /// Decodes that carried a prompt's tokens together with other slots' tokens.
     pub shared_prompt_decodes: AtomicU64,
@@ -140,21 +140,19 @@ impl PromptCache {
     /// Take out the kept prompt sharing the longest prefix with `prompt`, when it shares more
     /// than `than` tokens.
     fn take_best(&mut self, prompt: &[Token], than: usize) -> Option<Kept> {
-        let shared = |k: &Kept| {
-            k.tokens
-                .iter()
-                .zip(prompt)
-                .take_while(|(a, b)| a == b)
-                .count()
-        };
         let (i, n) = self
             .kept
             .iter()
             .enumerate()
-            .map(|(i, k)| (i, shared(k)))
+            .map(|(i, k)| (i, shared_prefix(&k.tokens, prompt)))
             .max_by_key(|&(i, n)| (n, i))?;
         (n > than).then(|| self.kept.remove(i))
     }
+}
+
+/// How many tokens `a` and `b` share from their start.
+fn shared_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// A completion in progress on a slot.
@@ -278,11 +276,11 @@ impl<'a> SlotEngine<'a> {
         }
         let reuse = job.settings.reuse_prefix;
         let common = |cached: &[Token]| {
-            cached
-                .iter()
-                .zip(&tokens)
-                .take_while(|(a, b)| reuse && a == b)
-                .count()
+            if reuse {
+                shared_prefix(cached, &tokens)
+            } else {
+                0
+            }
         };
         let Some(seq) = (0..self.slots.len())
             .filter(|&i| self.slots[i].active.is_none())

@@ -69,15 +69,8 @@ pub struct State {
 /// left earlier teams competing for the cores and halved decode speed.
 struct Engine {
     jobs: mpsc::Sender<Job>,
-    template: Option<String>,
-    bos: String,
-    eos: String,
     served_name: String,
-    /// What llama.cpp said it allocated for the model and its context, by kind.
-    buffers: Vec<(String, u64)>,
-    /// The model's own resident memory: what its load, its context and the warm-up added to
-    /// the process's anonymous memory, and the mapped GGUF's resident pages.
-    model_resident_bytes: u64,
+    model: Model,
 }
 
 /// What the engine thread tells a request's thread.
@@ -484,11 +477,11 @@ impl DeviceRoute for InprocRoute {
             if us == 0 { 0.0 } else { tokens as f64 * 1e6 / us as f64 }
         ));
         if let Some(engine) = self.engine.get() {
-            text.push_str(&buffer_gauges(&engine.buffers));
+            text.push_str(&buffer_gauges(&engine.model.buffers));
             let name = "onebit_inproc_model_resident_bytes";
             text.push_str(&format!(
                 "# HELP {name} The model's own resident memory: what loading it, making its context and the warm-up decode added to serve's anonymous memory, and the mapped GGUF's resident pages.\n# TYPE {name} gauge\n{name} {}\n",
-                engine.model_resident_bytes
+                engine.model.resident_bytes
             ));
         }
         text
@@ -610,15 +603,15 @@ fn chat_prompt(engine: &Engine, ask: &Ask) -> Result<String, String> {
         .as_deref()
         .filter(|m| !m.is_empty())
         .ok_or_else(|| "the request has no messages; send {\"messages\": [...]}".to_string())?;
-    let template = engine.template.as_deref().ok_or_else(|| {
+    let template = engine.model.template.as_deref().ok_or_else(|| {
         "the model has no tokenizer.chat_template; use /v1/completions with a prompt".to_string()
     })?;
     chat::render(
         template,
         messages,
         ask.chat_template_kwargs.as_ref(),
-        &engine.bos,
-        &engine.eos,
+        &engine.model.bos,
+        &engine.model.eos,
     )
 }
 
@@ -638,21 +631,21 @@ fn load(state: &State, counters: Arc<Counters>) -> Result<Engine, String> {
         .map_err(|_| "the inproc route's engine thread failed while loading".to_string())??;
     Ok(Engine {
         jobs,
-        template: model.template,
-        bos: model.bos,
-        eos: model.eos,
         served_name,
-        buffers: model.buffers,
-        model_resident_bytes: model.resident_bytes,
+        model,
     })
 }
 
 /// What the engine thread hands back once the model is loaded.
 struct Model {
+    /// `tokenizer.chat_template`, and the texts of its begin and end tokens.
     template: Option<String>,
     bos: String,
     eos: String,
+    /// What llama.cpp said it allocated for the model and its context, by kind.
     buffers: Vec<(String, u64)>,
+    /// The model's own resident memory: what its load, its context and the warm-up added to
+    /// the process's anonymous memory, and the mapped GGUF's resident pages.
     resident_bytes: u64,
 }
 

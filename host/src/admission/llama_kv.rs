@@ -6,18 +6,20 @@
 use std::path::Path;
 
 use gguf::memory::{CacheType, KvSettings};
-use onebit_plugin_api::{LlamaKv, MemoryNeed, Plan};
+use onebit_plugin_api::{LlamaKv, Plan};
 
 /// Fill in what the plan asked for: the estimate added to its KV bytes and the padded context
 /// as the one judged. A header that cannot be read or says too little makes the memory
 /// unknown (a warning, not a refusal), as for the llama-server routes.
 pub fn size(plan: &mut Plan, model: &Path) {
-    let Some(asked) = plan.memory.as_mut().and_then(|need| need.llama_kv.take()) else {
+    let Some(need) = plan.memory.as_mut() else {
+        return;
+    };
+    let Some(asked) = need.llama_kv.take() else {
         return;
     };
     match estimate(&asked, model) {
         Ok((bytes, n_ctx)) => {
-            let need: &mut MemoryNeed = plan.memory.as_mut().expect("checked above");
             need.kv_bytes = need.kv_bytes.saturating_add(bytes);
             need.ctx = n_ctx;
         }
@@ -52,6 +54,7 @@ fn estimate(asked: &LlamaKv, model: &Path) -> Result<(u64, u64), String> {
 mod tests {
     use super::*;
     use gguf::writer::Builder;
+    use onebit_plugin_api::MemoryNeed;
 
     /// A header of SmolLM2-135M's shape (30 layers, 3 KV heads of 64): 22.5 KiB of f16 KV
     /// per cell.

@@ -253,8 +253,8 @@ fn read_all(port: u16, body: &str) -> Result<Vec<u8>, Failure> {
     Ok(out)
 }
 
-/// (status, body) of a GET.
-fn get(port: u16, path: &str) -> (u16, String) {
+/// (status, body) of a GET; status 0 when the server could not be reached.
+pub(super) fn get(port: u16, path: &str) -> (u16, String) {
     let Ok(mut tcp) = TcpStream::connect(("127.0.0.1", port)) else {
         return (0, String::new());
     };

@@ -222,7 +222,13 @@ struct Beyond {
 /// (the compute buffer's pages a longer prompt first touched, say) counts as the rest, so the
 /// rest may be overstated, never understated.
 fn beyond_the_model(port: u16, rss_kib: u64) -> Result<Beyond, Failure> {
-    let metrics = get(port, "/metrics")?;
+    let (status, metrics) = super::inproc::get(port, "/metrics");
+    if status != 200 {
+        return Err(Failure::new(
+            format!("GET /metrics of the inproc arm answered {status}"),
+            "run the arm by hand",
+        ));
+    }
     let gauge = |line: &str, name: &str| {
         line.strip_prefix(name)
             .and_then(|rest| rest.trim().parse::<u64>().ok())
@@ -250,24 +256,6 @@ fn beyond_the_model(port: u16, rss_kib: u64) -> Result<Beyond, Failure> {
         model_kib: model / 1024,
         buffers: buffers.join(", "),
     })
-}
-
-/// A GET's body (HTTP/1.1, Connection: close).
-fn get(port: u16, path: &str) -> Result<String, Failure> {
-    let broke =
-        |e: std::io::Error| Failure::new(format!("GET {path} failed: {e}"), "run the arm by hand");
-    let mut tcp = TcpStream::connect(("127.0.0.1", port)).map_err(broke)?;
-    write!(
-        tcp,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(broke)?;
-    let mut reply = String::new();
-    tcp.read_to_string(&mut reply).map_err(broke)?;
-    Ok(reply
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_string())
-        .unwrap_or_default())
 }
 
 /// Concurrent streams in the second part (and slots of every arm there).
