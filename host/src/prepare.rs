@@ -388,8 +388,12 @@ fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
     Ok(exit::OK)
 }
 
-/// Reserve `n` free loopback ports outside Lemonade's range. The kernel picks each; they are
-/// released just before the backends bind them.
+/// The listening sockets that hold the reserved ports until the backends are about to start.
+static HELD_PORTS: std::sync::Mutex<Vec<StdListener>> = std::sync::Mutex::new(Vec::new());
+
+/// Reserve `n` free loopback ports outside Lemonade's range. The kernel picks each, and serve
+/// keeps listening on them ([`release_ports`] lets go) so that nothing else on the machine is
+/// handed one of them while the plan is made and checked.
 fn reserve_ports(n: usize) -> Result<Vec<u16>, Fatal> {
     let mut held = Vec::new();
     let mut ports = Vec::new();
@@ -413,5 +417,39 @@ fn reserve_ports(n: usize) -> Result<Vec<u16>, Fatal> {
             "cannot reserve loopback ports outside 8001-9000",
         ));
     }
+    HELD_PORTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(held);
     Ok(ports)
+}
+
+/// Let go of the reserved ports: called right before the backends start, so the window in
+/// which another program could take one is the time a spawn takes.
+pub fn release_ports() {
+    HELD_PORTS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::*;
+
+    #[test]
+    fn reserved_ports_stay_taken_until_released() {
+        let ports = reserve_ports(2).unwrap();
+        for &port in &ports {
+            assert!(!LEMONADE_PORTS.contains(&port));
+            assert!(
+                StdListener::bind(("127.0.0.1", port)).is_err(),
+                "port {port} was free before the release"
+            );
+        }
+        release_ports();
+        for &port in &ports {
+            assert!(
+                StdListener::bind(("127.0.0.1", port)).is_ok(),
+                "port {port} is free after the release"
+            );
+        }
+    }
 }

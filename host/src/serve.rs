@@ -243,6 +243,7 @@ async fn supervise(
     };
     let (events_tx, mut events) = unbounded_channel();
     let mut backends: Vec<Backend> = Vec::new();
+    crate::prepare::release_ports();
     let specs = placed
         .iter()
         .flat_map(|(route, plan)| plan.backends.iter().map(move |spec| (route, spec)));
