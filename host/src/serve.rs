@@ -300,7 +300,7 @@ async fn supervise(
     tokio::select! {
         _ = ready => {}
         event = events.recv() => {
-            return fail(event, &backends, app, &devices, grace).await;
+            return fail(event, Loading::Yes, &backends, app, &devices, grace).await;
         }
         _ = sigterm.recv() => return stop(&backends, grace, "SIGTERM").await,
         _ = sigint.recv() => return stop(&backends, grace, "SIGINT").await,
@@ -377,7 +377,7 @@ async fn supervise(
         line = port_taken(&backends) => Ended::PortTaken(line),
     };
     let code = match ended {
-        Ended::Backend(event) => fail(event, &backends, app, &devices, grace).await,
+        Ended::Backend(event) => fail(event, Loading::No, &backends, app, &devices, grace).await,
         Ended::Signal(what) => {
             drain.run(what).await;
             stop(&backends, grace, what).await
@@ -477,18 +477,48 @@ async fn stop(backends: &[Backend], grace: Duration, what: &str) -> i32 {
     exit::OK
 }
 
+/// Whether the backends were still loading (not yet all ready) when one failed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Loading {
+    Yes,
+    No,
+}
+
+/// The line after a backend's crash line when it crashed while loading: a SIGSEGV or SIGILL
+/// there is what a llama.cpp build that does not suit this CPU does (AMX, or a cache built on
+/// another machine; docs/setup.md).
+fn crash_at_load_hint(how: &str, program: &str) -> Option<String> {
+    let signal = ["SIGSEGV", "SIGILL"]
+        .into_iter()
+        .find(|signal| how == format!("was killed by {signal}"))?;
+    Some(format!(
+        "{program} crashed with {signal} before it was ready, which is what a llama.cpp build that does not suit this CPU does: rebuild it on this machine (`cargo xtask setup` rebuilds the one it installed; docs/setup.md) or pass --llama-server a build made here"
+    ))
+}
+
 /// A backend exited or the route asked to stop: say so, stop the rest, exit 1.
 async fn fail(
     event: Option<Event>,
+    loading: Loading,
     backends: &[Backend],
     app: &Arc<App>,
     devices: &[String],
     grace: Duration,
 ) -> i32 {
     let device = |index: usize| devices.get(index).map(String::as_str).unwrap_or("");
+    let mut hint = None;
     let message = match event {
         Some(Event::Exited { index, how }) => {
             let b = &backends[index];
+            if loading == Loading::Yes {
+                let program = b.spec.argv.first().map_or(b.spec.engine.as_str(), |p| {
+                    std::path::Path::new(p)
+                        .file_name()
+                        .and_then(|name| name.to_str())
+                        .unwrap_or(p)
+                });
+                hint = crash_at_load_hint(&how, program);
+            }
             let last = b
                 .tail()
                 .pop()
@@ -526,6 +556,9 @@ async fn fail(
     };
     app.set_status(Status::Failed(message.clone()));
     eprintln!("1bit serve: {message}");
+    if let Some(hint) = hint {
+        eprintln!("1bit serve: {hint}");
+    }
     for line in supervisor::stop_all(backends, grace).await {
         eprintln!("1bit serve: {line}");
     }

@@ -191,6 +191,52 @@ fn a_backend_that_exits_on_its_own_ends_serve_with_status_1_saying_how() {
 }
 
 #[test]
+fn a_backend_that_crashes_while_loading_gets_the_rebuild_hint_and_one_that_crashes_later_does_not()
+{
+    let dir = temp_dir("crash-at-load");
+    let model = dummy_model(&dir, "m.gguf");
+    let hint =
+        "before it was ready, which is what a llama.cpp build that does not suit this CPU does";
+    for signal in ["SEGV", "ILL"] {
+        let mut serve = Serve::with_fake(
+            &model,
+            &[],
+            &[
+                ("FAKE_LOAD_MS", "20000"),
+                ("FAKE_EXIT_AFTER_MS", "300"),
+                ("FAKE_EXIT_SIGNAL", signal),
+            ],
+        );
+        let exit = serve.wait_exit(SECS(10)).expect("serve exits");
+        assert_eq!(exit.code(), Some(1));
+        let output = serve.output();
+        let crash = output
+            .lines()
+            .position(|l| l.contains(&format!("was killed by SIG{signal}")))
+            .unwrap_or_else(|| panic!("no crash line: {output}"));
+        let next = output.lines().nth(crash + 1).unwrap_or_default();
+        assert!(
+            next.starts_with("1bit serve: fake-backend crashed with SIG")
+                && next.contains(hint)
+                && next.contains("cargo xtask setup"),
+            "the line after the crash line: {next:?}\n{output}"
+        );
+    }
+
+    // A crash after ready is not a build that cannot run here: no hint.
+    let mut serve = Serve::with_fake(
+        &model,
+        &[],
+        &[("FAKE_EXIT_AFTER_MS", "1500"), ("FAKE_EXIT_SIGNAL", "SEGV")],
+    );
+    serve.ready();
+    let exit = serve.wait_exit(SECS(10)).expect("serve exits");
+    assert_eq!(exit.code(), Some(1));
+    assert!(serve.output().contains("was killed by SIGSEGV"));
+    assert!(!serve.output().contains(hint), "{}", serve.output());
+}
+
+#[test]
 fn sigterm_stops_serve_and_its_backend_within_the_grace() {
     let dir = temp_dir("sigterm");
     let model = dummy_model(&dir, "m.gguf");

@@ -191,7 +191,49 @@ impl Pins {
 
 #[cfg(test)]
 mod tests {
-    use super::Model;
+    use super::{Model, Pins};
+    use std::path::Path;
+    use std::process::Command;
+
+    /// What the compiler defines for a Sapphire Rapids CPU (it has AMX) with `extra` flags.
+    fn sapphire_rapids_macros(extra: &[&str]) -> String {
+        let output = Command::new("cc")
+            .args(extra)
+            .args(["-march=sapphirerapids", "-dM", "-E", "-x", "c", "/dev/null"])
+            .output()
+            .expect("cc runs");
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    }
+
+    /// ggml compiles its AMX matmul (`ggml-cpu/amx/`) only under `__AMX_INT8__`; the pinned
+    /// llama.cpp crashes in it (docs/setup.md), so both builds' C and C++ flags must undefine it
+    /// on a CPU that has it, with `-march=native` before or after them.
+    #[test]
+    fn both_builds_compile_the_amx_path_out_on_a_cpu_with_amx() {
+        let pins =
+            Pins::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../third_party/pins.json"))
+                .unwrap();
+        assert!(sapphire_rapids_macros(&[]).contains("#define __AMX_INT8__ 1"));
+        for (build, flags) in [
+            ("static", &pins.llama_cpp.cmake_flags),
+            ("shared", &pins.llama_cpp.shared.cmake_flags),
+        ] {
+            for language in ["CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS"] {
+                let prefix = format!("-D{language}=");
+                let value = flags
+                    .iter()
+                    .find_map(|flag| flag.strip_prefix(&prefix))
+                    .unwrap_or_else(|| panic!("the {build} build sets no {language}"));
+                let macros = sapphire_rapids_macros(&value.split(' ').collect::<Vec<_>>());
+                assert!(
+                    !macros.contains("__AMX_INT8__") && !macros.contains("__AMX_TILE__"),
+                    "the {build} build's {language} ({value}) leaves AMX on"
+                );
+                assert!(macros.contains("__AVX512F__"), "the rest stays native");
+            }
+        }
+    }
 
     const SHA: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 

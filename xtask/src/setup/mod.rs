@@ -1,8 +1,10 @@
 //! `cargo xtask setup`: installs the pinned llama-server and models into the cache, or confirms in well under a second that they are there.
 
+mod build_target;
 mod llama_cpp;
 mod models;
 pub mod openai_sdk;
+mod self_test;
 
 use std::fs::{self, File, TryLockError};
 use std::io::{self, Read, Write};
@@ -13,6 +15,7 @@ use sha2::{Digest, Sha256};
 
 use crate::cache::temp_sibling;
 use crate::{Failure, Workspace, process};
+use build_target::BuildTarget;
 
 /// What setup installed, for the subcommands that run it first.
 pub struct Installed {
@@ -40,17 +43,22 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
         )
     })?;
     let _lock = lock(&layout.cache_dir.join(".setup.lock"))?;
-    let llama_server = llama_cpp::ensure(&ws.pins.llama_cpp, layout)?;
-    let llama_lib_dir = llama_cpp::ensure_shared(&ws.pins.llama_cpp, layout)?;
-    let models = ws
+    // The models first: the builds' self-test decodes with the default one.
+    let models: Vec<PathBuf> = ws
         .pins
         .models
         .iter()
-        .map(|model| models::ensure(model, layout));
+        .map(|model| models::ensure(model, layout))
+        .collect::<Result<_, _>>()?;
+    let default_model = layout.model(ws.pins.default_model());
+    let here = BuildTarget::of_this_machine()?;
+    let llama_server = llama_cpp::ensure(&ws.pins.llama_cpp, layout, &here, &default_model)?;
+    let llama_lib_dir =
+        llama_cpp::ensure_shared(&ws.pins.llama_cpp, layout, &here, &default_model)?;
     let installed = Installed {
         llama_server,
         llama_lib_dir,
-        models: models.collect::<Result<_, _>>()?,
+        models,
         openai_python: openai_sdk::ensure(layout)?,
     };
     ensure_prometheus_parser()?;
