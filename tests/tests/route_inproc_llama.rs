@@ -95,21 +95,6 @@ fn chat(serve: &Serve, question: &str) -> String {
         .to_string()
 }
 
-/// llama-server set up as the add-on sets llama.cpp up: one slot of 2048 cells, its own KV (no
-/// unified pool), two threads. llama-server's default (`-np auto`: 4 slots in one unified pool)
-/// computes attention over another cache layout, which on some CPUs (AVX-512 seen) flips a
-/// near-tie in a greedy choice; the comparison is like with like on every CPU.
-const CPU_AS_INPROC: [&str; 7] = [
-    "--ctx-size",
-    "2048",
-    "--parallel",
-    "1",
-    "--",
-    "--threads",
-    "2",
-];
-const INPROC_AS_CPU: [&str; 4] = ["--parallel", "1", "--route-opt", "threads=2"];
-
 fn greedy(prompt: &str) -> serde_json::Value {
     serde_json::json!({"prompt": prompt, "temperature": 0, "max_tokens": 24})
 }
@@ -120,7 +105,7 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
         return;
     }
     let (expected, expected_chats): (Vec<String>, Vec<String>) = {
-        let cpu = serve_smollm2(&CPU_AS_INPROC);
+        let cpu = serve_smollm2(&["--ctx-size", "2048"]);
         let texts = PROMPTS
             .iter()
             .map(|p| {
@@ -133,7 +118,7 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
         let chats = QUESTIONS.iter().map(|q| chat(&cpu, q)).collect();
         (texts, chats)
     };
-    let serve = serve_inproc(&INPROC_AS_CPU, &[]);
+    let serve = serve_inproc(&[], &[]);
     // Loaded: one warm-up decode before any request, as llama-server warms up; llama.cpp's
     // KV buffer is what serve's memory check sized for ctx 2048 (30 layers x 3 KV heads x 64
     // x K and V x 2 bytes x 2048 cells); the model's load shows in serve's RSS.
@@ -212,7 +197,7 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
     }
     let model = installed_model("gemma-3-270m-Q4_K_M.gguf");
     let expected: Vec<String> = {
-        let cpu = serve_cpu(&model, &CPU_AS_INPROC);
+        let cpu = serve_cpu(&model, &["--ctx-size", "2048"]);
         PROMPTS
             .iter()
             .map(|p| {
@@ -223,7 +208,7 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
             })
             .collect()
     };
-    let serve = serve_inproc_model(&model, &INPROC_AS_CPU, &[]);
+    let serve = serve_inproc_model(&model, &[], &[]);
     for (prompt, expected) in PROMPTS.iter().zip(&expected) {
         let reply = completion(&serve, greedy(prompt));
         assert_eq!(
