@@ -487,12 +487,11 @@ enum Loading {
 /// The line after a backend's crash line when it crashed while loading: a SIGSEGV or SIGILL
 /// there is what a llama.cpp build that does not suit this CPU does (AMX, or a cache built on
 /// another machine; docs/setup.md).
-fn crash_at_load_hint(how: &str, program: &str) -> Option<String> {
-    let signal = ["SIGSEGV", "SIGILL"]
-        .into_iter()
-        .find(|signal| how == format!("was killed by {signal}"))?;
+fn crash_at_load_hint(signal: Option<Signal>, program: &str) -> Option<String> {
+    let signal = signal.filter(|signal| matches!(signal, Signal::SIGSEGV | Signal::SIGILL))?;
     Some(format!(
-        "{program} crashed with {signal} before it was ready, which is what a llama.cpp build that does not suit this CPU does: rebuild it on this machine (`cargo xtask setup` rebuilds the one it installed; docs/setup.md) or pass --llama-server a build made here"
+        "{program} crashed with {} before it was ready, which is what a llama.cpp build that does not suit this CPU does: rebuild it on this machine (`cargo xtask setup` rebuilds the one it installed; docs/setup.md) or pass --llama-server a build made here",
+        signal.as_str()
     ))
 }
 
@@ -508,7 +507,7 @@ async fn fail(
     let device = |index: usize| devices.get(index).map(String::as_str).unwrap_or("");
     let mut hint = None;
     let message = match event {
-        Some(Event::Exited { index, how }) => {
+        Some(Event::Exited { index, how, signal }) => {
             let b = &backends[index];
             if loading == Loading::Yes {
                 let program = b.spec.argv.first().map_or(b.spec.engine.as_str(), |p| {
@@ -517,7 +516,7 @@ async fn fail(
                         .and_then(|name| name.to_str())
                         .unwrap_or(p)
                 });
-                hint = crash_at_load_hint(&how, program);
+                hint = crash_at_load_hint(signal, program);
             }
             let last = b
                 .tail()

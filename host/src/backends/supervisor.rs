@@ -21,8 +21,13 @@ const TAIL_LINES: usize = 40;
 /// Something that happened to a backend, for serve's main loop.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// The backend exited; `how` says how ("exited with status 1", "was killed by SIGSEGV").
-    Exited { index: usize, how: String },
+    /// The backend exited; `how` says how ("exited with status 1", "was killed by SIGSEGV"),
+    /// and `signal` is the signal that killed it, if one did.
+    Exited {
+        index: usize,
+        how: String,
+        signal: Option<Signal>,
+    },
     /// The route asked serve to stop, for this reason (a lost GPU, say).
     RouteStop { index: usize, reason: String },
     /// The progress watchdog judged the backend hung; `line` is the first line of its report.
@@ -150,12 +155,15 @@ pub fn spawn(
         std::thread::Builder::new()
             .name(format!("backend-{index}-wait"))
             .spawn(move || {
-                let how = match child.wait() {
-                    Ok(status) => describe_exit(status),
-                    Err(e) => format!("could not be waited for ({e})"),
+                let (how, signal) = match child.wait() {
+                    Ok(status) => (
+                        describe_exit(status),
+                        status.signal().and_then(|sig| Signal::try_from(sig).ok()),
+                    ),
+                    Err(e) => (format!("could not be waited for ({e})"), None),
                 };
                 exited.store(true, Ordering::SeqCst);
-                let _ = events.send(Event::Exited { index, how });
+                let _ = events.send(Event::Exited { index, how, signal });
             })?;
     }
     Ok(Backend {
