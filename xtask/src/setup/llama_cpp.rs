@@ -68,23 +68,27 @@ fn read_stamp(path: &Path) -> Option<Stamp> {
         .and_then(|text| serde_json::from_slice::<Stamp>(&text).ok())
 }
 
-/// Acts on a [`Verdict`] other than reuse: says why a tree is removed, and removes it.
-fn clear_if_foreign(verdict: &Verdict, build: &Path) -> Result<(), Failure> {
-    if let Verdict::BuildFromScratch(why) = verdict {
-        println!(
-            "the llama.cpp build in {} cannot be trusted on this machine ({why}): building it again from scratch",
-            build.display()
-        );
-        if build.exists() {
-            fs::remove_dir_all(build).map_err(|err| {
-                Failure::new(
-                    format!("cannot remove {}: {err}", build.display()),
-                    "remove it yourself, then rerun `cargo xtask setup`",
-                )
-            })?;
-        }
-    }
-    Ok(())
+/// Acts on a [`Verdict`] other than reuse: says why a tree is removed, and removes it with
+/// its stamp, so a rebuild that then fails its self-test is resumed next time, not redone.
+fn clear_if_foreign(verdict: &Verdict, build: &Path, stamp: &Path) -> Result<(), Failure> {
+    let Verdict::BuildFromScratch(why) = verdict else {
+        return Ok(());
+    };
+    println!(
+        "the llama.cpp build in {} cannot be trusted on this machine ({why}): building it again from scratch",
+        build.display()
+    );
+    let removed = match fs::remove_file(stamp) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => Err((stamp, err)),
+        _ if build.exists() => fs::remove_dir_all(build).map_err(|err| (build, err)),
+        _ => Ok(()),
+    };
+    removed.map_err(|(path, err)| {
+        Failure::new(
+            format!("cannot remove {}: {err}", path.display()),
+            "remove it yourself, then rerun `cargo xtask setup`",
+        )
+    })
 }
 
 /// What to tell a user whose build failed its self-test.
@@ -146,7 +150,7 @@ pub fn ensure(
     }
     let build = layout.build_dir();
     wait_for_running_build(&build);
-    clear_if_foreign(&verdict, &build)?;
+    clear_if_foreign(&verdict, &build, &layout.llama_cpp_stamp())?;
     let cmake = find_cmake(layout)?;
     if is_configured(&build, &source, &pins.cmake_flags) {
         println!(
@@ -225,7 +229,7 @@ pub fn ensure_shared(
     let source = layout.source_dir();
     let build = layout.shared_build_dir();
     wait_for_running_build(&build);
-    clear_if_foreign(&verdict, &build)?;
+    clear_if_foreign(&verdict, &build, &stamp_path)?;
     let cmake = find_cmake(layout)?;
     if !is_configured(&build, &source, &shared.cmake_flags) {
         println!(
@@ -662,6 +666,32 @@ mod tests {
             judge(Some(&carried), &here),
             Verdict::BuildFromScratch(_)
         ));
+    }
+
+    #[test]
+    fn building_from_scratch_removes_the_tree_and_its_stamp_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("onebit-clear-{}", std::process::id()));
+        let (build, stamp, kept) = (
+            dir.join("build"),
+            dir.join("installed.json"),
+            dir.join("bin"),
+        );
+        for folder in [&build, &kept] {
+            fs::create_dir_all(folder).unwrap();
+        }
+        fs::write(build.join("CMakeCache.txt"), "").unwrap();
+        fs::write(&stamp, "{}").unwrap();
+        clear_if_foreign(&Verdict::Build, &build, &stamp).unwrap();
+        assert!(
+            build.exists() && stamp.exists(),
+            "a resumed build keeps its tree"
+        );
+        let verdict = Verdict::BuildFromScratch("another CPU".to_owned());
+        clear_if_foreign(&verdict, &build, &stamp).unwrap();
+        assert!(!build.exists() && !stamp.exists() && kept.exists());
+        // Again, with nothing left to remove: not an error.
+        clear_if_foreign(&verdict, &build, &stamp).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
