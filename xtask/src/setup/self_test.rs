@@ -41,13 +41,8 @@ pub fn prove_llama_server(llama_server: &Path, model: &Path, redo: &str) -> Resu
     let reply = running.answer(addr)?;
     running.stop();
     if !reply.contains(ANSWER) {
-        return Err(Failure::new(
-            format!(
-                "self-test: {} answered {reply:?} to {QUESTION:?}, not {ANSWER:?}",
-                llama_server.display()
-            ),
-            format!("the build computes wrong results on this CPU; {redo}"),
-        ));
+        let said = format!("answered {reply:?} to {QUESTION:?}");
+        return Err(wrong_answer(llama_server, &said, "the build", redo));
     }
     println!(
         "self-test: llama-server answered {:?} in {:.1} s",
@@ -87,12 +82,12 @@ pub fn prove_shared_libs(
         .unwrap_or(stdout.trim())
         .trim();
     if !continuation.contains(ANSWER) {
-        return Err(Failure::new(
-            format!(
-                "self-test: {} continued {PROMPT:?} with {continuation:?}, not {ANSWER:?}",
-                llama_simple.display()
-            ),
-            format!("the shared libraries compute wrong results on this CPU; {redo}"),
+        let said = format!("continued {PROMPT:?} with {continuation:?}");
+        return Err(wrong_answer(
+            llama_simple,
+            &said,
+            "the shared libraries",
+            redo,
         ));
     }
     println!(
@@ -101,6 +96,15 @@ pub fn prove_shared_libs(
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The line for a program that ran but did not answer [`ANSWER`]: what it `said`, and that
+/// `which` (the build, the shared libraries) computes wrong results here.
+fn wrong_answer(program: &Path, said: &str, which: &str, redo: &str) -> Failure {
+    Failure::new(
+        format!("self-test: {} {said}, not {ANSWER:?}", program.display()),
+        format!("{which} computes wrong results on this CPU; {redo}"),
+    )
 }
 
 /// A program under test: its process, the last lines of its stderr, and what to tell the user.
