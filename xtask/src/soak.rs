@@ -78,6 +78,15 @@ impl Kind {
     }
 }
 
+/// One sample of serve's process: seconds into the run, RSS (KiB), open descriptors, threads.
+#[derive(Clone, Copy)]
+struct Sample {
+    at_s: f64,
+    rss_kib: u64,
+    fds: u64,
+    threads: u64,
+}
+
 /// One request's outcome.
 struct Outcome {
     kind: Kind,
@@ -187,7 +196,7 @@ pub fn soak(ws: &Workspace, minutes: f64) -> Result<bool, Failure> {
     let deadline = Instant::now() + run_for;
     let fault = Arc::new(AtomicBool::new(false));
     let outcomes = Arc::new(Mutex::new(Vec::<Outcome>::new()));
-    let samples = Arc::new(Mutex::new(Vec::<(f64, u64, u64, u64)>::new()));
+    let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let sample_every = if minutes <= 2.0 {
         Duration::from_secs(5)
     } else {
@@ -198,11 +207,13 @@ pub fn soak(ws: &Workspace, minutes: f64) -> Result<bool, Failure> {
         let samples = samples.clone();
         std::thread::spawn(move || {
             while Instant::now() < deadline {
-                if let Some(s) = sample(pid) {
-                    samples
-                        .lock()
-                        .unwrap()
-                        .push((start.elapsed().as_secs_f64(), s.0, s.1, s.2));
+                if let Some((rss_kib, fds, threads)) = sample(pid) {
+                    samples.lock().unwrap().push(Sample {
+                        at_s: start.elapsed().as_secs_f64(),
+                        rss_kib,
+                        fds,
+                        threads,
+                    });
                 }
                 std::thread::sleep(sample_every);
             }
@@ -282,7 +293,7 @@ pub fn soak(ws: &Workspace, minutes: f64) -> Result<bool, Failure> {
 fn report(
     minutes: f64,
     outcomes: &[Outcome],
-    samples: &[(f64, u64, u64, u64)],
+    samples: &[Sample],
     stop_s: f64,
     left: &[u32],
 ) -> bool {
@@ -327,34 +338,42 @@ fn report(
             }
         );
     }
+    let faulted = outcomes
+        .iter()
+        .filter(|o| o.in_fault && matches!(o.status, 502 | 503))
+        .count();
+    let in_fault = outcomes.iter().filter(|o| o.in_fault).count();
+    println!(
+        "  {in_fault} request(s) met the SIGSTOP window; {faulted} of them answered 502/503 (allowed there)"
+    );
     // Warm-up: the first minute, or the first third of a short run.
     let warm = (minutes * 60.0 / 3.0).min(60.0);
-    let after: Vec<&(f64, u64, u64, u64)> = samples.iter().filter(|s| s.0 >= warm).collect();
-    let slope = |f: &dyn Fn(&(f64, u64, u64, u64)) -> f64| -> f64 {
+    let after: Vec<&Sample> = samples.iter().filter(|s| s.at_s >= warm).collect();
+    let slope = |f: &dyn Fn(&Sample) -> f64| -> f64 {
         let n = after.len() as f64;
         if n < 2.0 {
             return 0.0;
         }
-        let mx = after.iter().map(|s| s.0).sum::<f64>() / n;
+        let mx = after.iter().map(|s| s.at_s).sum::<f64>() / n;
         let my = after.iter().map(|s| f(s)).sum::<f64>() / n;
-        let num: f64 = after.iter().map(|s| (s.0 - mx) * (f(s) - my)).sum();
-        let den: f64 = after.iter().map(|s| (s.0 - mx).powi(2)).sum();
+        let num: f64 = after.iter().map(|s| (s.at_s - mx) * (f(s) - my)).sum();
+        let den: f64 = after.iter().map(|s| (s.at_s - mx).powi(2)).sum();
         if den == 0.0 { 0.0 } else { num / den * 60.0 }
     };
-    let growth = |f: &dyn Fn(&(f64, u64, u64, u64)) -> u64| -> i64 {
+    let growth = |f: &dyn Fn(&Sample) -> u64| -> i64 {
         match (after.first(), after.last()) {
             (Some(first), Some(last)) => f(last) as i64 - f(first) as i64,
             _ => 0,
         }
     };
-    let rss_growth = growth(&|s| s.1);
-    let fd_growth = growth(&|s| s.2);
+    let rss_growth = growth(&|s| s.rss_kib);
+    let fd_growth = growth(&|s| s.fds);
     println!(
         "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB; limit {GROWTH_LIMIT_KIB}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), threads {}",
         after.len(),
-        slope(&|s| s.1 as f64),
-        slope(&|s| s.2 as f64),
-        after.last().map(|s| s.3).unwrap_or(0)
+        slope(&|s| s.rss_kib as f64),
+        slope(&|s| s.fds as f64),
+        after.last().map(|s| s.threads).unwrap_or(0)
     );
     println!("  stop: SIGTERM to exit {stop_s:.2} s; processes left: {left:?}");
     let met = unexpected_total == 0
