@@ -193,7 +193,7 @@ pub async fn stop_all(backends: &[Backend], grace: Duration) -> Vec<String> {
         .filter_map(|(b, stopped)| match stopped {
             Stopped::Exited => None,
             Stopped::Killed => Some(format!(
-                "the {} backend (pid {}) did not stop within {} s of SIGTERM; it was killed",
+                "the {} backend (pid {}) did not stop within {} s of SIGTERM; killing it",
                 b.spec.engine,
                 b.pid,
                 grace.as_secs_f64()

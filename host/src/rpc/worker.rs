@@ -209,7 +209,7 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
         eprintln!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
         if stop(&child, STOP_GRACE).await != process::Stopped::Exited {
             eprintln!(
-                "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; it was killed",
+                "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
                 STOP_GRACE.as_secs()
             );
         }
