@@ -1,13 +1,14 @@
 //! `1bit`: serve one local model behind an OpenAI-compatible API.
 //!
-//! `unsafe` is denied in this crate; the one exception is the pre-exec hook that makes a
-//! backend die with serve (`backends::supervisor::die_with_serve`), which has no safe equivalent.
+//! `unsafe` is denied in this crate. Every process serve starts is started by
+//! `onebit_plugin_api::process` (the one spawner: parent-death signal, own process group, one
+//! stop sequence), whose pre-exec hook is the only unsafe code it needs.
 //!
 //! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
 //! rooms below it: `serve`, `prepare`, `plugin_check` > `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
 //! `backends` > `guard`, `admission`, `settings`, `model`, `routes` > `llama_server_cli` >
 //! `error`, `cli` (docs/architecture.md).
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod admission;
 mod backends;
@@ -25,6 +26,7 @@ mod prepare;
 mod relay;
 mod routes;
 mod rpc;
+mod run_dir;
 mod serve;
 mod settings;
 

@@ -95,7 +95,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     } else {
         reserve_ports(4)?
     };
-    let run_dir = std::env::temp_dir().join(format!("1bit-serve-{}", std::process::id()));
+    let run_dir = crate::run_dir::for_this_serve(&std::env::temp_dir());
     let request = PlanRequest {
         purpose: if printing {
             Purpose::PrintBackend

@@ -26,6 +26,7 @@ use crate::laya::start::Placed;
 use crate::metrics;
 use crate::prepare::{Prepared, ServePlan, prepare};
 use crate::relay::{App, pool};
+use crate::run_dir;
 use crate::settings::{self, Settings};
 
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
@@ -123,6 +124,19 @@ async fn serve_plan(p: ServePlan) -> i32 {
         eprintln!(
             "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
         );
+    }
+    if let Some(tmp) = run_dir.parent() {
+        let tmp = tmp.to_path_buf();
+        let removed =
+            tokio::task::spawn_blocking(move || run_dir::remove_stale(&tmp, Path::new("/proc")))
+                .await
+                .unwrap_or_default();
+        for dir in removed {
+            eprintln!(
+                "1bit serve: removed {}, left by a serve that is gone",
+                dir.display()
+            );
+        }
     }
     if let Err(e) = std::fs::create_dir_all(&run_dir) {
         return say_fatal(&Fatal::backend(format!(

@@ -11,8 +11,13 @@
 //! appended to [`RouteMod`] after its last prefix field (a minor bump), so an older route simply
 //! lacks them and the host falls back to the documented default.
 //!
-//! `unsafe` is allowed in this crate alone, and only where abi_stable needs it.
+//! `unsafe` is allowed in this crate alone, and only where abi_stable needs it and in
+//! [`process`]'s pre-exec hook (the parent-death signal, which has no safe equivalent).
+//!
+//! [`process`] is not part of the ABI: the one way the host, a route and a program they start
+//! start a process (it dies with its starter), linked as ordinary Rust code.
 
+pub mod process;
 pub mod types;
 
 #[cfg(feature = "host")]
@@ -150,7 +155,15 @@ pub const SINK_BUFFER_BYTES: usize = 16 * SINK_CHUNK_BYTES;
 /// The host splits a larger `send` into chunks of this size.
 pub const SINK_CHUNK_BYTES: usize = 16 * 1024;
 
-/// Why a [`ReplySink`] call failed: the client went away, or the reply was already ended.
+/// The message of the [`SinkError`] every [`ReplySink::send`] returns once the host is
+/// stopping and the drain window (`--drain-s`) has ended: the request is being cut, as if the
+/// client had left. A zero-length `send` is a cheap way to ask (it fails then, and only then or
+/// when the client is gone). Hosts before this text failed the same sends with the client's
+/// message; a route that only stops on any error needs no change.
+pub const HOST_STOPPING: &str = "the host is stopping";
+
+/// Why a [`ReplySink`] call failed: the client went away, the host is stopping
+/// ([`HOST_STOPPING`]), or the reply was already ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SinkError {
     pub message: String,

@@ -365,6 +365,69 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// Every process below `pid` (its children, theirs, and so on), from /proc.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        for child in children_of(p) {
+            out.push(child);
+            next.push(child);
+        }
+    }
+    out
+}
+
+/// A process's command line, for a failure's message.
+pub fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// serve's temporary folder (`1bit-serve-PID` in the temporary directory).
+pub fn run_dir_of(pid: u32) -> PathBuf {
+    std::env::temp_dir().join(format!("1bit-serve-{pid}"))
+}
+
+/// `kill -9` of `serve` with everything below it recorded first; then: no process of that tree
+/// is alive 2 s later, and the next serve that starts removes the dead one's temporary folder.
+/// Panics with the survivors' command lines, or the folder, otherwise.
+pub fn kill9_leaves_nothing(mut serve: Serve) {
+    let tree = descendants(serve.pid());
+    let run_dir = run_dir_of(serve.pid());
+    assert!(run_dir.is_dir(), "serve made no {}", run_dir.display());
+    serve.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = serve.wait_exit(Duration::from_secs(2));
+    let gone = wait_until(Duration::from_secs(2), || tree.iter().all(|p| !alive(*p)));
+    let left: Vec<String> = tree
+        .iter()
+        .filter(|p| alive(**p))
+        .map(|p| format!("{p}: {}", cmdline(*p)))
+        .collect();
+    for p in tree.iter().filter(|p| alive(**p)) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*p as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    assert!(
+        gone,
+        "alive 2 s after kill -9 of serve:\n{}",
+        left.join("\n")
+    );
+    let dir = temp_dir("next-serve");
+    let model = dummy_model(&dir, "next.gguf");
+    let next = Serve::with_fake(&model, &[], &[]);
+    next.ready();
+    assert!(
+        !run_dir.exists(),
+        "the next serve left {} in place:\n{}",
+        run_dir.display(),
+        next.output()
+    );
+}
+
 /// Established TCP connections on this machine whose remote end is 127.0.0.1:`port`.
 pub fn connections_to(port: u16) -> usize {
     let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
@@ -617,6 +680,8 @@ pub enum LemonadeAnswer {
     Status(u16, String),
     /// 200 with an empty content.
     Empty,
+    /// The request is read and recorded, and no answer comes for 30 s (a delegation in flight).
+    Hold,
 }
 
 /// A stand-in for Lemonade's chat route, for `--pm`: a loopback HTTP/1.1 server on a thread
@@ -709,6 +774,10 @@ fn lemonade_reply(
         serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
     ));
     let (status, reply) = match answer {
+        LemonadeAnswer::Hold => {
+            std::thread::sleep(Duration::from_secs(30));
+            return;
+        }
         LemonadeAnswer::Text(text) => (
             200,
             serde_json::json!({"choices": [{"index": 0, "finish_reason": "stop",

@@ -60,7 +60,7 @@ impl Fixture<'_> {
             api.join("Cargo.toml"),
             format!(
                 "[package]\nname = \"onebit-plugin-api\"\nversion = \"{version}\"\nedition = \"2024\"\n\n\
-                 [dependencies]\nabi_stable = \"0.11.3\"\nsemver = \"1\"\n\
+                 [dependencies]\nabi_stable = \"0.11.3\"\nlibc = \"0.2\"\nsemver = \"1\"\n\
                  serde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n\
                  [features]\nhost = []\n"
             ),

@@ -11,6 +11,7 @@ mod pins;
 mod process;
 mod serve;
 mod setup;
+mod soak;
 mod test;
 
 use std::fmt;
@@ -28,7 +29,10 @@ usage: cargo xtask <subcommand>
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
   bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/); alone:
-                    inproc (the fixture route), inproc-llama (the inproc add-on against the hop)
+                    inproc (the fixture route), inproc-llama (the inproc add-on against the hop),
+                    stop (SIGTERM to exit on every kind of route, idle and streaming)
+  soak [--minutes N]  N minutes (20) of mixed traffic and faults against the cpu route; the
+                    report of outcomes, corrupted streams, RSS and FD slopes, what was left
   addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
   laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
   paths             print cache_dir, llama_server and model paths, one name=value per line
@@ -86,6 +90,7 @@ fn main() -> ExitCode {
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
         Some("addon") => Workspace::load().and_then(|ws| addon::run(&ws, &rest)),
         Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
+        Some("soak") => Workspace::load().and_then(|ws| soak::run(&ws, &rest)),
         Some("laya-eval") => no_arguments("laya-eval", &rest)
             .and_then(|()| Workspace::load())
             .and_then(|ws| laya_eval::run(&ws)),

@@ -3,12 +3,13 @@
 use std::io::{BufRead, BufReader};
 use std::process::{ExitCode, Stdio};
 
-use crate::{Failure, Workspace, addon, bench, process, setup};
+use crate::{Failure, Workspace, addon, bench, process, setup, soak};
 
 /// Stops at the first failing check (fmt, clippy, setup, build); otherwise runs
 /// `cargo test --workspace --no-fail-fast [extra]`, then the hop regression check (`cargo
-/// xtask bench hop --quick`: serve's added keep-alive p50 at most twice nginx's), counted as
-/// one more test, and fails if either failed. The `N passed, N failed, N skipped` line is last.
+/// xtask bench hop --quick`: serve's added keep-alive p50 at most twice nginx's) and the
+/// one-minute soak (`cargo xtask soak --minutes 1`: its report's targets), each counted as one
+/// more test, and fails if any failed. The `N passed, N failed, N skipped` line is last.
 ///
 /// The tests find the installed llama-server and default model through
 /// `ONEBIT_TEST_LLAMA_SERVER` and `ONEBIT_TEST_MODEL`, the OpenAI SDK's python through
@@ -103,6 +104,25 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
             false
         }
     };
+    println!();
+    println!("==> soak, one minute: cargo xtask soak --minutes 1");
+    let soak_passed = match soak::soak(ws, 1.0) {
+        Ok(true) => {
+            totals.passed += 1;
+            true
+        }
+        Ok(false) => {
+            println!("soak FAILED: a target was missed (the report above)");
+            totals.failed += 1;
+            false
+        }
+        Err(failure) => {
+            println!("soak FAILED: could not run: {failure}");
+            totals.failed += 1;
+            false
+        }
+    };
+    let check_passed = check_passed && soak_passed;
     println!();
     // Named again next to the total, where a CI log's tail shows them.
     for name in &failed_tests {

@@ -1,17 +1,17 @@
-//! Backend processes: spawning them so they die with serve, passing their stderr through,
-//! noticing when they exit, and stopping them.
+//! Backend processes: starting them through the one spawner (`onebit_plugin_api::process`: they
+//! die with serve and lead their own process groups), passing their stderr through, noticing
+//! when they exit, and stopping them with its one stop sequence.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use onebit_plugin_api::loader::LoadedRoute;
+use onebit_plugin_api::process::{self, Process, Stopped};
 use onebit_plugin_api::{BackendLine, BackendSpec};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -38,13 +38,13 @@ pub enum Event {
 pub struct Backend {
     pub spec: BackendSpec,
     pub pid: u32,
-    exited: Arc<AtomicBool>,
+    process: Arc<Process>,
     tail: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl Backend {
     pub fn has_exited(&self) -> bool {
-        self.exited.load(Ordering::SeqCst)
+        self.process.has_exited()
     }
 
     /// The last lines it printed on stderr, oldest first.
@@ -55,54 +55,10 @@ impl Backend {
             .unwrap_or_default()
     }
 
-    /// Send `signal` to the backend's process group, unless it already exited.
+    /// Send `signal` to the backend's process group (it leads its own, so this reaches
+    /// anything it started).
     pub fn signal(&self, signal: Signal) {
-        if !self.has_exited() {
-            // The backend leads its own process group, so this reaches anything it started.
-            let _ = killpg(Pid::from_raw(self.pid as i32), signal);
-        }
-    }
-}
-
-type SpawnJob = (Command, mpsc::Sender<std::io::Result<Child>>);
-
-/// Linux sends a child's parent-death signal when the *thread* that forked it ends, so every
-/// backend is forked by one thread that lives as long as serve does.
-fn spawner() -> &'static Mutex<mpsc::Sender<SpawnJob>> {
-    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnJob>>> = OnceLock::new();
-    SPAWNER.get_or_init(|| {
-        let (jobs, queue) = mpsc::channel::<SpawnJob>();
-        std::thread::Builder::new()
-            .name("backend-spawner".into())
-            .spawn(move || {
-                for (mut command, reply) in queue {
-                    let _ = reply.send(command.spawn());
-                }
-            })
-            .expect("a thread can be started at start-up");
-        Mutex::new(jobs)
-    })
-}
-
-/// Make the child die with serve, even when serve is SIGKILLed, and put it in its own process
-/// group so a terminal's Ctrl-C reaches serve alone (serve then stops it in order).
-#[allow(unsafe_code)]
-pub(crate) fn die_with_serve(command: &mut Command) {
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (setpgid, prctl, getppid, _exit); it allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            libc::setpgid(0, 0);
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // serve may have died between fork and prctl; then nobody would kill us.
-            if libc::getppid() != parent {
-                libc::_exit(1);
-            }
-            Ok(())
-        });
+        self.process.signal_group(signal as i32);
     }
 }
 
@@ -130,19 +86,9 @@ pub fn spawn(
         }
     }
     command.envs(&spec.env_combined);
-    die_with_serve(&mut command);
-    let (reply, answer) = mpsc::channel();
-    spawner()
-        .lock()
-        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?
-        .send((command, reply))
-        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
-    let mut child = answer
-        .recv()
-        .map_err(|_| std::io::Error::other("the spawner thread is gone"))??;
+    let mut child = process::spawn(command)?;
 
-    let pid = child.id();
-    let exited = Arc::new(AtomicBool::new(false));
+    let pid = child.pid();
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
     if let Some(stderr) = child.stderr.take() {
         let (tail, route, events) = (tail.clone(), route.clone(), events.clone());
@@ -150,26 +96,26 @@ pub fn spawn(
             .name(format!("backend-{index}-stderr"))
             .spawn(move || pump_stderr(index, stderr, &tail, &route, &events))?;
     }
+    let process = Arc::new(child);
     {
-        let exited = exited.clone();
+        let process = process.clone();
         std::thread::Builder::new()
             .name(format!("backend-{index}-wait"))
             .spawn(move || {
-                let (how, signal) = match child.wait() {
+                let (how, signal) = match process.wait() {
                     Ok(status) => (
                         describe_exit(status),
                         status.signal().and_then(|sig| Signal::try_from(sig).ok()),
                     ),
                     Err(e) => (format!("could not be waited for ({e})"), None),
                 };
-                exited.store(true, Ordering::SeqCst);
                 let _ = events.send(Event::Exited { index, how, signal });
             })?;
     }
     Ok(Backend {
         spec: spec.clone(),
         pid,
-        exited,
+        process,
         tail,
     })
 }
@@ -237,35 +183,35 @@ pub fn describe_exit(status: ExitStatus) -> String {
     }
 }
 
-/// Stop every backend: SIGTERM, up to `grace` for them to exit, then SIGKILL. A backend that
-/// already exited costs no wait. Returns lines worth saying (a backend that had to be killed,
-/// or one that would not die).
+/// Stop every backend with the spawner's one sequence (SIGTERM to each group, up to `grace`,
+/// SIGKILL to the groups, reaped). A backend that already exited costs no wait. Returns lines
+/// worth saying (a backend that had to be killed, or one that would not die). Runs the
+/// sequence on a blocking thread.
 pub async fn stop_all(backends: &[Backend], grace: Duration) -> Vec<String> {
-    let mut said = Vec::new();
-    for b in backends {
-        b.signal(Signal::SIGTERM);
-    }
-    if wait_exited(backends, grace).await {
-        return said;
-    }
-    for b in backends.iter().filter(|b| !b.has_exited()) {
-        said.push(format!(
-            "the {} backend (pid {}) did not stop within {} s of SIGTERM; killing it",
-            b.spec.engine,
-            b.pid,
-            grace.as_secs()
-        ));
-        b.signal(Signal::SIGKILL);
-    }
-    if !wait_exited(backends, Duration::from_secs(5)).await {
-        for b in backends.iter().filter(|b| !b.has_exited()) {
-            said.push(format!(
+    let processes: Vec<Arc<Process>> = backends.iter().map(|b| b.process.clone()).collect();
+    let outcome = tokio::task::spawn_blocking(move || {
+        let refs: Vec<&Process> = processes.iter().map(Arc::as_ref).collect();
+        process::stop_all(&refs, grace)
+    })
+    .await
+    .unwrap_or_default();
+    backends
+        .iter()
+        .zip(outcome)
+        .filter_map(|(b, stopped)| match stopped {
+            Stopped::Exited => None,
+            Stopped::Killed => Some(format!(
+                "the {} backend (pid {}) did not stop within {} s of SIGTERM; killing it",
+                b.spec.engine,
+                b.pid,
+                grace.as_secs_f64()
+            )),
+            Stopped::Stuck => Some(format!(
                 "the {} backend (pid {}) did not die after SIGKILL (stuck in the kernel?); exiting anyway",
                 b.spec.engine, b.pid
-            ));
-        }
-    }
-    said
+            )),
+        })
+        .collect()
 }
 
 /// Wait until every backend exited, or `limit` passed; true when all exited.

@@ -1,7 +1,9 @@
 //! The stop that finishes what it started: on SIGTERM serve stops accepting, lets the requests
-//! in flight finish for a drain window (`--drain-s`), and only then stops its backends; a stream
-//! still going at the window's end is cut by its backend's stop, never ended with a `[DONE]`
-//! it did not get.
+//! in flight finish for a drain window (`--drain-s`), and at the window's end cuts what is still
+//! in flight itself (every connection closed, every in-process route's sink failing with
+//! `onebit_plugin_api::HOST_STOPPING`), so the backends it then stops are idle (llama-server sees its clients
+//! leave and cancels their tasks) and exit at once. A stream cut so is never ended with a
+//! `[DONE]` it did not get.
 
 use std::time::Duration;
 
@@ -26,7 +28,7 @@ impl Drain {
     }
 
     /// Stop accepting, then wait until every connection has finished its request in flight, or
-    /// the window ends. Returns when the backends may be stopped.
+    /// the window ends and what is left is cut. Returns when the backends may be stopped.
     pub async fn run(&mut self, what: &str) {
         let _ = self.shutdown.send(true);
         let Some(server) = self.server.as_mut() else {
@@ -44,8 +46,21 @@ impl Drain {
         } else {
             let left = crate::relay::busy_poll::in_flight();
             eprintln!(
-                "1bit serve: {what}: the drain window ended with {left} request(s) in flight; stopping the backends cuts them"
+                "1bit serve: {what}: the drain window ended with {left} request(s) in flight; cutting them"
             );
+            self.cut();
+            self.server = None;
+        }
+    }
+
+    /// Cut every request still in flight: in-process routes' sinks fail from now on, and the
+    /// listener task is aborted, which drops every connection task with it (their sockets
+    /// close, the client sees its reply end early, each relayed request's backend connection
+    /// closes). Does not wait.
+    fn cut(&mut self) {
+        crate::relay::in_process::host_stopping();
+        if let Some(server) = &self.server {
+            server.abort();
         }
     }
 

@@ -6,11 +6,14 @@
 //! apply exactly as for a relayed request, and the plan's served-name rewrites with them. Backpressure: the
 //! sink holds at most [`SINK_BUFFER_BYTES`] for the client, and the route's `send` blocks on it.
 //! Cancellation: a client that leaves drops the body, which closes the channel, and the route's
-//! next (or blocked) `send` fails at once. A failure or panic in the route is one line on
-//! stderr, a 500 before the head, a cut-off stream after it.
+//! next (or blocked) `send` fails at once. Stop: once serve's drain window ends
+//! ([`host_stopping`]), every `send` fails with [`HOST_STOPPING`] (a zero-length one too, so a
+//! route may ask), and the client's body is cut as on the relay. A failure or panic in the
+//! route is one line on stderr, a 500 before the head, a cut-off stream after it.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::body::Body;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -19,7 +22,8 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use onebit_plugin_api::loader::{LoadedRoute, RespondError};
 use onebit_plugin_api::{
-    ForwardRequest, NOT_IN_PROCESS, ReplySink, SINK_BUFFER_BYTES, SINK_CHUNK_BYTES, SinkError,
+    ForwardRequest, HOST_STOPPING, NOT_IN_PROCESS, ReplySink, SINK_BUFFER_BYTES, SINK_CHUNK_BYTES,
+    SinkError,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -33,6 +37,22 @@ const CUT_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// A body chunk, or the error that cuts the stream off.
 type Chunk = Result<Bytes, std::io::Error>;
+
+/// Set once, when serve's drain window ends: every sink fails from then on.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+/// Tell every in-process route that the host is stopping: each `send` from now on fails with
+/// [`HOST_STOPPING`]. Called by front's drain at the window's end; does not block.
+pub fn host_stopping() {
+    STOPPING.store(true, Ordering::SeqCst);
+}
+
+/// The error a route's `send` gets once the host is stopping.
+fn stopping_error() -> SinkError {
+    SinkError {
+        message: HOST_STOPPING.to_string(),
+    }
+}
 
 /// Answer one request through the route's `respond`. Called by the general engine on a
 /// runtime thread with the request's plan, its head and its body (already read and checked);
@@ -182,8 +202,12 @@ fn run_route(
     match route.respond(request, &mut sink) {
         Ok(()) => Ok(()),
         Err(RespondError::Lacking) => Err(Failure::Lacking),
-        Err(RespondError::Failed(_)) if sink.body.as_ref().is_some_and(|b| b.is_closed()) => {
-            // The client left and the route stopped, as it should: nothing to report.
+        Err(RespondError::Failed(_))
+            if STOPPING.load(Ordering::SeqCst)
+                || sink.body.as_ref().is_some_and(|b| b.is_closed()) =>
+        {
+            // The client left (or serve is stopping) and the route stopped, as it should:
+            // nothing to report.
             Ok(())
         }
         Err(RespondError::Failed(why)) => {
@@ -237,10 +261,22 @@ impl ReplySink for Sink {
         let body = self.body.as_ref().ok_or_else(|| SinkError {
             message: "the reply was already ended".to_string(),
         })?;
+        if STOPPING.load(Ordering::SeqCst) {
+            return Err(stopping_error());
+        }
+        if body.is_closed() {
+            return Err(gone());
+        }
         for chunk in bytes.chunks(SINK_CHUNK_BYTES) {
             // Blocks while the buffer is full; fails once the client dropped the body.
             body.blocking_send(Ok(Bytes::copy_from_slice(chunk)))
-                .map_err(|_| gone())?;
+                .map_err(|_| {
+                    if STOPPING.load(Ordering::SeqCst) {
+                        stopping_error()
+                    } else {
+                        gone()
+                    }
+                })?;
         }
         Ok(())
     }

@@ -8,11 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use onebit_plugin_api::process::{self, Process};
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::backends::supervisor::{describe_exit, die_with_serve};
+use crate::backends::supervisor::describe_exit;
 use crate::cli::WorkerArgs;
 use crate::error::exit;
 use crate::rpc::probe;
@@ -27,8 +26,8 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Run `1bit rpc-worker` on the main thread (which forks the worker, so the worker's
-/// parent-death signal stays armed for as long as this process lives) and return the exit
+/// Run `1bit rpc-worker` on the main thread (the worker is started by the one spawner, so it
+/// dies with this process and leads its own process group) and return the exit
 /// status: the worker's own when it exits by itself (128 + the signal when a signal killed
 /// it), 0 when it stopped because this process was told to stop, 1 when it never came up.
 pub fn run(args: WorkerArgs) -> i32 {
@@ -132,15 +131,14 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
     if let Ok(err) = std::io::stderr().as_fd().try_clone_to_owned() {
         command.stdout(Stdio::from(err));
     }
-    die_with_serve(&mut command);
-    let child = command.spawn().map_err(|e| {
+    let child = process::spawn(command).map_err(|e| {
         (
             exit::BACKEND,
             format!("could not start {} ({e})", binary.display()),
         )
     })?;
-    let pid = child.id();
-    let group = Pid::from_raw(pid as i32);
+    let pid = child.pid();
+    let child = std::sync::Arc::new(child);
     let probe_at = if host.is_unspecified() {
         format!("127.0.0.1:{port}")
     } else {
@@ -148,10 +146,10 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
     };
 
     runtime.block_on(async move {
-        let mut waiter = tokio::task::spawn_blocking(move || {
-            let mut child = child;
-            child.wait()
-        });
+        let mut waiter = {
+            let child = child.clone();
+            tokio::task::spawn_blocking(move || child.wait())
+        };
         // Ready when it answers the probe; a worker that exits first, or a signal, ends it.
         let ready = async {
             let started = Instant::now();
@@ -176,8 +174,7 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
                     None
                 }
                 Err(e) => {
-                    let _ = killpg(group, Signal::SIGKILL);
-                    let _ = (&mut waiter).await;
+                    let _ = stop(&child, Duration::ZERO).await;
                     return Err((exit::BACKEND, e));
                 }
             },
@@ -210,24 +207,27 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
             },
         };
         eprintln!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
-        let _ = killpg(group, Signal::SIGTERM);
-        let status = match tokio::time::timeout(STOP_GRACE, &mut waiter).await {
-            Ok(done) => done.ok().and_then(Result::ok),
-            Err(_) => {
-                eprintln!(
-                    "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
-                    STOP_GRACE.as_secs()
-                );
-                let _ = killpg(group, Signal::SIGKILL);
-                waiter.await.ok().and_then(Result::ok)
-            }
-        };
+        if stop(&child, STOP_GRACE).await != process::Stopped::Exited {
+            eprintln!(
+                "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
+                STOP_GRACE.as_secs()
+            );
+        }
+        let status = waiter.await.ok().and_then(Result::ok);
         // Stopped because we were asked: a clean stop, unless it failed on its way out.
         Ok(match status {
             Some(s) if s.code().is_some_and(|c| c != 0) => exit_code(s),
             _ => exit::OK,
         })
     })
+}
+
+/// The spawner's stop sequence for the worker, on a blocking thread.
+async fn stop(child: &std::sync::Arc<Process>, grace: Duration) -> process::Stopped {
+    let child = child.clone();
+    tokio::task::spawn_blocking(move || child.stop(grace))
+        .await
+        .unwrap_or(process::Stopped::Stuck)
 }
 
 /// The worker's exit as this command's status: its code, or 128 + the signal that killed it.

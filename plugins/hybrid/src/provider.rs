@@ -1,14 +1,12 @@
 //! Running the prefill provider under the contract of docs/hybrid.md: its argv and
-//! environment, its time limit (SIGTERM, then SIGKILL), and its last stdout line.
+//! environment, its time limit (the spawner's stop sequence), and its last stdout line.
 
 use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use onebit_plugin_api::process;
 use serde::Deserialize;
 
 /// What one run of the provider reported.
@@ -38,24 +36,10 @@ pub struct Invocation<'a> {
     pub grace: Duration,
 }
 
-/// Spawn, retrying briefly while the program file is "busy" (ETXTBSY): a provider that was
-/// just written can still be open for writing in a process another thread is forking.
-fn spawn_retrying_busy(command: &mut Command) -> std::io::Result<std::process::Child> {
-    const ETXTBSY: i32 = 26;
-    let mut tries = 0;
-    loop {
-        match command.spawn() {
-            Err(e) if e.raw_os_error() == Some(ETXTBSY) && tries < 20 => {
-                tries += 1;
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            other => return other,
-        }
-    }
-}
-
 /// Run the provider and wait for it, at most `limit` (then SIGTERM to its process group, and
-/// SIGKILL after `grace`). Blocks; called on the forward thread. Its stderr is serve's.
+/// SIGKILL after `grace`). Blocks; called on the forward thread. Its stderr is serve's. It is
+/// started by the one spawner, so it dies with serve and leads its own process group (the
+/// limit's stop reaches whatever it started).
 pub fn run(invocation: &Invocation) -> Result<Report, String> {
     let started = Instant::now();
     let mut command = Command::new(invocation.program);
@@ -64,12 +48,9 @@ pub fn run(invocation: &Invocation) -> Result<Report, String> {
         .envs(invocation.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        // Its own group, so the limit stops whatever it started too.
-        .process_group(0);
-    let mut child = spawn_retrying_busy(&mut command)
+        .stderr(Stdio::inherit());
+    let mut child = process::spawn(command)
         .map_err(|e| format!("the provider {} could not start ({e})", invocation.program))?;
-    let pid = Pid::from_raw(child.id() as i32);
     let mut stdout = child.stdout.take().expect("stdout is piped");
     let (out_tx, out_rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -77,18 +58,14 @@ pub fn run(invocation: &Invocation) -> Result<Report, String> {
         let _ = stdout.read_to_string(&mut text);
         let _ = out_tx.send(text);
     });
-    let (exit_tx, exit_rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = exit_tx.send(child.wait());
-    });
-    let status = match exit_rx.recv_timeout(invocation.limit) {
-        Ok(status) => status.map_err(|e| format!("the provider could not be waited for ({e})"))?,
-        Err(_) => {
-            let _ = killpg(pid, Signal::SIGTERM);
-            if exit_rx.recv_timeout(invocation.grace).is_err() {
-                let _ = killpg(pid, Signal::SIGKILL);
-                let _ = exit_rx.recv_timeout(invocation.grace);
-            }
+    let status = match child.wait_timeout(invocation.limit) {
+        Some(status) => {
+            // What it started is stopped with it, even after a clean exit.
+            child.signal_group(nix::sys::signal::Signal::SIGKILL as i32);
+            status.map_err(|e| format!("the provider could not be waited for ({e})"))?
+        }
+        None => {
+            child.stop(invocation.grace);
             return Err(format!(
                 "the provider did not finish within {} s (ONEBIT_HYBRID_PREFILL_TIMEOUT_S) and was stopped",
                 invocation.limit.as_secs_f64()

@@ -139,13 +139,13 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
 }
 
 /// The fixture route built against this plugin-api; the folder holding only its library.
-fn build_fixture(root: &Path) -> Result<PathBuf, Failure> {
+pub(super) fn build_fixture(root: &Path) -> Result<PathBuf, Failure> {
     let base = root.join("target/bench-inproc");
     let (api, route) = (base.join("plugin-api"), base.join("route"));
     let io = |e: std::io::Error| Failure::new(e, "check the target folder");
     std::fs::create_dir_all(api.join("src")).map_err(io)?;
     std::fs::create_dir_all(route.join("src")).map_err(io)?;
-    for file in ["lib.rs", "types.rs", "loader.rs", "export.rs"] {
+    for file in ["lib.rs", "types.rs", "loader.rs", "export.rs", "process.rs"] {
         std::fs::copy(
             root.join("plugin-api/src").join(file),
             api.join("src").join(file),
@@ -162,7 +162,7 @@ fn build_fixture(root: &Path) -> Result<PathBuf, Failure> {
         api.join("Cargo.toml"),
         format!(
             "[package]\nname = \"onebit-plugin-api\"\nversion = \"{version}\"\nedition = \"2024\"\n\n\
-             [dependencies]\nabi_stable = \"0.11.3\"\nsemver = \"1\"\n\
+             [dependencies]\nabi_stable = \"0.11.3\"\nlibc = \"0.2\"\nsemver = \"1\"\n\
              serde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n[features]\nhost = []\n"
         ),
     )

@@ -5,7 +5,8 @@
 //! `throughput` (64 keep-alive clients), `sse` (per-event delay through the fake backend),
 //! `startup` (launch to /health 200), `rss` (serve's own memory), `mem-check` (admission time),
 //! `rpc` (tokens/s and time to first token, local against split over RPC workers);
-//! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`).
+//! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`); `stop` alone
+//! (SIGTERM to exit on every kind of route, idle and with a stream in flight, `stop.rs`).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
 
@@ -16,6 +17,7 @@ mod inproc;
 mod inproc_llama;
 mod mem_check;
 mod rpc;
+mod stop;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -29,7 +31,7 @@ use client::Conn;
 
 use crate::{Failure, Workspace, process, setup};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick]` or `cargo xtask bench inproc [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick]`, `cargo xtask bench inproc [--quick]` or `cargo xtask bench stop [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -97,6 +99,10 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
     if args.iter().any(|a| a == "inproc-llama") {
         // The inproc add-on against --device cpu and llama-server direct: its own table.
         return inproc_llama::run(ws, args.iter().any(|a| a == "--quick"));
+    }
+    if args.iter().any(|a| a == "stop") {
+        // SIGTERM to exit against Lemonade's window: its own table.
+        return stop::run(ws, args.iter().any(|a| a == "--quick"));
     }
     if args.iter().any(|a| a == "inproc") {
         // Its own figures, on its own fixture route: not part of the hop report.

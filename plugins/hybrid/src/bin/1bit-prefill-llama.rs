@@ -13,14 +13,17 @@
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use onebit_plugin_api::PlanRequest;
+use onebit_plugin_api::process::{self, Process};
 use serde_json::{Value, json};
 
 /// How long a started llama-server may take to load the model.
 const LOAD_LIMIT: Duration = Duration::from_secs(300);
+/// How long the started llama-server has to exit after SIGTERM (it is idle by then).
+const STOP_GRACE: Duration = Duration::from_secs(5);
 
 fn main() {
     match run() {
@@ -32,17 +35,18 @@ fn main() {
     }
 }
 
-/// The llama-server this provider started, stopped and its slot directory removed on drop.
+/// The llama-server this provider started (by the one spawner, so it dies with this provider,
+/// which dies with serve), stopped and its slot directory removed on drop. The directory is
+/// inside serve's own (`ONEBIT_HYBRID_SLOT_DIR`), so a provider killed with serve leaves
+/// nothing that serve's cleanup does not remove.
 struct Started {
-    child: Child,
+    child: Process,
     dir: PathBuf,
 }
 
 impl Drop for Started {
     fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let _ = self.child.wait();
+        self.child.stop(STOP_GRACE);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -81,7 +85,7 @@ fn run() -> Result<Value, String> {
             (url.trim_end_matches('/').to_string(), PathBuf::from(dir))
         }
         None => {
-            let server = start_server(&model, ids.len())?;
+            let server = start_server(&model, ids.len(), Path::new(&target_dir))?;
             let url = server.0;
             let dir = server.1.dir.clone();
             started = Some(server.1);
@@ -140,7 +144,7 @@ fn run() -> Result<Value, String> {
 
 /// Start a llama-server of the decoder's kind on the CPU, one slot, f16 cache and flash
 /// attention as llama-server defaults them (the decoder's settings), and wait until it is ready.
-fn start_server(model: &str, n: usize) -> Result<(String, Started), String> {
+fn start_server(model: &str, n: usize, under: &Path) -> Result<(String, Started), String> {
     let request = PlanRequest {
         env: std::env::vars().collect(),
         ..Default::default()
@@ -161,9 +165,10 @@ fn start_server(model: &str, n: usize) -> Result<(String, Started), String> {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .map_err(|e| format!("no free loopback port ({e})"))?;
-    let dir = std::env::temp_dir().join(format!("1bit-prefill-{}", std::process::id()));
+    let dir = under.join(format!("1bit-prefill-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let child = Command::new(&binary)
+    let mut command = Command::new(&binary);
+    command
         .args([
             "-m",
             model,
@@ -184,10 +189,9 @@ fn start_server(model: &str, n: usize) -> Result<(String, Started), String> {
         .arg(&dir)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start {binary} ({e})"))?;
-    let mut started = Started { child, dir };
+        .stderr(Stdio::null());
+    let child = process::spawn(command).map_err(|e| format!("cannot start {binary} ({e})"))?;
+    let started = Started { child, dir };
     let url = format!("http://127.0.0.1:{port}");
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -201,8 +205,11 @@ fn start_server(model: &str, n: usize) -> Result<(String, Started), String> {
         {
             return Ok((url, started));
         }
-        if let Ok(Some(status)) = started.child.try_wait() {
-            return Err(format!("{binary} exited while loading {model} ({status})"));
+        if let Some(status) = started.child.wait_timeout(Duration::ZERO) {
+            let how = status
+                .map(|s| s.to_string())
+                .unwrap_or_else(|e| e.to_string());
+            return Err(format!("{binary} exited while loading {model} ({how})"));
         }
         if Instant::now() > deadline {
             return Err(format!(

@@ -1,0 +1,636 @@
+//! `cargo xtask soak [--minutes N]`: serve with the pinned llama-server on the cpu route
+//! (`--parallel 4`) under N minutes (default 20) of mixed traffic from a bounded set of loopback
+//! clients, with faults on a timer, sampling serve's memory, descriptors and threads; then the
+//! report: requests by outcome against what each should get, streams checked byte for byte
+//! against the non-streamed reply of the same greedy request, the slope of RSS and FDs, and
+//! what was left running after the stop. Exit 1 when any target is missed. Debug build (serve's
+//! memory and descriptors are what is watched, not its speed).
+//!
+//! Traffic, in turn per client: streamed and whole chats, completions, an embeddings request (the
+//! cpu route without `--embedding`: llama-server's 501), a client that leaves mid-stream, a slow
+//! reader, and hostile requests (a foreign Host: 403; a body that is not JSON: 400; a declared
+//! body over the limit: 413). 200 keep-alive connections sit idle throughout. Faults: at 40 % of
+//! the run the backend is SIGSTOPped for 3 s (longer than serve's 1.5 s health limit) and then
+//! SIGCONTed; requests that meet it may get 503 or 502.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::{Failure, Workspace, process};
+
+const USAGE: &str = "use `cargo xtask soak [--minutes N]` (N a positive number; default 20)";
+const CLIENTS: usize = 6;
+const IDLE_POOL: usize = 200;
+const PROMPTS: [&str; 3] = [
+    "What is the capital of France? Answer in one word.",
+    "Name three colours of the rainbow.",
+    "Count from one to ten.",
+];
+const MAX_TOKENS: u32 = 32;
+/// RSS growth allowed after warm-up (first sample to last).
+const GROWTH_LIMIT_KIB: i64 = 1024;
+/// Descriptors the last sample may hold beyond the first: the requests in flight at either
+/// moment (a client socket and a backend socket each).
+const FD_SLACK: i64 = 2 * CLIENTS as i64;
+
+/// What a request is, and so what it should get.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    StreamedChat,
+    WholeChat,
+    Completion,
+    Embeddings,
+    LeavesMidStream,
+    SlowReader,
+    ForeignHost,
+    NotJson,
+    TooLarge,
+}
+
+const KINDS: [Kind; 9] = [
+    Kind::StreamedChat,
+    Kind::WholeChat,
+    Kind::Completion,
+    Kind::Embeddings,
+    Kind::LeavesMidStream,
+    Kind::SlowReader,
+    Kind::ForeignHost,
+    Kind::NotJson,
+    Kind::TooLarge,
+];
+
+impl Kind {
+    fn expected(self) -> u16 {
+        match self {
+            Kind::Embeddings => 501,
+            Kind::ForeignHost => 403,
+            Kind::NotJson => 400,
+            Kind::TooLarge => 413,
+            _ => 200,
+        }
+    }
+}
+
+/// One sample of serve's process: seconds into the run, RSS (KiB), open descriptors, threads.
+#[derive(Clone, Copy)]
+struct Sample {
+    at_s: f64,
+    rss_kib: u64,
+    fds: u64,
+    threads: u64,
+}
+
+/// One request's outcome.
+struct Outcome {
+    kind: Kind,
+    status: u16,
+    /// For a stream read to its end: whether its text equals the whole reply's.
+    corrupted: bool,
+    /// Whether it met the fault window (503/502 then allowed).
+    in_fault: bool,
+}
+
+pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
+    let minutes = match args {
+        [] => 20.0,
+        [flag, n] if flag == "--minutes" => n
+            .parse::<f64>()
+            .ok()
+            .filter(|m| m.is_finite() && *m > 0.0)
+            .ok_or_else(|| Failure::new(format!("--minutes {n}: not a positive number"), USAGE))?,
+        _ => return Err(Failure::new(format!("unknown arguments {args:?}"), USAGE)),
+    };
+    Ok(if soak(ws, minutes)? {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Run the soak for `minutes` and print its report; whether every target was met. Called by
+/// `cargo xtask soak` and, for one minute, by `cargo xtask test`.
+pub fn soak(ws: &Workspace, minutes: f64) -> Result<bool, Failure> {
+    let mut cargo = process::cargo();
+    cargo
+        .current_dir(&ws.root)
+        .args(["build", "-p", "onebit-host", "-p", "onebit-route-cpu"]);
+    println!("==> {}", process::describe(&cargo));
+    process::run(&mut cargo, "the build failed: fix the errors above")?;
+    let llama = ws.layout.llama_server();
+    let model = ws.layout.model(ws.pins.default_model());
+    if !llama.exists() || !model.exists() {
+        return Err(Failure::new(
+            "llama-server or the default model is missing",
+            "run `cargo xtask setup`",
+        ));
+    }
+    let scratch = std::env::temp_dir().join(format!("onebit-soak-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).map_err(|e| Failure::new(e, "check /tmp"))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| Failure::new(e, "the kernel has no free port"))?;
+    let mut serve = Killed(
+        Command::new(ws.root.join("target/debug/1bit"))
+            .arg("serve")
+            .arg("-m")
+            .arg(&model)
+            .args([
+                "--device",
+                "cpu",
+                "--parallel",
+                "4",
+                "--port",
+                &port.to_string(),
+            ])
+            .arg("--llama-server")
+            .arg(&llama)
+            .env("ONEBIT_STATE_DIR", &scratch)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| Failure::new(format!("cannot start 1bit serve: {e}"), "build it"))?,
+    );
+    let pid = serve.0.id();
+    let began = Instant::now();
+    while status_of(&exchange(port, &get_request("/health"), None)) != 200 {
+        if began.elapsed() > Duration::from_secs(120) {
+            return Err(Failure::new("serve did not become ready", "run it by hand"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let backend = children(pid).first().copied();
+
+    // The references: each prompt's whole greedy reply.
+    let mut references = Vec::new();
+    for prompt in PROMPTS {
+        let reply = exchange(port, &chat_request(prompt, false, "127.0.0.1"), None);
+        references.push(whole_content(&reply).ok_or_else(|| {
+            Failure::new(
+                format!("no reference reply for {prompt:?}: {reply}"),
+                "see serve's log",
+            )
+        })?);
+    }
+    let references = Arc::new(references);
+
+    let idle: Vec<TcpStream> = (0..IDLE_POOL)
+        .filter_map(|_| {
+            let mut tcp = TcpStream::connect(("127.0.0.1", port)).ok()?;
+            tcp.write_all(&get_request_keep_alive("/health")).ok()?;
+            let mut buf = [0u8; 512];
+            let _ = tcp.read(&mut buf);
+            Some(tcp)
+        })
+        .collect();
+
+    let run_for = Duration::from_secs_f64(minutes * 60.0);
+    let deadline = Instant::now() + run_for;
+    let fault = Arc::new(AtomicBool::new(false));
+    let outcomes = Arc::new(Mutex::new(Vec::<Outcome>::new()));
+    let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
+    let sample_every = if minutes <= 2.0 {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_secs(10)
+    };
+    let start = Instant::now();
+    let sampler = {
+        let samples = samples.clone();
+        std::thread::spawn(move || {
+            while Instant::now() < deadline {
+                if let Some((rss_kib, fds, threads)) = sample(pid) {
+                    samples.lock().unwrap().push(Sample {
+                        at_s: start.elapsed().as_secs_f64(),
+                        rss_kib,
+                        fds,
+                        threads,
+                    });
+                }
+                std::thread::sleep(sample_every);
+            }
+        })
+    };
+    let faults = {
+        let fault = fault.clone();
+        std::thread::spawn(move || {
+            let at = start + run_for.mul_f64(0.4);
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            if let Some(b) = backend {
+                fault.store(true, Ordering::SeqCst);
+                let _ = kill(Pid::from_raw(b as i32), Signal::SIGSTOP);
+                std::thread::sleep(Duration::from_secs(3));
+                let _ = kill(Pid::from_raw(b as i32), Signal::SIGCONT);
+                // Requests that met the stop finish within a few seconds of it.
+                std::thread::sleep(Duration::from_secs(5));
+                fault.store(false, Ordering::SeqCst);
+            }
+        })
+    };
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (outcomes, references, fault) =
+                (outcomes.clone(), references.clone(), fault.clone());
+            std::thread::spawn(move || {
+                let mut n = c;
+                while Instant::now() < deadline {
+                    let kind = KINDS[n % KINDS.len()];
+                    let prompt = n % PROMPTS.len();
+                    n += 1;
+                    let in_fault = fault.load(Ordering::SeqCst);
+                    let (status, corrupted) = one(port, kind, PROMPTS[prompt], &references[prompt]);
+                    let in_fault = in_fault || fault.load(Ordering::SeqCst);
+                    outcomes.lock().unwrap().push(Outcome {
+                        kind,
+                        status,
+                        corrupted,
+                        in_fault,
+                    });
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        let _ = c.join();
+    }
+    let _ = faults.join();
+    let _ = sampler.join();
+    drop(idle);
+
+    // The stop: SIGTERM, and nothing of serve's tree left after it.
+    let tree = descendants(pid);
+    let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+    let stopped = Instant::now();
+    while matches!(serve.0.try_wait(), Ok(None)) && stopped.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stop_s = stopped.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(200));
+    let left: Vec<u32> = tree
+        .into_iter()
+        .filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+        .collect();
+    let _ = std::fs::remove_dir_all(&scratch);
+
+    Ok(report(
+        minutes,
+        &outcomes.lock().unwrap(),
+        &samples.lock().unwrap(),
+        stop_s,
+        &left,
+    ))
+}
+
+/// Print the report; true when every target is met.
+fn report(
+    minutes: f64,
+    outcomes: &[Outcome],
+    samples: &[Sample],
+    stop_s: f64,
+    left: &[u32],
+) -> bool {
+    println!(
+        "soak: {minutes} min, {CLIENTS} clients, {IDLE_POOL} idle keep-alive connections, the backend SIGSTOPped 3 s at 40 %"
+    );
+    println!(
+        "  {:<18} {:>8} {:>8} {:>11} {:>10}",
+        "request", "expected", "as such", "unexpected", "corrupted"
+    );
+    let mut unexpected_total = 0;
+    let mut corrupted_total = 0;
+    for kind in KINDS {
+        let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind == kind).collect();
+        let good = mine
+            .iter()
+            .filter(|o| {
+                o.status == kind.expected() || (o.in_fault && matches!(o.status, 502 | 503))
+            })
+            .count();
+        let corrupted = mine.iter().filter(|o| o.corrupted && !o.in_fault).count();
+        let bad: Vec<u16> = mine
+            .iter()
+            .filter(|o| {
+                !(o.status == kind.expected() || (o.in_fault && matches!(o.status, 502 | 503)))
+            })
+            .map(|o| o.status)
+            .collect();
+        unexpected_total += bad.len();
+        corrupted_total += corrupted;
+        println!(
+            "  {:<18} {:>8} {:>8} {:>11} {:>10}{}",
+            format!("{kind:?}"),
+            kind.expected(),
+            good,
+            bad.len(),
+            corrupted,
+            if bad.is_empty() {
+                String::new()
+            } else {
+                format!("  (statuses {bad:?})")
+            }
+        );
+    }
+    let faulted = outcomes
+        .iter()
+        .filter(|o| o.in_fault && matches!(o.status, 502 | 503))
+        .count();
+    let in_fault = outcomes.iter().filter(|o| o.in_fault).count();
+    println!(
+        "  {in_fault} request(s) met the SIGSTOP window; {faulted} of them answered 502/503 (allowed there)"
+    );
+    // Warm-up: the first minute, or the first third of a short run.
+    let warm = (minutes * 60.0 / 3.0).min(60.0);
+    let after: Vec<&Sample> = samples.iter().filter(|s| s.at_s >= warm).collect();
+    let slope = |f: &dyn Fn(&Sample) -> f64| -> f64 {
+        let n = after.len() as f64;
+        if n < 2.0 {
+            return 0.0;
+        }
+        let mx = after.iter().map(|s| s.at_s).sum::<f64>() / n;
+        let my = after.iter().map(|s| f(s)).sum::<f64>() / n;
+        let num: f64 = after.iter().map(|s| (s.at_s - mx) * (f(s) - my)).sum();
+        let den: f64 = after.iter().map(|s| (s.at_s - mx).powi(2)).sum();
+        if den == 0.0 { 0.0 } else { num / den * 60.0 }
+    };
+    let growth = |f: &dyn Fn(&Sample) -> u64| -> i64 {
+        match (after.first(), after.last()) {
+            (Some(first), Some(last)) => f(last) as i64 - f(first) as i64,
+            _ => 0,
+        }
+    };
+    let rss_growth = growth(&|s| s.rss_kib);
+    let fd_growth = growth(&|s| s.fds);
+    println!(
+        "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB; limit {GROWTH_LIMIT_KIB}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), threads {}",
+        after.len(),
+        slope(&|s| s.rss_kib as f64),
+        slope(&|s| s.fds as f64),
+        after.last().map(|s| s.threads).unwrap_or(0)
+    );
+    println!("  stop: SIGTERM to exit {stop_s:.2} s; processes left: {left:?}");
+    let met = unexpected_total == 0
+        && corrupted_total == 0
+        && rss_growth <= GROWTH_LIMIT_KIB
+        && fd_growth <= FD_SLACK
+        && left.is_empty();
+    println!("  {}", if met { "targets met" } else { "targets MISSED" });
+    met
+}
+
+/// Send one request of `kind`; its status (0: no reply) and whether a stream read to its end
+/// differed from `reference`.
+fn one(port: u16, kind: Kind, prompt: &str, reference: &str) -> (u16, bool) {
+    match kind {
+        Kind::StreamedChat => {
+            let reply = exchange(port, &chat_request(prompt, true, "127.0.0.1"), None);
+            let text = streamed_content(&reply);
+            (status_of(&reply), text.as_deref() != Some(reference))
+        }
+        Kind::SlowReader => {
+            let reply = exchange(
+                port,
+                &chat_request(prompt, true, "127.0.0.1"),
+                Some(Duration::from_millis(20)),
+            );
+            let text = streamed_content(&reply);
+            (status_of(&reply), text.as_deref() != Some(reference))
+        }
+        Kind::WholeChat => {
+            let reply = exchange(port, &chat_request(prompt, false, "127.0.0.1"), None);
+            let text = whole_content(&reply);
+            (status_of(&reply), text.as_deref() != Some(reference))
+        }
+        Kind::Completion => {
+            let body = format!(
+                r#"{{"prompt":{},"max_tokens":16,"temperature":0}}"#,
+                serde_json::Value::from(prompt)
+            );
+            (
+                status_of(&exchange(
+                    port,
+                    &post("/v1/completions", &body, "127.0.0.1"),
+                    None,
+                )),
+                false,
+            )
+        }
+        Kind::Embeddings => {
+            let body = format!(r#"{{"input":{}}}"#, serde_json::Value::from(prompt));
+            (
+                status_of(&exchange(
+                    port,
+                    &post("/v1/embeddings", &body, "127.0.0.1"),
+                    None,
+                )),
+                false,
+            )
+        }
+        Kind::LeavesMidStream => {
+            let Ok(mut tcp) = TcpStream::connect(("127.0.0.1", port)) else {
+                return (0, false);
+            };
+            let _ = tcp.set_read_timeout(Some(Duration::from_secs(30)));
+            let _ = tcp.write_all(&chat_request(prompt, true, "127.0.0.1"));
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !String::from_utf8_lossy(&seen).contains("data: {") {
+                match tcp.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => seen.extend_from_slice(&buf[..n]),
+                }
+            }
+            (status_of(&String::from_utf8_lossy(&seen)), false)
+        }
+        Kind::ForeignHost => (
+            status_of(&exchange(
+                port,
+                &chat_request(prompt, false, "evil.example"),
+                None,
+            )),
+            false,
+        ),
+        Kind::NotJson => (
+            status_of(&exchange(
+                port,
+                &post("/v1/chat/completions", "{not json", "127.0.0.1"),
+                None,
+            )),
+            false,
+        ),
+        Kind::TooLarge => {
+            let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 999999999999\r\nConnection: close\r\n\r\n{";
+            (status_of(&exchange(port, head.as_bytes(), None)), false)
+        }
+    }
+}
+
+fn post(path: &str, body: &str, host: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn chat_request(prompt: &str, stream: bool, host: &str) -> Vec<u8> {
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream,
+    })
+    .to_string();
+    post("/v1/chat/completions", &body, host)
+}
+
+fn get_request(path: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").into_bytes()
+}
+
+fn get_request_keep_alive(path: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").into_bytes()
+}
+
+/// Send `request` on a fresh connection and read the reply to its close (`pace`: sleep that
+/// long after each 256 bytes read, a slow reader).
+fn exchange(port: u16, request: &[u8], pace: Option<Duration>) -> String {
+    let Ok(mut tcp) = TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = tcp.set_read_timeout(Some(Duration::from_secs(60)));
+    if tcp.write_all(request).is_err() {
+        return String::new();
+    }
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; if pace.is_some() { 256 } else { 16384 }];
+    loop {
+        match tcp.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+        if let Some(p) = pace {
+            std::thread::sleep(p);
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn status_of(reply: &str) -> u16 {
+    reply
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The body of an HTTP reply, de-chunked when it is chunked.
+fn body_of(reply: &str) -> String {
+    let Some((head, body)) = reply.split_once("\r\n\r\n") else {
+        return String::new();
+    };
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return body.to_string();
+    }
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].strip_prefix("\r\n").unwrap_or("");
+    }
+    out
+}
+
+fn whole_content(reply: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(&body_of(reply)).ok()?;
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .map(str::to_string)
+}
+
+/// A stream's text, when it ended with `[DONE]`.
+fn streamed_content(reply: &str) -> Option<String> {
+    let body = body_of(reply);
+    let mut text = String::new();
+    let mut done = false;
+    for line in BufReader::new(body.as_bytes())
+        .lines()
+        .map_while(Result::ok)
+    {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(data).ok()?;
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    done.then_some(text)
+}
+
+/// serve's RSS (KiB), open descriptors and threads.
+fn sample(pid: u32) -> Option<(u64, u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+    };
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
+    Some((field("VmRSS:")?, fds, field("Threads:")?))
+}
+
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for task in tasks.flatten() {
+            let text = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            out.extend(
+                text.split_whitespace()
+                    .filter_map(|c| c.parse::<u32>().ok()),
+            );
+        }
+    }
+    out
+}
+
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        for c in children(p) {
+            out.push(c);
+            next.push(c);
+        }
+    }
+    out
+}
+
+/// serve, SIGKILLed when dropped (an error path leaves nothing running).
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
