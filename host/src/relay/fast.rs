@@ -169,7 +169,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     // The API key: a refusal (401) is the general engine's to send.
     if let Some(key) = &app.api_key
         && !guard::key::open_path(path)
-        && key.admits(head.authorization()).is_err()
+        && key.admits(head.authorization(), head.x_api_key()).is_err()
     {
         return Verdict::HandOver(None);
     }

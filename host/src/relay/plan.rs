@@ -263,7 +263,8 @@ pub enum Way {
 /// Whether a header of a message passed on in `way` goes through: not a hop-by-hop header, not
 /// one its `Connection` headers name (`connection`: their values as sent), and besides, toward
 /// the backend, not `Host` or `Content-Length` (the engine writes its own) nor
-/// `Authorization` (the API key stays with serve), and toward the client, no CORS header. Framing headers of a reply (`Content-Length`) are the engine's.
+/// `Authorization` or `X-Api-Key` (the API key stays with serve), and toward the client, no CORS
+/// header unless the user's `--cors-origins` allows origins (`guard::cors`). Framing headers of a reply (`Content-Length`) are the engine's.
 /// Called per header by both engines on the connection's task; never blocks or allocates.
 pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
     if is_hop_header(name) || named_by_connection(name, connection) {
@@ -276,8 +277,9 @@ pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
             !name.eq_ignore_ascii_case("host")
                 && !name.eq_ignore_ascii_case("content-length")
                 && !name.eq_ignore_ascii_case("authorization")
+                && !name.eq_ignore_ascii_case(crate::guard::X_API_KEY)
         }
-        Way::Reply => !is_cors_header(name),
+        Way::Reply => !is_cors_header(name) || crate::guard::cors::policy().is_some(),
     }
 }
 
