@@ -105,12 +105,12 @@ impl ApiError {
         match self {
             ApiError::BadJson(_)
             | ApiError::SeveralHosts { .. }
-            | ApiError::NoKey
-            | ApiError::WrongKey
             | ApiError::TooLarge { .. }
             | ApiError::BadContentType(_)
             | ApiError::BodyTimeout { .. } => "invalid_request_error",
             ApiError::ForeignHost { .. } | ApiError::CrossSite { .. } => "permission_error",
+            // llama-server's and Anthropic's type for a missing or wrong key.
+            ApiError::NoKey | ApiError::WrongKey => "authentication_error",
             ApiError::NotFound { .. } => "not_found_error",
             ApiError::Unavailable(_) => "unavailable_error",
             ApiError::BadGateway(_) => "server_error",

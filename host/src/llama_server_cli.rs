@@ -364,9 +364,6 @@ pub fn translate_in(
     if !key && let Some(k) = env("LLAMA_API_KEY").filter(|k| !k.trim().is_empty()) {
         serve.extend(["--api-key".to_string(), k]);
     }
-    if !metrics {
-        serve.push("--no-metrics".to_string());
-    }
     // Google's AIP mode: AIP_HTTP_PORT is the port serve listens on (llama-server lets it
     // override --port); the backend gets its own private port instead (backends::supervisor).
     if env("AIP_MODE").as_deref() == Some(AIP_PREDICTION) {
@@ -377,6 +374,9 @@ pub fn translate_in(
         serve.extend(["--port".to_string(), aip_port]);
     } else if !port {
         serve.extend(["--port".to_string(), LLAMA_SERVER_PORT.to_string()]);
+    }
+    if !metrics {
+        serve.push("--no-metrics".to_string());
     }
     if !pass.is_empty() {
         serve.push("--".to_string());

@@ -111,7 +111,12 @@ async fn serve_plan(p: ServePlan) -> i32 {
         placed.iter().flat_map(|(_, p)| &p.backends).collect();
     // `--host` may list addresses (llama-server's comma list): each is bound.
     let mut listeners = Vec::new();
-    for host in args.host.split(',').map(str::trim).filter(|h| !h.is_empty()) {
+    for host in args
+        .host
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+    {
         let addr = format!("{}:{}", display_host(host), args.port);
         match tokio::net::TcpListener::bind(&addr).await {
             Ok(l) => listeners.push(l),

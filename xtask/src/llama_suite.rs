@@ -85,7 +85,14 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
         let mut pytest = Command::new(&python);
         pytest
             .current_dir(&tests)
-            .args(["-m", "pytest", "-p", "onebit_suite", "-p", "no:cacheprovider"])
+            .args([
+                "-m",
+                "pytest",
+                "-p",
+                "onebit_suite",
+                "-p",
+                "no:cacheprovider",
+            ])
             .args(["-m", "not slow", "-o", "addopts=", "-q", "-rN"])
             .arg(format!("--timeout={timeout}"))
             .args(&selection)
@@ -240,7 +247,8 @@ fn ensure_venv(work: &Path, tests: &Path) -> Result<PathBuf, Failure> {
     if python.is_file() && fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) {
         return Ok(python);
     }
-    let todo = "check that python3 with venv and pip is installed and PyPI is reachable, then rerun";
+    let todo =
+        "check that python3 with venv and pip is installed and PyPI is reachable, then rerun";
     if !python.is_file() {
         process::run(
             Command::new("python3").args(["-m", "venv"]).arg(&venv),
@@ -249,7 +257,10 @@ fn ensure_venv(work: &Path, tests: &Path) -> Result<PathBuf, Failure> {
     }
     let constraints = work.join("constraints.txt");
     fs::write(&constraints, CONSTRAINTS).map_err(|e| io_failure(&constraints, e))?;
-    println!("==> installing the suite's requirements into {}", venv.display());
+    println!(
+        "==> installing the suite's requirements into {}",
+        venv.display()
+    );
     process::run(
         Command::new(&python)
             .args([

@@ -36,9 +36,8 @@ impl Cors {
     /// The policy `serve`'s flags ask for; None without `--cors-origins`. Called once by
     /// `serve` before it listens.
     pub fn from_args(args: &crate::cli::ServeArgs) -> Option<Cors> {
-        let or_default = |v: &str, default: &str| {
-            if v.trim().is_empty() { default } else { v }.to_string()
-        };
+        let or_default =
+            |v: &str, default: &str| if v.trim().is_empty() { default } else { v }.to_string();
         args.cors_origins.as_ref().map(|origins| Cors {
             origins: origins.clone(),
             methods: or_default(&args.cors_methods, crate::cli::CORS_METHODS_DEFAULT),
@@ -57,7 +56,12 @@ impl Cors {
             self.methods.clone(),
             "--cors-headers".to_string(),
             self.headers.clone(),
-            if self.credentials { "--cors-credentials" } else { "--no-cors-credentials" }.to_string(),
+            if self.credentials {
+                "--cors-credentials"
+            } else {
+                "--no-cors-credentials"
+            }
+            .to_string(),
         ]
     }
 

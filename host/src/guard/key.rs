@@ -162,10 +162,7 @@ mod tests {
         let key = ApiKey::from_args(None, Some(&file)).unwrap().unwrap();
         assert_eq!(key.admits(Some(b"Bearer sk-two"), None), Ok(()));
         assert_eq!(key.admits(None, Some(b"sk-one")), Ok(()));
-        assert_eq!(
-            key.admits(None, Some(b"# ours")),
-            Err(KeyRefusal::Wrong)
-        );
+        assert_eq!(key.admits(None, Some(b"# ours")), Err(KeyRefusal::Wrong));
         // llama-server's --api-key: a comma list.
         let key = ApiKey::from_args(Some("sk-a,sk-b"), None).unwrap().unwrap();
         assert_eq!(key.admits(Some(b"Bearer sk-b"), None), Ok(()));

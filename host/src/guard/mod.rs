@@ -108,11 +108,7 @@ pub async fn cors_policy(request: Request, next: Next) -> Response {
         .allow_origin(origin.as_deref())
         .and_then(|v| header::HeaderValue::from_str(&v).ok());
     let mut response = if request.method() == Method::OPTIONS {
-        let mut preflight = (
-            [(header::CONTENT_TYPE, "text/html")],
-            String::new(),
-        )
-            .into_response();
+        let mut preflight = ([(header::CONTENT_TYPE, "text/html")], String::new()).into_response();
         for (name, value) in policy.preflight() {
             if let Ok(value) = header::HeaderValue::from_str(&value) {
                 preflight.headers_mut().insert(name, value);

@@ -413,10 +413,24 @@ mod tests {
 
     #[test]
     fn the_bind_decides_loopback() {
-        for yes in ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"] {
+        for yes in [
+            "127.0.0.1",
+            "127.1.2.3",
+            "::1",
+            "[::1]",
+            "localhost",
+            "127.0.0.1,::1",
+        ] {
             assert!(Guard::for_bind(yes).loopback_bind, "{yes}");
         }
-        for no in ["0.0.0.0", "::", "192.168.1.10", "box.lan"] {
+        // A list is loopback only when every address in it is.
+        for no in [
+            "0.0.0.0",
+            "::",
+            "192.168.1.10",
+            "box.lan",
+            "127.0.0.1,0.0.0.0",
+        ] {
             assert!(!Guard::for_bind(no).loopback_bind, "{no}");
         }
     }
