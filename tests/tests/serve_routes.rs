@@ -193,7 +193,7 @@ fn every_route_the_pinned_llama_server_registers_is_relayed_or_answered_by_serve
     for (n, method, path, status, body) in sent {
         let reached = recorded
             .iter()
-            .find(|r| r["headers"]["x-route-walk"] == n.to_string());
+            .find(|r| r["headers"]["x-route-walk"].as_str() == Some(n.to_string().as_str()));
         match reached {
             Some(r) => {
                 let target = concrete(path);

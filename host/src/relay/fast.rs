@@ -9,9 +9,10 @@
 //! reply has one implementation, there; this file only carries what the plan gives it.
 //!
 //! What it shares with the general engine: the browser guard and the API key (`guard`), the
-//! plan (`relay::plan`: the route's rules, the status check, the JSON checks, the headers that
-//! pass), the watchdog ticket of a streamed inference request, a client that leaves closing the
-//! backend connection, the header timeout, and a graceful stop between requests.
+//! plan (`relay::plan`: the route's rules, the status check, the body checks by kind, the
+//! headers that pass), the watchdog ticket of a streamed inference request, a client that
+//! leaves closing the backend connection, the header timeout, and a graceful stop between
+//! requests.
 
 use std::io::Write as _;
 use std::sync::Arc;

@@ -230,8 +230,8 @@ impl RelayPlan {
 #[derive(Clone, Debug)]
 pub struct Decided {
     pub plan: RelayPlan,
-    /// The body was read and checked (UTF-8, a JSON object, an accepted Content-Type) by the
-    /// fast engine; false when it had not all arrived.
+    /// The body was read and checked by its kind (for JSON: UTF-8, an object, an accepted
+    /// Content-Type) by the fast engine; false when it had not all arrived.
     pub body_checked: bool,
 }
 
@@ -359,7 +359,7 @@ pub fn upstream_head<'h>(
     out.extend_from_slice(b"\r\n");
 }
 
-// The body's JSON checks: one function, for both engines.
+// The body's checks by its kind: one function, for both engines.
 
 /// Only the one field serve needs from a request body; serde still checks the whole body is
 /// well-formed JSON and an object, without building it.
