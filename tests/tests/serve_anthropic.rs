@@ -85,10 +85,19 @@ fn infill_reaches_llama_server() {
         &serve.url("/infill"),
         r#"{"input_prefix":"def add(a, b):\n    return ","input_suffix":"\n","n_predict":4,"temperature":0}"#,
     );
-    // SmolLM2's vocabulary has fill-in-the-middle tokens: llama-server fills in. A model
-    // without them gets llama-server's own 501 naming what is missing, never serve's 404.
-    assert_eq!(status, 200, "{reply}");
+    // A model whose vocabulary has fill-in-the-middle tokens is filled in; one without them
+    // gets llama-server's own 501 naming what is missing. Either is llama-server's answer,
+    // never serve's 404.
     let filled: serde_json::Value = serde_json::from_str(&reply).unwrap();
+    if status == 501 {
+        let message = filled["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("Infill is not supported by this model"),
+            "{message}"
+        );
+        return;
+    }
+    assert_eq!(status, 200, "{reply}");
     assert!(filled["content"].is_string(), "{filled}");
     assert!(filled["tokens_predicted"].as_u64().unwrap() > 0, "{filled}");
 }
