@@ -1,4 +1,4 @@
-//! serve's own routes (`/health`, `/v1/models`, `/metrics`) and the axum router that puts
+//! serve's own routes (`/health`, `/v1/models` and `/models`, `/metrics`) and the axum router that puts
 //! them beside the general engine's relay, behind the browser guard.
 
 use std::fmt::Write as _;
@@ -25,7 +25,9 @@ pub fn router(app: Arc<App>) -> Router {
     let mut router = Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
-        .route("/v1/models", get(models));
+        .route("/v1/models", get(models))
+        // llama-server's own name for the same list.
+        .route("/models", get(models));
     if !app.metrics.backends.is_empty() || app.rules.iter().any(|r| r.action == Action::InProcess) {
         // On every route that runs a child or answers in process.
         router = router.route("/metrics", get(scrape));
