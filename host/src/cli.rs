@@ -11,6 +11,9 @@ pub const SSE_KEEPALIVE_DEFAULT_S: u64 = 15;
 /// `--drain-s`'s default: with llama-server's own stop (well under a second) it fits the 5 s
 /// Lemonade leaves between SIGTERM and SIGKILL.
 pub const DRAIN_DEFAULT_S: f64 = 3.0;
+/// llama-server's defaults for `--cors-methods` and `--cors-headers` (common/common.h).
+pub const CORS_METHODS_DEFAULT: &str = "GET, POST, DELETE, OPTIONS";
+pub const CORS_HEADERS_DEFAULT: &str = "*";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -220,9 +223,29 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub api_key: Option<String>,
-    /// Read the API key from the first line of FILE (kept out of the process list).
+    /// Read the API keys from FILE, one a line, `#` lines skipped (kept out of the process list).
     #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
     pub api_key_file: Option<PathBuf>,
+    /// Origins a web page may call serve from and read its replies: `*`, `localhost` (loopback
+    /// origins), or a comma list (llama-server's flag; docs/security.md).
+    #[arg(long, value_name = "ORIGINS")]
+    pub cors_origins: Option<String>,
+    /// Methods a preflight allows under --cors-origins (llama-server's default).
+    #[arg(long, value_name = "METHODS", default_value = CORS_METHODS_DEFAULT)]
+    pub cors_methods: String,
+    /// Headers a preflight allows under --cors-origins.
+    #[arg(long, value_name = "HEADERS", default_value = CORS_HEADERS_DEFAULT)]
+    pub cors_headers: String,
+    /// Let pages send credentials under --cors-origins (llama-server's default: on).
+    #[arg(long, overrides_with = "no_cors_credentials")]
+    pub cors_credentials: bool,
+    /// Do not let pages send credentials under --cors-origins.
+    #[arg(long)]
+    pub no_cors_credentials: bool,
+    /// Answer GET /metrics 501, as llama-server does without its --metrics (the drop-in sets
+    /// it when its command line lacks --metrics).
+    #[arg(long)]
+    pub no_metrics: bool,
     /// Print the backend serve would start as one JSON line, and exit.
     #[arg(long, conflicts_with = "print_backend_env")]
     pub print_backend: bool,

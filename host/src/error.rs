@@ -58,6 +58,8 @@ pub enum ApiError {
     TooLarge { limit: usize },
     /// A body with a Content-Type serve does not read as JSON.
     BadContentType(String),
+    /// A route that takes a multipart upload got another Content-Type (empty: none).
+    NotMultipart(String),
     /// The client sent its body too slowly.
     BodyTimeout { after: std::time::Duration },
     /// serve has an API key and the request sent none.
@@ -91,7 +93,7 @@ impl ApiError {
             ApiError::BadJson(_) | ApiError::SeveralHosts { .. } => StatusCode::BAD_REQUEST,
             ApiError::NoKey | ApiError::WrongKey => StatusCode::UNAUTHORIZED,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::BadContentType(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadContentType(_) | ApiError::NotMultipart(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::ForeignHost { .. } | ApiError::CrossSite { .. } => StatusCode::FORBIDDEN,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
@@ -105,12 +107,13 @@ impl ApiError {
         match self {
             ApiError::BadJson(_)
             | ApiError::SeveralHosts { .. }
-            | ApiError::NoKey
-            | ApiError::WrongKey
             | ApiError::TooLarge { .. }
             | ApiError::BadContentType(_)
+            | ApiError::NotMultipart(_)
             | ApiError::BodyTimeout { .. } => "invalid_request_error",
             ApiError::ForeignHost { .. } | ApiError::CrossSite { .. } => "permission_error",
+            // llama-server's and Anthropic's type for a missing or wrong key.
+            ApiError::NoKey | ApiError::WrongKey => "authentication_error",
             ApiError::NotFound { .. } => "not_found_error",
             ApiError::Unavailable(_) => "unavailable_error",
             ApiError::BadGateway(_) => "server_error",
@@ -127,6 +130,10 @@ impl ApiError {
             ),
             ApiError::BadContentType(ct) => format!(
                 "the request body is sent as {ct:?}, not JSON; send it with Content-Type: application/json"
+            ),
+            ApiError::NotMultipart(ct) if ct.is_empty() => "the request body has no Content-Type; send the file as multipart/form-data (curl -F file=@audio.wav)".to_string(),
+            ApiError::NotMultipart(ct) => format!(
+                "the request body is sent as {ct:?}, not as a multipart/form-data upload; send the file as multipart/form-data (curl -F file=@audio.wav)"
             ),
             ApiError::BodyTimeout { after } => format!(
                 "the request body did not arrive within {} s; send it at once, or raise ONEBIT_BODY_READ_TIMEOUT_S",

@@ -14,6 +14,25 @@ pub const LLAMA_SERVER: &str = "llama-server";
 /// llama-server's default port, kept in drop-in mode (serve's own default is 8000).
 const LLAMA_SERVER_PORT: &str = "8080";
 
+/// `AIP_MODE`'s value that turns on Google's Vertex AI prediction protocol in llama-server.
+pub const AIP_PREDICTION: &str = "PREDICTION";
+
+/// The route of Google's AIP mode that serve relays to its llama-server (`AIP_PREDICT_ROUTE`,
+/// `/predict` by default), when `AIP_MODE=PREDICTION`. Called by `prepare`; reads `env`.
+pub fn aip_predict_route(env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    if env("AIP_MODE").as_deref() != Some(AIP_PREDICTION) {
+        return None;
+    }
+    let route = env("AIP_PREDICT_ROUTE")
+        .filter(|r| !r.is_empty())
+        .unwrap_or_else(|| "/predict".to_string());
+    Some(if route.starts_with('/') {
+        route
+    } else {
+        format!("/{route}")
+    })
+}
+
 /// Whether `argv0` (the name the process was started under) is `llama-server`. Called once by
 /// `main` before parsing.
 pub fn invoked_as_llama_server(argv0: &str) -> bool {
@@ -212,7 +231,18 @@ const DEVICES: &[(&str, &str)] = &[("HRX0", "hrx"), ("CPU", "cpu"), ("none", "cp
 /// serve reads become its own, the rest follow `--` and reach the real llama-server unchanged.
 /// Called by `main` on the main thread; does not block. Err is the one line to print (exit 2).
 pub fn translate(args: &[String]) -> Result<Vec<String>, String> {
+    translate_in(args, &|name| std::env::var(name).ok())
+}
+
+/// [`translate`] with the environment it reads (`LLAMA_API_KEY`, Google's `AIP_MODE` and
+/// `AIP_HTTP_PORT`) given as a lookup, for tests.
+pub fn translate_in(
+    args: &[String],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<String>, String> {
     let mut serve: Vec<String> = Vec::new();
+    let mut metrics = false;
+    let mut key = false;
     let mut pass: Vec<String> = Vec::new();
     let mut draft: Option<String> = None;
     let mut spec_type: Option<String> = None;
@@ -250,6 +280,21 @@ pub fn translate(args: &[String]) -> Result<Vec<String>, String> {
                 own("--port", value("a port")?)
             }
             "--host" => own("--host", value("an address")?),
+            // The user's security policy is serve's: the key is checked by serve (and never
+            // reaches the backend), the CORS flags are the guard's allowance.
+            "--api-key" => {
+                key = true;
+                own("--api-key", value("a key, or keys separated by commas")?)
+            }
+            "--api-key-file" => {
+                key = true;
+                own("--api-key-file", value("a file of keys, one a line")?)
+            }
+            "--cors-origins" => own("--cors-origins", value("origins, or * or localhost")?),
+            "--cors-methods" => own("--cors-methods", value("methods")?),
+            "--cors-headers" => own("--cors-headers", value("headers")?),
+            "--cors-credentials" => serve.push("--cors-credentials".to_string()),
+            "--no-cors-credentials" => serve.push("--no-cors-credentials".to_string()),
             "-a" | "--alias" => own("--alias", value("a name")?),
             "-np" | "--parallel" => {
                 let n = value("slots")?;
@@ -268,8 +313,10 @@ pub fn translate(args: &[String]) -> Result<Vec<String>, String> {
             "--spec-type" => spec_type = Some(value("a speculative type")?),
             "--embedding" | "--embeddings" => serve.push("--embedding".to_string()),
             "--rerank" | "--reranking" => serve.push("--reranking".to_string()),
-            // serve's llama-server routes always pass these.
-            "--jinja" | "--metrics" => {}
+            // serve's llama-server routes always pass these; without --metrics, serve's own
+            // /metrics answers 501 as llama-server's would.
+            "--metrics" => metrics = true,
+            "--jinja" => {}
             "--version" => return Ok(vec!["--version".to_string()]),
             f if DOWNLOADS.contains(&f) => {
                 return Err(format!(
@@ -314,8 +361,22 @@ pub fn translate(args: &[String]) -> Result<Vec<String>, String> {
                 .to_string(),
         );
     }
-    if !port {
+    if !key && let Some(k) = env("LLAMA_API_KEY").filter(|k| !k.trim().is_empty()) {
+        serve.extend(["--api-key".to_string(), k]);
+    }
+    // Google's AIP mode: AIP_HTTP_PORT is the port serve listens on (llama-server lets it
+    // override --port); the backend gets its own private port instead (backends::supervisor).
+    if env("AIP_MODE").as_deref() == Some(AIP_PREDICTION) {
+        let aip_port = env("AIP_HTTP_PORT").unwrap_or_else(|| LLAMA_SERVER_PORT.to_string());
+        if let Some(at) = serve.iter().position(|a| a == "--port") {
+            serve.drain(at..at + 2);
+        }
+        serve.extend(["--port".to_string(), aip_port]);
+    } else if !port {
         serve.extend(["--port".to_string(), LLAMA_SERVER_PORT.to_string()]);
+    }
+    if !metrics {
+        serve.push("--no-metrics".to_string());
     }
     if !pass.is_empty() {
         serve.push("--".to_string());
@@ -400,11 +461,25 @@ const ROLE_ROUTES: [(&[&str], &[&str], &str); 2] = [
 /// backend would refuse naming llama-server's own flag is answered 501 in serve's words
 /// (`--embedding`, `--embed FILE`), and slot actions reach a backend the user gave
 /// `--slot-save-path` (in `passed`, the arguments after `--`; a route's own slot directory stays
-/// the route's). Called by serve's `prepare` once the plan is final; does not block.
-pub fn align_rules(plan: &mut Plan, passed: &[String]) {
+/// the route's), and Google's AIP predict route (`predict`, from [`aip_predict_route`]) reaches
+/// it. Called by serve's `prepare` once the plan is final; does not block.
+pub fn align_rules(plan: &mut Plan, passed: &[String], predict: Option<&str>) {
     let Some(backend) = plan.backends.first().filter(|b| b.engine == LLAMA_SERVER) else {
         return;
     };
+    if let Some(path) = predict
+        && !plan.rules.iter().any(|r| r.path == path)
+    {
+        // Google's AIP mode: its predict route runs llama-server's own routes inside.
+        plan.rules.push(onebit_plugin_api::Rule {
+            method: "POST".to_string(),
+            path: path.to_string(),
+            action: Action::Proxy { backend: 0 },
+            inference: false,
+            body: onebit_plugin_api::BodyKind::Json,
+            reply: onebit_plugin_api::ReplyShape::default(),
+        });
+    }
     let has = |flags: &[&str]| backend.argv.iter().any(|a| flags.contains(&a.as_str()));
     let answers: Vec<(&[&str], &str)> = ROLE_ROUTES
         .iter()

@@ -31,7 +31,10 @@ fn custom_arguments_pass_unchanged_with_their_values() {
         "--no-mmproj-offload --cache-type-k=q8_0 --flash-attn on",
     ));
     assert_eq!(serve[dash + 1..], want[..]);
-    assert_eq!(serve[..dash], words("-m a.gguf --port 8080")[..]);
+    assert_eq!(
+        serve[..dash],
+        words("-m a.gguf --port 8080 --no-metrics")[..]
+    );
 }
 
 #[test]
@@ -62,15 +65,24 @@ fn devices_map_to_routes_and_an_unknown_one_is_refused() {
 #[test]
 fn roles_projector_and_drafters_become_serves_flags() {
     let serve = translate(&words("-m a --embeddings --mmproj p.gguf")).unwrap();
-    assert_eq!(serve, words("-m a --embedding --mmproj p.gguf --port 8080"));
+    assert_eq!(
+        serve,
+        words("-m a --embedding --mmproj p.gguf --port 8080 --no-metrics")
+    );
     let serve = translate(&words("-m a --reranking")).unwrap();
     assert!(serve.contains(&"--reranking".to_string()));
     let serve = translate(&words("-m a --model-draft d.gguf --spec-type draft-dflash")).unwrap();
-    assert_eq!(serve, words("-m a --dflash d.gguf --port 8080"));
+    assert_eq!(
+        serve,
+        words("-m a --dflash d.gguf --port 8080 --no-metrics")
+    );
     let serve = translate(&words("-m a --spec-type draft-mtp -md h.gguf")).unwrap();
-    assert_eq!(serve, words("-m a --mtp h.gguf --port 8080"));
+    assert_eq!(serve, words("-m a --mtp h.gguf --port 8080 --no-metrics"));
     let serve = translate(&words("-m a --model-draft d.gguf")).unwrap();
-    assert_eq!(serve, words("-m a --port 8080 -- --model-draft d.gguf"));
+    assert_eq!(
+        serve,
+        words("-m a --port 8080 --no-metrics -- --model-draft d.gguf")
+    );
 }
 
 #[test]
@@ -100,11 +112,73 @@ fn rpc_workers_become_serves_own_flag_so_they_are_probed_and_counted() {
     .unwrap();
     assert_eq!(
         serve,
-        words("-m a.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052 --port 8080 -- -ngl 99")
+        words("-m a.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052 --port 8080 --no-metrics -- -ngl 99")
     );
     assert!(
         translate(&words("-m a.gguf --rpc=h:1"))
             .unwrap()
             .contains(&"--rpc".to_string())
     );
+}
+
+fn no_env(_: &str) -> Option<String> {
+    None
+}
+
+#[test]
+fn the_users_key_and_cors_flags_become_serves_and_never_reach_the_backend() {
+    let serve = translate_in(
+        &words("-m a --api-key k1,k2 --cors-origins https://app.example --no-cors-credentials --metrics"),
+        &no_env,
+    )
+    .unwrap();
+    assert_eq!(
+        serve,
+        words(
+            "-m a --api-key k1,k2 --cors-origins https://app.example --no-cors-credentials --port 8080"
+        )
+    );
+    let serve = translate_in(&words("-m a --api-key-file keys.txt --metrics"), &no_env).unwrap();
+    assert_eq!(serve, words("-m a --api-key-file keys.txt --port 8080"));
+    // llama-server's LLAMA_API_KEY is the key when no flag names one.
+    let env = |name: &str| (name == "LLAMA_API_KEY").then(|| "sk-env".to_string());
+    let serve = translate_in(&words("-m a --metrics"), &env).unwrap();
+    assert_eq!(serve, words("-m a --api-key sk-env --port 8080"));
+    let serve = translate_in(&words("-m a --api-key mine --metrics"), &env).unwrap();
+    assert_eq!(serve, words("-m a --api-key mine --port 8080"));
+}
+
+#[test]
+fn without_metrics_the_drop_ins_metrics_answer_as_llama_servers() {
+    let serve = translate_in(&words("-m a"), &no_env).unwrap();
+    assert!(serve.contains(&"--no-metrics".to_string()), "{serve:?}");
+    let serve = translate_in(&words("-m a --metrics"), &no_env).unwrap();
+    assert!(!serve.contains(&"--no-metrics".to_string()), "{serve:?}");
+}
+
+#[test]
+fn aip_mode_takes_serves_port_and_names_the_predict_route() {
+    let env = |name: &str| match name {
+        "AIP_MODE" => Some("PREDICTION".to_string()),
+        "AIP_HTTP_PORT" => Some("9123".to_string()),
+        _ => None,
+    };
+    let serve = translate_in(&words("-m a --port 8081 --metrics"), &env).unwrap();
+    assert_eq!(serve, words("-m a --port 9123"));
+    assert_eq!(aip_predict_route(&env).as_deref(), Some("/predict"));
+    let custom = |name: &str| match name {
+        "AIP_MODE" => Some("PREDICTION".to_string()),
+        "AIP_PREDICT_ROUTE" => Some("v2/score".to_string()),
+        _ => None,
+    };
+    assert_eq!(aip_predict_route(&custom).as_deref(), Some("/v2/score"));
+    let serve = translate_in(&words("-m a --metrics"), &custom).unwrap();
+    assert_eq!(serve, words("-m a --port 8080"));
+    assert_eq!(aip_predict_route(&no_env), None);
+}
+
+#[test]
+fn a_host_list_stays_one_flag_for_serve_to_bind_each() {
+    let serve = translate_in(&words("-m a --host 127.0.0.1,::1 --metrics"), &no_env).unwrap();
+    assert_eq!(serve, words("-m a --host 127.0.0.1,::1 --port 8080"));
 }

@@ -204,7 +204,21 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         admission::llama_kv::size(each, &args.model);
         llama_server_cli::pass_to_backend(each, &args.backend_args)?;
         llama_server_cli::refuse_self(each)?;
-        llama_server_cli::align_rules(each, &args.backend_args);
+        let env = |name: &str| std::env::var(name).ok();
+        llama_server_cli::align_rules(
+            each,
+            &args.backend_args,
+            llama_server_cli::aip_predict_route(&env).as_deref(),
+        );
+        // The user's CORS policy reaches the llama-server too, so what it relays carries the
+        // same headers as serve's own answers.
+        if let Some(cors) = crate::guard::cors::Cors::from_args(args) {
+            for backend in &mut each.backends {
+                if backend.engine == llama_server_cli::LLAMA_SERVER {
+                    backend.argv.extend(cors.backend_args());
+                }
+            }
+        }
     }
     if pm.is_some() {
         crate::pm::start::check_plan(&plan)?;

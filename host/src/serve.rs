@@ -110,15 +110,34 @@ async fn serve_plan(p: ServePlan) -> i32 {
         .collect();
     let all_backends: Vec<&onebit_plugin_api::BackendSpec> =
         placed.iter().flat_map(|(_, p)| &p.backends).collect();
-    let addr = format!("{}:{}", args.host, args.port);
-    let listener = match tokio::net::TcpListener::bind(&addr).await {
-        Ok(l) => l,
-        Err(e) => {
-            return say_fatal(&Fatal::backend(format!(
-                "cannot listen on {addr} ({e}); pass another --port or --host"
-            )));
+    // `--host` may list addresses (llama-server's comma list): each is bound.
+    let mut listeners = Vec::new();
+    for host in args
+        .host
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+    {
+        let addr = format!("{}:{}", display_host(host), args.port);
+        match tokio::net::TcpListener::bind(&addr).await {
+            Ok(l) => listeners.push(l),
+            Err(e) => {
+                return say_fatal(&Fatal::backend(format!(
+                    "cannot listen on {addr} ({e}); pass another --port or --host"
+                )));
+            }
         }
-    };
+    }
+    if listeners.is_empty() {
+        return say_fatal(&Fatal::usage(format!(
+            "--host {:?} names no address; pass one such as 127.0.0.1",
+            args.host
+        )));
+    }
+    let addr = format!("{}:{}", display_host(first_host(&args.host)), args.port);
+    if let Some(cors) = crate::guard::cors::Cors::from_args(&args) {
+        crate::guard::cors::set(cors);
+    }
     let guard = Guard::for_bind(&args.host);
     if !guard.loopback_bind && api_key.is_none() {
         eprintln!(
@@ -178,6 +197,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
         guard,
         api_key,
+        metrics_off: args.no_metrics,
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
         precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
@@ -221,7 +241,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let server = tokio::spawn(accept_loop(
-        listener,
+        listeners,
         app.clone(),
         env_secs("ONEBIT_HEADER_READ_TIMEOUT_S").unwrap_or(HEADER_READ_TIMEOUT),
         shutdown_rx,
@@ -358,7 +378,7 @@ async fn supervise(
     app.set_status(Status::Ready);
     eprintln!(
         "1bit serve: ready on http://{}:{}",
-        display_host(&args.host),
+        display_host(first_host(&args.host)),
         args.port
     );
 
@@ -407,6 +427,15 @@ async fn supervise(
         dog.abort();
     }
     code
+}
+
+/// The first address of a `--host` list, the one serve's lines name.
+fn first_host(hosts: &str) -> &str {
+    hosts
+        .split(',')
+        .map(str::trim)
+        .find(|h| !h.is_empty())
+        .unwrap_or(hosts)
 }
 
 fn display_host(host: &str) -> String {

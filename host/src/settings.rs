@@ -40,6 +40,8 @@ pub struct Settings {
     pub guard: Guard,
     /// The API key every route but `/health` needs, when serve has one.
     pub api_key: Option<ApiKey>,
+    /// `GET /metrics` answers 501, as llama-server without `--metrics` (`--no-metrics`).
+    pub metrics_off: bool,
 }
 
 impl Settings {

@@ -799,3 +799,53 @@ fn lemonade_reply(
         reply.len()
     );
 }
+
+/// The pinned llama.cpp source tree (the one `cargo xtask setup` built llama-server from):
+/// `$ONEBIT_TEST_LLAMA_CPP_SOURCE`, else the tree beside the installed llama-server's `bin/`
+/// (`$ONEBIT_TEST_LLAMA_SERVER`, else the default cache's), as third_party/pins.json lays it
+/// out. None when it is not there.
+pub fn pinned_llama_cpp_source() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("ONEBIT_TEST_LLAMA_CPP_SOURCE").filter(|v| !v.is_empty()) {
+        return Some(PathBuf::from(dir)).filter(|d| d.is_dir());
+    }
+    let pins: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(route_fixture::root().join("third_party/pins.json")).ok()?,
+    )
+    .ok()?;
+    let llama = &pins["llama_cpp"];
+    let source_dir = llama["source_dir"].as_str()?;
+    let install = match std::env::var_os("ONEBIT_TEST_LLAMA_SERVER").filter(|v| !v.is_empty()) {
+        Some(server) => PathBuf::from(server).parent()?.parent()?.to_path_buf(),
+        None => PathBuf::from(std::env::var_os("HOME")?)
+            .join(".cache")
+            .join(pins["cache_dir_name"].as_str()?)
+            .join(llama["install_dir"].as_str()?),
+    };
+    Some(install.join(source_dir)).filter(|d| d.is_dir())
+}
+
+/// One HTTP request of any method, with a body of any type: (status, reply body); status 0
+/// when nothing answered. `headers` are (name, value) pairs.
+pub fn request(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> (u16, String) {
+    let mut builder = ureq::http::Request::builder().method(method).uri(url);
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    let agent = agent(Duration::from_secs(120));
+    let reply = match body {
+        Some(body) => agent.run(builder.body(body.to_vec()).expect("a request")),
+        None => agent.run(builder.body(()).expect("a request")),
+    };
+    match reply {
+        Ok(mut r) => {
+            let status = r.status().as_u16();
+            (status, r.body_mut().read_to_string().unwrap_or_default())
+        }
+        Err(_) => (0, String::new()),
+    }
+}

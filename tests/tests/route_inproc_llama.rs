@@ -358,6 +358,33 @@ fn sampling_settings_stop_strings_and_unserved_paths() {
     let (status, reply) = post(&serve.url("/v1/embeddings"), r#"{"input":"hi"}"#);
     assert_eq!(status, 501, "{reply}");
     assert!(reply.contains("--device cpu"), "{reply}");
+    // Every other route of llama-server's table (Anthropic's Messages, an upload, a GET) is a
+    // 501 in OpenAI's shape naming --device cpu, whatever its body.
+    const SERVED: [&str; 4] = [
+        "/v1/completions",
+        "/completions",
+        "/v1/chat/completions",
+        "/chat/completions",
+    ];
+    for rule in onebit_plugin_api::llama_server_rules(0) {
+        if rule.method == "POST" && SERVED.contains(&rule.path.as_str()) {
+            continue;
+        }
+        let body = (rule.method == "POST").then_some(&b"{}"[..]);
+        let (status, reply) = request(
+            &rule.method,
+            &serve.url(&rule.path),
+            &[("content-type", "application/json")],
+            body,
+        );
+        assert_eq!(status, 501, "{} {}: {reply}", rule.method, rule.path);
+        let error: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("--device cpu") && !message.contains('\n'),
+            "{message}"
+        );
+    }
     let (status, reply) = post(&serve.url("/v1/completions"), r#"{"max_tokens":3}"#);
     assert_eq!(status, 400, "{reply}");
     assert!(reply.contains("no prompt"), "{reply}");

@@ -54,7 +54,7 @@ fn every_route_but_health_needs_the_key_on_both_engines() {
             let (status, reply) = call(&serve, method, path, auth, body);
             assert_eq!(status, 401, "{method} {path} with {auth:?}: {reply}");
             let v = body_of(&reply);
-            assert_eq!(v["error"]["type"], "invalid_request_error", "{reply}");
+            assert_eq!(v["error"]["type"], "authentication_error", "{reply}");
             assert_eq!(v["error"]["code"], 401, "{reply}");
         }
     }

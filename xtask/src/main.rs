@@ -6,6 +6,7 @@ mod bench;
 mod cache;
 mod install;
 mod laya_eval;
+mod llama_suite;
 mod paths;
 mod pins;
 mod process;
@@ -35,6 +36,9 @@ usage: cargo xtask <subcommand>
                     report of outcomes, corrupted streams, RSS and FD slopes, what was left
   addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
   laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
+  llama-suite [--timeout S] [PYTEST ARGS...]  llama.cpp's server tests, direct and through the
+                    drop-in (a `llama-server` link to 1bit); the per-file table and the
+                    tests that pass direct only (docs/lemonade.md)
   paths             print cache_dir, llama_server and model paths, one name=value per line
   install [--prefix DIR] [--debug]  build and install 1bit, its routes, the pinned llama-server
                     and the llama-server link to 1bit under DIR (default ~/.local)";
@@ -94,6 +98,7 @@ fn main() -> ExitCode {
         Some("laya-eval") => no_arguments("laya-eval", &rest)
             .and_then(|()| Workspace::load())
             .and_then(|ws| laya_eval::run(&ws)),
+        Some("llama-suite") => Workspace::load().and_then(|ws| llama_suite::run(&ws, &rest)),
         Some("install") => Workspace::load().and_then(|ws| install::run(&ws, &rest)),
         Some("paths") => no_arguments("paths", &rest)
             .and_then(|()| Workspace::load())
@@ -104,7 +109,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, addon, laya-eval, paths, install (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, addon, laya-eval, llama-suite, paths, install (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

@@ -219,6 +219,7 @@ fn rules() -> Vec<Rule> {
             path: path.to_string(),
             action: Action::InProcess,
             inference: true,
+            ..Default::default()
         })
         .collect();
     for rule in llama_server_rules(0) {

@@ -62,6 +62,17 @@ impl Backend {
     }
 }
 
+/// Keep serve's own settings from a backend: llama-server's key variable (serve checks the key,
+/// and a backend with one would refuse serve's relayed requests), and Google's AIP port (serve
+/// listens on it; in AIP mode the backend gets its own private port there instead, since
+/// llama-server lets AIP_HTTP_PORT override its --port).
+fn serves_own_settings(command: &mut Command, port: u16) {
+    command.env_remove("LLAMA_API_KEY");
+    if std::env::var_os("AIP_MODE").is_some() {
+        command.env("AIP_HTTP_PORT", port.to_string());
+    }
+}
+
 /// Start `spec` as backend `index`: serve's environment plus the plan's entries (a variable
 /// the user already set wins), stdout inherited, stderr passed through line by line.
 pub fn spawn(
@@ -86,6 +97,7 @@ pub fn spawn(
         }
     }
     command.envs(&spec.env_combined);
+    serves_own_settings(&mut command, spec.port);
     let mut child = process::spawn(command)?;
 
     let pid = child.pid();

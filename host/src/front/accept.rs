@@ -20,7 +20,7 @@ use crate::relay::{fast, stopped};
 /// it bounds the time a client may take to send its headers: a client that trickles them is
 /// dropped after `header_timeout`, holding nothing but its socket until then.
 pub async fn accept_loop(
-    listener: tokio::net::TcpListener,
+    listeners: Vec<tokio::net::TcpListener>,
     app: Arc<App>,
     header_timeout: Duration,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
@@ -32,7 +32,7 @@ pub async fn accept_loop(
     let mut connections = tokio::task::JoinSet::new();
     loop {
         let tcp = tokio::select! {
-            accepted = listener.accept() => match accepted {
+            accepted = accept_any(&listeners) => match accepted {
                 Ok((tcp, _)) => tcp,
                 Err(e) => {
                     // Out of descriptors and the like: say so, and do not spin.
@@ -71,7 +71,7 @@ pub async fn accept_loop(
             general,
         ));
     }
-    drop(listener);
+    drop(listeners);
     while connections.join_next().await.is_some() {}
 }
 
@@ -105,5 +105,18 @@ impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Handed {
             request.extensions_mut().insert(guard::Judged);
         }
         self.router.call(request)
+    }
+}
+
+/// The next connection on any of the listeners (one per `--host` address).
+async fn accept_any(
+    listeners: &[tokio::net::TcpListener],
+) -> std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    match listeners {
+        [one] => one.accept().await,
+        many => {
+            let accepts = many.iter().map(|l| Box::pin(l.accept()));
+            futures_util::future::select_all(accepts).await.0
+        }
     }
 }

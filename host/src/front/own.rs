@@ -1,4 +1,4 @@
-//! serve's own routes (`/health`, `/v1/models`, `/metrics`) and the axum router that puts
+//! serve's own routes (`/health`, `/v1/models` and `/models`, `/metrics`) and the axum router that puts
 //! them beside the general engine's relay, behind the browser guard.
 
 use std::fmt::Write as _;
@@ -25,7 +25,10 @@ pub fn router(app: Arc<App>) -> Router {
     let mut router = Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
-        .route("/v1/models", get(models));
+        .route("/v1/models", get(models))
+        // llama-server's own name for the same list; its router mode's `POST /models` and
+        // `DELETE /models` go to the relay, which knows what the route does with them.
+        .route("/models", get(models).fallback(relay));
     if !app.metrics.backends.is_empty() || app.rules.iter().any(|r| r.action == Action::InProcess) {
         // On every route that runs a child or answers in process.
         router = router.route("/metrics", get(scrape));
@@ -38,6 +41,8 @@ pub fn router(app: Arc<App>) -> Router {
             app.api_key.clone(),
             guard::keyed,
         ))
+        // then the user's CORS policy (a preflight is answered before the key, as llama-server does),
+        .layer(middleware::from_fn(guard::cors_policy))
         // Every route, the fallback and 404s see the guard first,
         .layer(middleware::from_fn_with_state(guard, guard::guard))
         // and every answer, refusals included, is counted.
@@ -114,6 +119,18 @@ fn json_response(status: StatusCode, body: String) -> Response {
 /// `GET /metrics`. File reads and the route's call run on blocking threads; the backend's
 /// text is asked with a one-second limit and left out when it does not come.
 pub async fn scrape(State(app): State<Arc<App>>) -> Response {
+    if app.metrics_off {
+        // llama-server's answer without --metrics, word for word.
+        return json_response(
+            StatusCode::NOT_IMPLEMENTED,
+            serde_json::json!({"error": {
+                "code": 501,
+                "message": "This server does not support metrics endpoint. Start it with `--metrics`",
+                "type": "not_supported_error"
+            }})
+            .to_string(),
+        );
+    }
     let sources = &app.metrics;
     let (state, root) = (sources.state.clone(), sources.sysfs_root.clone());
     let own = tokio::task::spawn_blocking(move || {
@@ -122,9 +139,18 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
     let route = app.route.route.clone();
     let route_text = tokio::task::spawn_blocking(move || route.metrics());
     let mut backend_texts = Vec::new();
+    let mut relayed_headers = Vec::new();
     for (port, path) in &sources.backends {
         if let Some(path) = path {
-            backend_texts.push(metrics::backend_text(&app.probes, *port, path).await);
+            let reply = metrics::backend_reply(&app.probes, *port, path).await;
+            if let Some((text, headers)) = reply {
+                // The first backend's own reply headers (llama-server's
+                // Process-Start-Time-Unix), as a scrape of llama-server itself gets them.
+                if relayed_headers.is_empty() {
+                    relayed_headers = relayed_metrics_headers(&headers);
+                }
+                backend_texts.push(Some(text));
+            }
         }
     }
     let (counts, machine) = own.await.unwrap_or_default();
@@ -147,9 +173,29 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         metrics::append(&mut body, &text);
     }
     let mut response = (StatusCode::OK, body).into_response();
+    for (name, value) in relayed_headers {
+        response.headers_mut().insert(name, value);
+    }
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static(metrics::CONTENT_TYPE),
     );
     response
+}
+
+/// The headers of a backend's `/metrics` reply a client of llama-server would see: all but
+/// framing, hop-by-hop, the content type (serve's text has its own) and what `plan::passes`
+/// keeps from clients (CORS without a policy).
+fn relayed_metrics_headers(
+    headers: &axum::http::HeaderMap,
+) -> Vec<(axum::http::HeaderName, HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            let name = name.as_str();
+            crate::relay::plan::passes(crate::relay::plan::Way::Reply, name, &[])
+                && !["content-type", "content-length", "date", "server"].contains(&name)
+        })
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect()
 }

@@ -7,6 +7,7 @@
 //! the unit tests call directly; this file is the axum middleware around both. This room sits
 //! below the relay: both relay engines call [`check`] and the key themselves.
 
+pub mod cors;
 pub mod key;
 mod rules;
 
@@ -15,7 +16,7 @@ use axum::http::{HeaderMap, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-pub use rules::{Guard, Refusal, Seen, check};
+pub use rules::{Guard, Refusal, Seen};
 
 use crate::error::ApiError;
 
@@ -38,22 +39,92 @@ pub async fn keyed(
     if let Some(key) = &key
         && request.extensions().get::<Judged>().is_none()
         && !key::open_path(request.uri().path())
-        && let Err(refusal) = key.admits(authorization(request.headers()))
+        && let Err(refusal) = key.admits(
+            one_value(request.headers(), header::AUTHORIZATION),
+            one_value(request.headers(), X_API_KEY),
+        )
     {
         return ApiError::from(refusal).into_response();
     }
     next.run(request).await
 }
 
-/// The one `Authorization` value of a request; two of them count as a wrong key, as on the
-/// fast engine.
-fn authorization(headers: &HeaderMap) -> Option<&[u8]> {
-    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+/// `X-Api-Key`, the header Anthropic's clients carry their key in (llama-server reads it too).
+pub const X_API_KEY: &str = "x-api-key";
+
+/// The one value of a key header (`Authorization`, `X-Api-Key`); two of them count as a wrong
+/// key, as on the fast engine.
+fn one_value(headers: &HeaderMap, name: impl header::AsHeaderName) -> Option<&[u8]> {
+    let mut values = headers.get_all(name).iter();
     match (values.next(), values.next()) {
         (Some(one), None) => Some(one.as_bytes()),
         (Some(_), Some(_)) => Some(b""),
         _ => None,
     }
+}
+
+/// Decide one request: the rules (`rules::check`), with the Origins the user's CORS policy
+/// allows (`--cors-origins`) set aside, so a write from an origin the user named passes as a
+/// loopback one does. Both relay engines call it on the connection's task; no allocation
+/// without a policy.
+pub fn check(guard: Guard, seen: &Seen<'_>) -> Result<(), Refusal> {
+    let verdict = rules::check(guard, seen);
+    match (verdict, cors::policy()) {
+        (Err(Refusal::CrossSite(_)), Some(policy)) => {
+            let foreign: Vec<&[u8]> = seen
+                .origins
+                .iter()
+                .copied()
+                .filter(|o| !policy.allows(o))
+                .collect();
+            rules::check(
+                guard,
+                &Seen {
+                    origins: &foreign,
+                    ..*seen
+                },
+            )
+        }
+        (verdict, _) => verdict,
+    }
+}
+
+/// The axum middleware of the user's CORS policy, between the guard and the key (a browser's
+/// preflight carries no key): with a policy, an `OPTIONS` request is answered here as
+/// llama-server answers it (200, empty, the `Access-Control-*` headers), and every other answer
+/// gets `Access-Control-Allow-Origin` when it has none (serve's own routes; a relayed reply
+/// carries its backend's, which has the same flags). Without one it does nothing. Runs on the
+/// connection's task.
+pub async fn cors_policy(request: Request, next: Next) -> Response {
+    let Some(policy) = cors::policy() else {
+        return next.run(request).await;
+    };
+    let origin = request
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let allow_origin = policy
+        .allow_origin(origin.as_deref())
+        .and_then(|v| header::HeaderValue::from_str(&v).ok());
+    let mut response = if request.method() == Method::OPTIONS {
+        let mut preflight = ([(header::CONTENT_TYPE, "text/html")], String::new()).into_response();
+        for (name, value) in policy.preflight() {
+            if let Ok(value) = header::HeaderValue::from_str(&value) {
+                preflight.headers_mut().insert(name, value);
+            }
+        }
+        preflight
+    } else {
+        next.run(request).await
+    };
+    if let Some(value) = allow_origin {
+        response
+            .headers_mut()
+            .entry(header::ACCESS_CONTROL_ALLOW_ORIGIN)
+            .or_insert(value);
+    }
+    response
 }
 
 impl From<Refusal> for ApiError {

@@ -11,14 +11,19 @@ pub struct Guard {
 }
 
 impl Guard {
-    /// The guard for `--host HOST`: loopback for 127.0.0.0/8, ::1 and `localhost`.
-    pub fn for_bind(host: &str) -> Guard {
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        let loopback_bind = match host.parse::<IpAddr>() {
-            Ok(ip) => ip.is_loopback(),
-            Err(_) => is_loopback_name(host),
+    /// The guard for `--host HOST` (or a comma list of addresses, each bound): loopback when
+    /// every one is 127.0.0.0/8, ::1 or `localhost`.
+    pub fn for_bind(hosts: &str) -> Guard {
+        let loopback = |host: &str| {
+            let host = host.trim().trim_start_matches('[').trim_end_matches(']');
+            match host.parse::<IpAddr>() {
+                Ok(ip) => ip.is_loopback(),
+                Err(_) => is_loopback_name(host),
+            }
         };
-        Guard { loopback_bind }
+        Guard {
+            loopback_bind: hosts.split(',').all(loopback),
+        }
     }
 }
 
@@ -177,6 +182,11 @@ fn origin_authority(origin: &str) -> Option<&str> {
         return None;
     }
     Some(rest)
+}
+
+/// Whether an Origin value is a loopback origin (`http(s)://` + a loopback name, any port).
+pub fn is_loopback_origin(origin: &str) -> bool {
+    origin_authority(origin).is_some_and(is_loopback_host)
 }
 
 /// Whether a Host value (`name`, `name:port`, `[v6]`, `[v6]:port`, or a bare `::1`) names
@@ -403,10 +413,24 @@ mod tests {
 
     #[test]
     fn the_bind_decides_loopback() {
-        for yes in ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"] {
+        for yes in [
+            "127.0.0.1",
+            "127.1.2.3",
+            "::1",
+            "[::1]",
+            "localhost",
+            "127.0.0.1,::1",
+        ] {
             assert!(Guard::for_bind(yes).loopback_bind, "{yes}");
         }
-        for no in ["0.0.0.0", "::", "192.168.1.10", "box.lan"] {
+        // A list is loopback only when every address in it is.
+        for no in [
+            "0.0.0.0",
+            "::",
+            "192.168.1.10",
+            "box.lan",
+            "127.0.0.1,0.0.0.0",
+        ] {
             assert!(!Guard::for_bind(no).loopback_bind, "{no}");
         }
     }

@@ -313,7 +313,14 @@ pub fn append(body: &mut String, text: &str) {
     }
 }
 
-pub async fn backend_text(client: &ProbeClient, port: u16, path: &str) -> Option<String> {
+/// The backend's `/metrics` text and its reply headers (llama-server's `Process-Start-Time-Unix`,
+/// which serve relays), asked with a one-second limit; None when it does not answer 200 in
+/// time.
+pub async fn backend_reply(
+    client: &ProbeClient,
+    port: u16,
+    path: &str,
+) -> Option<(String, hyper::HeaderMap)> {
     let request = hyper::Request::get(format!("http://127.0.0.1:{port}{path}"))
         .body(Full::new(Bytes::new()))
         .ok()?;
@@ -322,8 +329,11 @@ pub async fn backend_text(client: &ProbeClient, port: u16, path: &str) -> Option
         if !reply.status().is_success() {
             return None;
         }
-        let bytes = reply.into_body().collect().await.ok()?.to_bytes();
-        String::from_utf8(bytes.to_vec()).ok()
+        let (parts, body) = reply.into_parts();
+        let bytes = body.collect().await.ok()?.to_bytes();
+        String::from_utf8(bytes.to_vec())
+            .ok()
+            .map(|text| (text, parts.headers))
     };
     tokio::time::timeout(BACKEND_TIMEOUT, call).await.ok()?
 }

@@ -9,15 +9,17 @@
 //! reply has one implementation, there; this file only carries what the plan gives it.
 //!
 //! What it shares with the general engine: the browser guard and the API key (`guard`), the
-//! plan (`relay::plan`: the route's rules, the status check, the JSON checks, the headers that
-//! pass), the watchdog ticket of a streamed inference request, a client that leaves closing the
-//! backend connection, the header timeout, and a graceful stop between requests.
+//! plan (`relay::plan`: the route's rules, the status check, the body checks by kind, the
+//! headers that pass), the watchdog ticket of a streamed inference request, a client that
+//! leaves closing the backend connection, the header timeout, and a graceful stop between
+//! requests.
 
 use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
+use onebit_plugin_api::BodyKind;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use crate::error::ApiError;
@@ -169,7 +171,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     // The API key: a refusal (401) is the general engine's to send.
     if let Some(key) = &app.api_key
         && !guard::key::open_path(path)
-        && key.admits(head.authorization()).is_err()
+        && key.admits(head.authorization(), head.x_api_key()).is_err()
     {
         return Verdict::HandOver(None);
     }
@@ -183,10 +185,12 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
         return decided(plan, false);
     };
 
-    let has_body = method != "GET" && method != "HEAD";
+    // The rule's kind says whether there is a body to relay: a body sent where none is
+    // read (a GET's, say) is the general engine's to drop.
+    let has_body = plan.body != BodyKind::None;
     let body_len = head.content_length.unwrap_or(0);
     if !has_body && body_len > 0 {
-        return Verdict::HandOver(None);
+        return decided(plan, false);
     }
     if body_len > app.body_limit.min(MAX_FAST_BODY) {
         return decided(plan, false);
@@ -197,7 +201,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
     let mut streamed = false;
     if has_body {
         // A body that fails a check gets its refusal from the general engine.
-        match plan::check_body(head.content_type, body) {
+        match plan::check_body(plan.body, head.content_type, body) {
             Ok(stream) => streamed = stream,
             Err(_) => return decided(plan, false),
         }

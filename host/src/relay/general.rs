@@ -14,7 +14,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use onebit_plugin_api::{Forward, ForwardRequest};
+use onebit_plugin_api::{BodyKind, Forward, ForwardRequest, ReplyShape};
 
 use crate::backends::watchdog::Ticket;
 use crate::error::{ApiError, error_chain};
@@ -49,9 +49,10 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         return answer(*status, content_type, body.clone());
     }
 
-    let has_body = parts.method != Method::GET && parts.method != Method::HEAD;
+    // The rule's kind says whether a body is read and relayed (none for a GET's).
+    let has_body = plan.body != BodyKind::None;
     let body = if has_body {
-        match read_json_body(&app, &parts.headers, body).await {
+        match read_body(&app, plan.body, &parts.headers, body).await {
             Ok(bytes) => bytes,
             Err(e) => return e.into_response(),
         }
@@ -63,7 +64,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             .headers
             .get(header::CONTENT_TYPE)
             .map(|v| v.as_bytes());
-        match plan::check_body(content_type, &body) {
+        match plan::check_body(plan.body, content_type, &body) {
             Ok(streamed) => plan.with_body(&app, streamed),
             Err(e) => return e.into_response(),
         }
@@ -218,7 +219,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if plan.rename_stream {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes.
-        let mut events = SseRenamer::new(app.served_name.clone());
+        let mut events = SseRenamer::new(app.served_name.clone(), plan.reply);
         added(backend_time);
         let renamed = reply_body.map_frame(move |frame| match frame.into_data() {
             Ok(data) => hyper::body::Frame::data(events.feed(&data)),
@@ -293,13 +294,21 @@ fn answer(status: u16, content_type: &str, body: String) -> Response {
     response
 }
 
-/// Read a request body that must be JSON: refuse a non-JSON Content-Type, a declared length
-/// over the limit (before reading a byte), a body that grows past it (the read stops there)
-/// and one that takes longer than the body timeout. Called by `relay` before anything reaches
-/// a backend; [`plan::check_body`] then checks what was read.
-async fn read_json_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
-    // A form that is not JSON is refused before its body is read.
-    plan::check_content_type(headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()))?;
+/// Read a request body of `kind`: refuse a Content-Type the kind does not take (a form that
+/// is not JSON, for a JSON body), a declared length over the limit (before reading a byte), a
+/// body that grows past it (the read stops there) and one that takes longer than the body
+/// timeout. Called by `relay` before anything reaches a backend; [`plan::check_body`] then
+/// checks what was read.
+async fn read_body(
+    app: &App,
+    kind: BodyKind,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Bytes, ApiError> {
+    plan::check_content_type(
+        kind,
+        headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()),
+    )?;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -383,17 +392,21 @@ async fn ask_route(
 
 // The rewrites only this engine makes: `--precise`, the served name in replies and events.
 
-/// Rewrites the `model` field of each SSE `data:` event to the served name, event by event:
-/// complete lines go out as they arrive, a partial line waits for the rest of it.
+/// Rewrites the model each SSE `data:` event names to the served name, where the reply's
+/// shape names it (OpenAI's: every event's `model`; Anthropic's: `message.model` of its
+/// `message_start`), event by event: complete lines go out as they arrive, a partial line
+/// waits for the rest of it.
 pub struct SseRenamer {
     served: String,
+    shape: ReplyShape,
     partial: Vec<u8>,
 }
 
 impl SseRenamer {
-    pub fn new(served: String) -> Self {
+    pub fn new(served: String, shape: ReplyShape) -> Self {
         SseRenamer {
             served,
+            shape,
             partial: Vec::new(),
         }
     }
@@ -411,7 +424,11 @@ impl SseRenamer {
                 Some(json) if json.starts_with(b"{") => {
                     let body = json.strip_suffix(b"\n").unwrap_or(json);
                     let body = body.strip_suffix(b"\r").unwrap_or(body);
-                    let renamed = with_model_name(Bytes::copy_from_slice(body), &self.served);
+                    let body = Bytes::copy_from_slice(body);
+                    let renamed = match self.shape {
+                        ReplyShape::OpenAi => with_model_name(body, &self.served),
+                        ReplyShape::Anthropic => with_message_model_name(body, &self.served),
+                    };
                     out.extend_from_slice(b"data: ");
                     out.extend_from_slice(&renamed);
                     out.push(b'\n');
@@ -451,6 +468,31 @@ pub fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
     }
 }
 
+/// Put `served` in the `message.model` of an Anthropic `message_start` event; any other event
+/// (no other names the model) is left as it came.
+pub fn with_message_model_name(bytes: Bytes, served: &str) -> Bytes {
+    // Most events are deltas: only one that says it starts a message is parsed.
+    if !bytes
+        .windows(b"message_start".len())
+        .any(|w| w == b"message_start")
+    {
+        return bytes;
+    }
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return bytes;
+    };
+    if value.get("type").and_then(|t| t.as_str()) != Some("message_start") {
+        return bytes;
+    }
+    match value.pointer_mut("/message/model") {
+        Some(serde_json::Value::String(model)) if model != served => {
+            *model = served.to_string();
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
+        }
+        _ => bytes,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,7 +511,7 @@ mod tests {
 
     #[test]
     fn streamed_events_get_the_served_name_even_when_split_across_frames() {
-        let mut r = SseRenamer::new("smol".into());
+        let mut r = SseRenamer::new("smol".into(), ReplyShape::OpenAi);
         let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
         assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
         let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
@@ -477,5 +519,22 @@ mod tests {
             &second[..],
             b"data: {\"model\":\"smol\"}\n\ndata: [DONE]\n\n"
         );
+    }
+
+    #[test]
+    fn an_anthropic_stream_gets_the_served_name_in_its_message_start() {
+        let mut r = SseRenamer::new("smol".into(), ReplyShape::Anthropic);
+        let start = r.feed(
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"model\":\"x.gguf\",\"role\":\"assistant\"}}\n\n",
+        );
+        let text = String::from_utf8(start.to_vec()).unwrap();
+        assert!(text.starts_with("event: message_start\ndata: "), "{text}");
+        let data: serde_json::Value =
+            serde_json::from_str(text.lines().nth(1).unwrap().strip_prefix("data: ").unwrap())
+                .unwrap();
+        assert_eq!(data["message"]["model"], "smol");
+        // A delta naming no model, or one whose `model` is its own field, passes as it came.
+        let delta = b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"model\"},\"model\":\"x\"}\n\n";
+        assert_eq!(&r.feed(delta)[..], &delta[..]);
     }
 }

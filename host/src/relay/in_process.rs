@@ -151,7 +151,7 @@ async fn answer(
             }
         }
     } else if plan.rename_stream {
-        let mut events = SseRenamer::new(app.served_name.clone());
+        let mut events = SseRenamer::new(app.served_name.clone(), plan.reply);
         Response::new(Body::new(body.map_frame(
             move |frame| match frame.into_data() {
                 Ok(data) => hyper::body::Frame::data(events.feed(&data)),

@@ -11,7 +11,7 @@
 //! the head the backend gets ([`upstream_head`]) are decided here too, once for both engines.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
-use onebit_plugin_api::{Action, Rule};
+use onebit_plugin_api::{Action, BodyKind, ReplyShape, Rule};
 use serde::Deserialize;
 
 use crate::backends::health::Status;
@@ -69,6 +69,11 @@ pub struct RelayPlan {
     /// The route marked the rule as inference (chats, completions): the watchdog tracks it,
     /// and the rewrites below may apply.
     pub inference: bool,
+    /// What the request's body is (the rule's kind for its method): what is read, checked
+    /// and relayed.
+    pub body: BodyKind,
+    /// Where an inference reply names its model, for the served-name rewrites.
+    pub reply: ReplyShape,
     /// The body asked for a streamed reply (`"stream": true`).
     pub streamed: bool,
     /// `--precise`: the body goes with `cache_prompt` false.
@@ -131,17 +136,23 @@ impl RelayPlan {
                 body: body.clone(),
             },
         };
-        // --laya: an inference request goes to its conversation's device.
-        let device_choice =
-            if app.laya.is_some() && rule.inference && matches!(target, Target::Backend(_)) {
-                DeviceChoice::ByConversation
-            } else {
-                DeviceChoice::Rule
-            };
+        let body = rule.body.for_method(method);
+        // --laya: an inference request goes to its conversation's device, read from its JSON.
+        let device_choice = if app.laya.is_some()
+            && rule.inference
+            && body == BodyKind::Json
+            && matches!(target, Target::Backend(_))
+        {
+            DeviceChoice::ByConversation
+        } else {
+            DeviceChoice::Rule
+        };
         RelayPlan {
             target,
             device_choice,
             inference: rule.inference,
+            body,
+            reply: rule.reply,
             streamed: false,
             precise: false,
             name_reply: false,
@@ -152,7 +163,7 @@ impl RelayPlan {
         .settle(app.precise, app.rename_in_streams)
     }
 
-    /// The plan once the body's `stream` flag is known (false without a body).
+    /// The plan once the body's `stream` flag is known (false without a JSON body).
     pub fn with_body(mut self, app: &App, streamed: bool) -> RelayPlan {
         self.streamed = streamed;
         self.settle(app.precise, app.rename_in_streams)
@@ -168,7 +179,9 @@ impl RelayPlan {
         let relayed = matches!(self.target, Target::Backend(_) | Target::AskRoute);
         let answered = relayed || self.target == Target::InProcess;
         let inference = answered && self.inference;
-        self.precise = (inference || tool_loop && self.inference) && precise;
+        // --precise sets a JSON field: a body of another kind goes as it came.
+        let json = self.body == BodyKind::Json;
+        self.precise = (inference || tool_loop && self.inference) && json && precise;
         self.name_reply = inference && !self.streamed;
         self.rename_stream = inference && self.streamed && rename_in_streams;
         self.watched = relayed && self.inference;
@@ -217,8 +230,8 @@ impl RelayPlan {
 #[derive(Clone, Debug)]
 pub struct Decided {
     pub plan: RelayPlan,
-    /// The body was read and checked (UTF-8, a JSON object, an accepted Content-Type) by the
-    /// fast engine; false when it had not all arrived.
+    /// The body was read and checked by its kind (for JSON: UTF-8, an object, an accepted
+    /// Content-Type) by the fast engine; false when it had not all arrived.
     pub body_checked: bool,
 }
 
@@ -263,7 +276,8 @@ pub enum Way {
 /// Whether a header of a message passed on in `way` goes through: not a hop-by-hop header, not
 /// one its `Connection` headers name (`connection`: their values as sent), and besides, toward
 /// the backend, not `Host` or `Content-Length` (the engine writes its own) nor
-/// `Authorization` (the API key stays with serve), and toward the client, no CORS header. Framing headers of a reply (`Content-Length`) are the engine's.
+/// `Authorization` or `X-Api-Key` (the API key stays with serve), and toward the client, no CORS
+/// header unless the user's `--cors-origins` allows origins (`guard::cors`). Framing headers of a reply (`Content-Length`) are the engine's.
 /// Called per header by both engines on the connection's task; never blocks or allocates.
 pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
     if is_hop_header(name) || named_by_connection(name, connection) {
@@ -276,8 +290,9 @@ pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
             !name.eq_ignore_ascii_case("host")
                 && !name.eq_ignore_ascii_case("content-length")
                 && !name.eq_ignore_ascii_case("authorization")
+                && !name.eq_ignore_ascii_case(crate::guard::X_API_KEY)
         }
-        Way::Reply => !is_cors_header(name),
+        Way::Reply => !is_cors_header(name) || crate::guard::cors::policy().is_some(),
     }
 }
 
@@ -346,7 +361,7 @@ pub fn upstream_head<'h>(
     out.extend_from_slice(b"\r\n");
 }
 
-// The body's JSON checks: one function, for both engines.
+// The body's checks by its kind: one function, for both engines.
 
 /// Only the one field serve needs from a request body; serde still checks the whole body is
 /// well-formed JSON and an object, without building it.
@@ -358,7 +373,8 @@ struct RequestShape {
 
 /// Content types serve reads as JSON: `application/json` and `+json` types (any parameters),
 /// and `application/x-www-form-urlencoded`, which `curl -d` sends for a JSON body. A browser
-/// form's other types (`text/plain`, `multipart/form-data`) are refused; see docs/security.md.
+/// form's other types (`text/plain`, `multipart/form-data`) are refused for a JSON body (a
+/// rule whose body is a multipart upload takes the latter); see docs/security.md.
 pub fn json_content_type(value: &[u8]) -> bool {
     let Ok(text) = std::str::from_utf8(value) else {
         return false;
@@ -374,22 +390,53 @@ pub fn json_content_type(value: &[u8]) -> bool {
                 .is_some_and(|s| s.eq_ignore_ascii_case("+json"))
 }
 
-/// Refuse a Content-Type serve does not read as JSON (see [`json_content_type`]); none is fine.
-pub fn check_content_type(content_type: Option<&[u8]>) -> Result<(), ApiError> {
-    match content_type {
-        Some(ct) if !json_content_type(ct) => Err(ApiError::BadContentType(
-            String::from_utf8_lossy(ct).chars().take(100).collect(),
-        )),
+/// Whether a Content-Type is a `multipart/form-data` upload with its boundary (any case, any
+/// other parameters).
+pub fn multipart_content_type(value: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return false;
+    };
+    let mut parts = text.split(';');
+    let essence = parts.next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("multipart/form-data")
+        && parts.any(|p| {
+            p.split_once('=').is_some_and(|(name, value)| {
+                name.trim().eq_ignore_ascii_case("boundary") && !value.trim().is_empty()
+            })
+        })
+}
+
+/// Refuse a Content-Type the body's kind does not take: JSON's (see [`json_content_type`];
+/// none is fine), a multipart upload's (see [`multipart_content_type`]; it must say its
+/// boundary); a raw body or none takes any. Called before a byte of the body is read.
+pub fn check_content_type(kind: BodyKind, content_type: Option<&[u8]>) -> Result<(), ApiError> {
+    let shown = |ct: &[u8]| String::from_utf8_lossy(ct).chars().take(100).collect();
+    match (kind, content_type) {
+        (BodyKind::Json | BodyKind::ByMethod, Some(ct)) if !json_content_type(ct) => {
+            Err(ApiError::BadContentType(shown(ct)))
+        }
+        (BodyKind::Multipart, Some(ct)) if !multipart_content_type(ct) => {
+            Err(ApiError::NotMultipart(shown(ct)))
+        }
+        (BodyKind::Multipart, None) => Err(ApiError::NotMultipart(String::new())),
         _ => Ok(()),
     }
 }
 
-/// The JSON checks of a request body: an accepted Content-Type, UTF-8, one JSON object (serde
-/// checks the whole body without building it). Returns its `stream` flag. Called by both
-/// engines on the connection's task, once per request: the fast engine passes a body it
-/// checked on with [`Decided::body_checked`].
-pub fn check_body(content_type: Option<&[u8]>, body: &[u8]) -> Result<bool, ApiError> {
-    check_content_type(content_type)?;
+/// The checks of a request body by its kind: for JSON, an accepted Content-Type, UTF-8, one
+/// JSON object (serde checks the whole body without building it), and its `stream` flag is
+/// returned; for a multipart upload, its Content-Type; a raw body (or none) is not looked at.
+/// False for any body but JSON. Called by both engines on the connection's task, once per
+/// request: the fast engine passes a body it checked on with [`Decided::body_checked`].
+pub fn check_body(
+    kind: BodyKind,
+    content_type: Option<&[u8]>,
+    body: &[u8],
+) -> Result<bool, ApiError> {
+    check_content_type(kind, content_type)?;
+    if !matches!(kind, BodyKind::Json | BodyKind::ByMethod) {
+        return Ok(false);
+    }
     if let Err(e) = std::str::from_utf8(body) {
         return Err(ApiError::BadJson(format!("it is not UTF-8: {e}")));
     }
@@ -408,6 +455,8 @@ mod tests {
             target,
             device_choice: DeviceChoice::Rule,
             inference,
+            body: BodyKind::Json,
+            reply: ReplyShape::OpenAi,
             streamed,
             precise: false,
             name_reply: false,
@@ -574,6 +623,72 @@ mod tests {
         ] {
             assert!(!json_content_type(no.as_bytes()), "{no}");
         }
+    }
+
+    #[test]
+    fn multipart_content_types_name_their_boundary() {
+        for yes in [
+            "multipart/form-data; boundary=x",
+            "Multipart/Form-Data; charset=utf-8; BOUNDARY=\"a b\"",
+        ] {
+            assert!(multipart_content_type(yes.as_bytes()), "{yes}");
+        }
+        for no in [
+            "multipart/form-data",
+            "multipart/form-data; boundary=",
+            "multipart/mixed; boundary=x",
+            "application/json",
+            "",
+        ] {
+            assert!(!multipart_content_type(no.as_bytes()), "{no}");
+        }
+    }
+
+    #[test]
+    fn each_body_kind_gets_its_own_checks() {
+        let json = Some(&b"application/json"[..]);
+        let form = Some(&b"multipart/form-data; boundary=B"[..]);
+        let upload =
+            b"--B\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\n\xff\x00\r\n--B--\r\n";
+        // JSON: an object, its stream flag read; an upload is refused.
+        assert_eq!(
+            check_body(BodyKind::Json, json, br#"{"stream":true}"#),
+            Ok(true)
+        );
+        assert!(matches!(
+            check_body(BodyKind::Json, form, upload),
+            Err(ApiError::BadContentType(_))
+        ));
+        assert!(matches!(
+            check_body(BodyKind::Json, None, b"[1]"),
+            Err(ApiError::BadJson(_))
+        ));
+        // A multipart upload: bytes that are neither UTF-8 nor JSON pass; JSON is refused.
+        assert_eq!(check_body(BodyKind::Multipart, form, upload), Ok(false));
+        assert!(matches!(
+            check_body(BodyKind::Multipart, json, br#"{"file":1}"#),
+            Err(ApiError::NotMultipart(_))
+        ));
+        assert!(matches!(
+            check_body(BodyKind::Multipart, None, upload),
+            Err(ApiError::NotMultipart(_))
+        ));
+        // Raw: anything.
+        assert_eq!(
+            check_body(BodyKind::Raw, Some(b"text/plain"), b"[1]"),
+            Ok(false)
+        );
+        assert_eq!(check_body(BodyKind::Raw, None, upload), Ok(false));
+    }
+
+    #[test]
+    fn precise_rewrites_only_a_json_body() {
+        let mut upload = plan(Target::Backend(0), true, false);
+        upload.body = BodyKind::Multipart;
+        let p = upload.settle(true, false);
+        assert!(!p.precise && p.watched && p.name_reply);
+        let p = plan(Target::Backend(0), true, false).settle(true, false);
+        assert!(p.precise);
     }
 
     #[test]

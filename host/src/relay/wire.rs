@@ -64,10 +64,19 @@ impl<'b> RequestHead<'_, 'b> {
 
     /// Its `Authorization` header's value (the first; a second makes the key check fail).
     pub fn authorization(&self) -> Option<&'b [u8]> {
+        self.one_value("authorization")
+    }
+
+    /// Its `X-Api-Key` header's value, the same way.
+    pub fn x_api_key(&self) -> Option<&'b [u8]> {
+        self.one_value("x-api-key")
+    }
+
+    fn one_value(&self, name: &str) -> Option<&'b [u8]> {
         let mut values = self
             .headers
             .iter()
-            .filter(|h| h.name.eq_ignore_ascii_case("authorization"));
+            .filter(|h| h.name.eq_ignore_ascii_case(name));
         match (values.next(), values.next()) {
             (Some(one), None) => Some(one.value),
             (Some(_), Some(_)) => Some(b""),

@@ -9,25 +9,6 @@ use onebit_plugin_api::{
     export_route,
 };
 
-/// The llama-server routes ds4-server does not have; each answers 501 naming itself.
-pub const LLAMA_SERVER_ONLY: [(&str, &str); 15] = [
-    ("GET", "/slots"),
-    ("POST", "/slots/*"),
-    ("GET", "/props"),
-    ("POST", "/tokenize"),
-    ("POST", "/detokenize"),
-    ("POST", "/apply-template"),
-    ("POST", "/completion"),
-    ("POST", "/v1/responses"),
-    ("POST", "/responses"),
-    ("POST", "/v1/embeddings"),
-    ("POST", "/embeddings"),
-    ("POST", "/v1/rerank"),
-    ("POST", "/rerank"),
-    ("POST", "/infill"),
-    ("GET", "/lora-adapters"),
-];
-
 #[derive(Default)]
 pub struct Ds4Route;
 
@@ -77,28 +58,37 @@ fn is_executable(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// The request table: the OpenAI generation routes relayed to ds4-server; llama-server's own
-/// routes answered 501.
+/// The generation routes ds4-server answers.
+const DS4_PATHS: [&str; 4] = [
+    "/v1/chat/completions",
+    "/chat/completions",
+    "/v1/completions",
+    "/completions",
+];
+
+/// The request table: the OpenAI generation routes relayed to ds4-server; every other route
+/// of llama-server's table, and slot actions, answered 501.
 pub fn rules() -> Vec<Rule> {
-    let mut rules: Vec<Rule> = [
-        "/v1/chat/completions",
-        "/chat/completions",
-        "/v1/completions",
-        "/completions",
-    ]
-    .iter()
-    .map(|path| Rule {
-        method: "POST".to_string(),
-        path: path.to_string(),
-        action: Action::Proxy { backend: 0 },
-        inference: true,
-    })
-    .collect();
-    rules.extend(LLAMA_SERVER_ONLY.iter().map(|(method, path)| {
-        let shown = path.trim_end_matches("/*");
-        Rule {
-            method: method.to_string(),
+    let mut rules: Vec<Rule> = DS4_PATHS
+        .iter()
+        .map(|path| Rule {
+            method: "POST".to_string(),
             path: path.to_string(),
+            action: Action::Proxy { backend: 0 },
+            inference: true,
+            ..Default::default()
+        })
+        .collect();
+    let llama_server_only = onebit_plugin_api::llama_server_rules(0)
+        .into_iter()
+        .filter(|rule| !(rule.method == "POST" && DS4_PATHS.contains(&rule.path.as_str())))
+        .map(|rule| (rule.method, rule.path))
+        .chain([("POST".to_string(), "/slots/*".to_string())]);
+    rules.extend(llama_server_only.map(|(method, path)| {
+        let shown = path.trim_end_matches("/*").to_string();
+        Rule {
+            method,
+            path,
             action: Action::Answer {
                 status: 501,
                 content_type: "application/json".to_string(),
@@ -109,6 +99,7 @@ pub fn rules() -> Vec<Rule> {
                 .to_string(),
             },
             inference: false,
+            ..Default::default()
         }
     }));
     rules

@@ -180,9 +180,11 @@ pub fn backend(argv: Vec<String>, port: u16) -> BackendSpec {
     }
 }
 
-/// The request table of a llama-server route: the OpenAI routes and llama-server's own, relayed
-/// to backend 0; slot save and restore answered 501, since the backend runs without
-/// `--slot-save-path`.
+/// The request table of a llama-server route: every route the pinned llama-server registers
+/// (`onebit_plugin_api::llama_server_rules`: OpenAI's, Anthropic's Messages, llama-server's
+/// own), relayed to backend 0, but for serve's own (`/health`, `/v1/models`, `/metrics`); slot
+/// save and restore answered 501, since the backend runs without `--slot-save-path`.
+/// `tests/tests/serve_routes.rs` checks it against the pinned source's route list.
 pub fn rules() -> Vec<Rule> {
     let mut rules = onebit_plugin_api::llama_server_rules(0);
     rules.push(Rule {
@@ -199,6 +201,7 @@ pub fn rules() -> Vec<Rule> {
             .to_string(),
         },
         inference: false,
+        ..Default::default()
     });
     rules
 }
@@ -407,6 +410,23 @@ mod tests {
                 .find(|r| r.path == "/tokenize")
                 .unwrap()
                 .inference
+        );
+        // Anthropic's Messages API names its model in its own shape; an upload is multipart.
+        let find = |method: &str, path: &str| {
+            rules
+                .iter()
+                .find(|r| r.method == method && r.path == path)
+                .unwrap_or_else(|| panic!("{method} {path}"))
+        };
+        let messages = find("POST", "/v1/messages");
+        assert!(messages.inference);
+        assert_eq!(messages.reply, onebit_plugin_api::ReplyShape::Anthropic);
+        let upload = find("POST", "/v1/audio/transcriptions");
+        assert_eq!(upload.body, onebit_plugin_api::BodyKind::Multipart);
+        assert!(find("POST", "/infill").inference);
+        assert_eq!(
+            find("DELETE", "/v1/stream").body,
+            onebit_plugin_api::BodyKind::None
         );
     }
 }

@@ -115,6 +115,7 @@ pub fn side_servers(
                 path: path.to_string(),
                 action: Action::Proxy { backend: index },
                 inference: false,
+                ..Default::default()
             });
         }
     }

