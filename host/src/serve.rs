@@ -24,6 +24,7 @@ use crate::front::drain::Drain;
 use crate::guard::Guard;
 use crate::laya::start::Placed;
 use crate::metrics;
+use crate::notify;
 use crate::prepare::{Prepared, ServePlan, prepare};
 use crate::relay::{App, pool};
 use crate::settings::{self, Settings};
@@ -60,6 +61,7 @@ pub fn run(args: ServeArgs) -> i32 {
 
 fn say_fatal(fatal: &Fatal) -> i32 {
     eprintln!("1bit serve: {}", fatal.message);
+    notify::exiting(&fatal.message);
     fatal.code
 }
 
@@ -118,6 +120,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
             )));
         }
     };
+    notify::loading(&served_name, &plan.device);
     let guard = Guard::for_bind(&args.host);
     if !guard.loopback_bind && api_key.is_none() {
         eprintln!(
@@ -342,11 +345,10 @@ async fn supervise(
         first += plan.backends.len();
     }
     app.set_status(Status::Ready);
-    eprintln!(
-        "1bit serve: ready on http://{}:{}",
-        display_host(&args.host),
-        args.port
-    );
+    let url = format!("http://{}:{}", display_host(&args.host), args.port);
+    eprintln!("1bit serve: ready on {url}");
+    notify::ready(&app.settings.served_name, &url, &plan.device);
+    let pings = notify::spawn_watchdog(app.status.clone());
 
     crate::rpc::watch::spawn();
     let mut watched = Vec::new();
@@ -379,6 +381,7 @@ async fn supervise(
     let code = match ended {
         Ended::Backend(event) => fail(event, &backends, app, &devices, grace).await,
         Ended::Signal(what) => {
+            notify::draining(what, Duration::from_secs_f64(args.drain_s));
             drain.run(what).await;
             stop(&backends, grace, what).await
         }
@@ -389,8 +392,8 @@ async fn supervise(
         }
     };
     monitor.abort();
-    if let Some(dog) = dog {
-        dog.abort();
+    for task in [dog, pings].into_iter().flatten() {
+        task.abort();
     }
     code
 }
@@ -471,6 +474,7 @@ async fn port_taken(backends: &[Backend]) -> String {
 /// A signal: stop the backends in order and exit cleanly.
 async fn stop(backends: &[Backend], grace: Duration, what: &str) -> i32 {
     eprintln!("1bit serve: {what}: stopping");
+    notify::exiting(&format!("{what}: stopping the backends"));
     for line in supervisor::stop_all(backends, grace).await {
         eprintln!("1bit serve: {line}");
     }
@@ -526,6 +530,7 @@ async fn fail(
     };
     app.set_status(Status::Failed(message.clone()));
     eprintln!("1bit serve: {message}");
+    notify::exiting(&message);
     for line in supervisor::stop_all(backends, grace).await {
         eprintln!("1bit serve: {line}");
     }
@@ -543,6 +548,7 @@ async fn hung(
 ) -> i32 {
     app.set_status(Status::Failed(format!("the watchdog fired: {line}")));
     eprintln!("1bit serve: watchdog: {line}");
+    notify::exiting(&format!("the watchdog fired: {line}"));
     let root = app.metrics.sysfs_root.clone();
     if let Ok(Some(t)) = tokio::task::spawn_blocking(move || metrics::tctl_celsius(&root)).await {
         eprintln!("1bit serve: watchdog: Tctl {t:.1} C");
