@@ -96,7 +96,6 @@ pub fn install(
             )
         })
     };
-    let unit = unit_text(&shipped(UNIT)?, one_bit, &files.env);
     let env = match fs::read_to_string(&files.env) {
         Ok(old) => match &model {
             Some(m) => with_model(&old, m),
@@ -110,7 +109,16 @@ pub fn install(
             "pass a writable --prefix",
         )
     })?;
-    write(&files.unit, &unit)?;
+    // The unit names absolute paths: the manager's working directory is not this one.
+    let env_path = fs::canonicalize(&files.dir)
+        .map_err(|e| {
+            Failure::new(
+                format!("cannot resolve {}: {e}", files.dir.display()),
+                "pass an absolute --prefix",
+            )
+        })?
+        .join(ENV);
+    write(&files.unit, &unit_text(&shipped(UNIT)?, one_bit, &env_path))?;
     write(&files.env, &env)?;
     println!("installed the 1bit-serve user service (docs/service.md)");
     println!("  {}", files.unit.display());
