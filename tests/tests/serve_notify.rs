@@ -273,3 +273,39 @@ fn serve_tells_an_abstract_socket_ready_after_health_and_no_ping_unasked() {
         Some(0)
     );
 }
+
+#[test]
+fn a_backend_that_exits_leaves_the_reason_in_the_status() {
+    let dir = temp_dir("notify-exit");
+    let model = dummy_model(&dir, "m.gguf");
+    let port = free_port();
+    let manager = Manager::at_path(&dir, health_url(port));
+    let fake = fake_backend();
+    let mut command = Command::new(onebit());
+    command
+        .arg("serve")
+        .arg("-m")
+        .arg(&model)
+        .args(["--device", "cpu", "--llama-server"])
+        .arg(&fake)
+        .args(["--port", &port.to_string()])
+        .env("NOTIFY_SOCKET", &manager.name)
+        .env("ONEBIT_STATE_DIR", temp_dir("state"))
+        .env("FAKE_EXIT_AFTER_MS", "1500");
+    let mut serve = Serve::spawn(command, port);
+    let (ready, _) = manager.until("READY=1", Duration::from_secs(30));
+    assert!(ready.is_some(), "{}", serve.output());
+    let (stopping, _) = manager.until("STOPPING=1", Duration::from_secs(10));
+    let stopping = stopping.unwrap_or_else(|| panic!("no STOPPING=1:\n{}", serve.output()));
+    let status = stopping.value("STATUS").unwrap_or("");
+    assert!(
+        status.starts_with("exiting: the cpu backend (") && status.ends_with("; exiting"),
+        "{status}"
+    );
+    assert_eq!(
+        serve
+            .wait_exit(Duration::from_secs(10))
+            .and_then(|s| s.code()),
+        Some(1)
+    );
+}

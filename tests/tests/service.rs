@@ -192,6 +192,8 @@ fn install_service_writes_its_two_files_updates_them_in_place_and_uninstall_remo
         settings.contains(&format!("\nONEBIT_MODEL={}\n", model.display())),
         "{settings}"
     );
+    let mode = std::fs::metadata(&env).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the environment file may hold a key");
     let (ok, verdict) = verify(&unit, &temp_dir("service-home-installed"));
     assert!(
         ok && verdict.is_empty(),

@@ -4,6 +4,7 @@
 //! the `systemctl --user` commands that start the service.
 
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::Failure;
@@ -118,8 +119,13 @@ pub fn install(
             )
         })?
         .join(ENV);
-    write(&files.unit, &unit_text(&shipped(UNIT)?, one_bit, &env_path))?;
-    write(&files.env, &env)?;
+    write(
+        &files.unit,
+        &unit_text(&shipped(UNIT)?, one_bit, &env_path),
+        0o644,
+    )?;
+    // It may hold an API key: readable by the user alone.
+    write(&files.env, &env, 0o600)?;
     println!("installed the 1bit-serve user service (docs/service.md)");
     println!("  {}", files.unit.display());
     println!(
@@ -203,9 +209,10 @@ fn with_model(env: &str, model: &Path) -> String {
 }
 
 /// Write through a temporary sibling and a rename, so the manager never reads half a file.
-fn write(path: &Path, text: &str) -> Result<(), Failure> {
+fn write(path: &Path, text: &str, mode: u32) -> Result<(), Failure> {
     let temp = path.with_extension("installing");
     fs::write(&temp, text)
+        .and_then(|()| fs::set_permissions(&temp, fs::Permissions::from_mode(mode)))
         .and_then(|()| fs::rename(&temp, path))
         .map_err(|e| {
             Failure::new(
