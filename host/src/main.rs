@@ -5,7 +5,7 @@
 //! stop sequence), whose pre-exec hook is the only unsafe code it needs.
 //!
 //! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
-//! rooms below it: `serve`, `prepare`, `plugin_check` > `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
+//! rooms below it: `serve`, `prepare`, `plugin_check` > `notify`, `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
 //! `backends` > `guard`, `admission`, `settings`, `model`, `routes` > `llama_server_cli` >
 //! `error`, `cli` (docs/architecture.md).
 #![forbid(unsafe_code)]
@@ -20,6 +20,7 @@ mod laya;
 mod llama_server_cli;
 mod metrics;
 mod model;
+mod notify;
 mod plugin_check;
 mod pm;
 mod prepare;
@@ -91,6 +92,7 @@ fn drop_in(args: &[String]) -> i32 {
         }) => {
             serve_args.command_line = translated;
             metrics::text::set_under_lemonade();
+            notify::off();
             serve::run(*serve_args)
         }
         Ok(_) => error::exit::USAGE,

@@ -24,6 +24,7 @@ use crate::front::drain::Drain;
 use crate::guard::Guard;
 use crate::laya::start::Placed;
 use crate::metrics;
+use crate::notify;
 use crate::prepare::{Prepared, ServePlan, prepare};
 use crate::relay::{App, pool};
 use crate::run_dir;
@@ -61,6 +62,7 @@ pub fn run(args: ServeArgs) -> i32 {
 
 fn say_fatal(fatal: &Fatal) -> i32 {
     eprintln!("1bit serve: {}", fatal.message);
+    notify::exiting(&fatal.message);
     fatal.code
 }
 
@@ -138,6 +140,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     if let Some(cors) = crate::guard::cors::Cors::from_args(&args) {
         crate::guard::cors::set(cors);
     }
+    notify::loading(&served_name, &plan.device);
     let guard = Guard::for_bind(&args.host);
     if !guard.loopback_bind && api_key.is_none() {
         eprintln!(
@@ -376,11 +379,14 @@ async fn supervise(
         first += plan.backends.len();
     }
     app.set_status(Status::Ready);
-    eprintln!(
-        "1bit serve: ready on http://{}:{}",
+    let url = format!(
+        "http://{}:{}",
         display_host(first_host(&args.host)),
         args.port
     );
+    eprintln!("1bit serve: ready on {url}");
+    notify::ready(&app.settings.served_name, &url, &plan.device);
+    let pings = notify::spawn_watchdog(app.status.clone());
 
     crate::rpc::watch::spawn();
     let mut watched = Vec::new();
@@ -413,6 +419,7 @@ async fn supervise(
     let code = match ended {
         Ended::Backend(event) => fail(event, Loading::No, &backends, app, &devices, grace).await,
         Ended::Signal(what) => {
+            notify::draining(what, Duration::from_secs_f64(args.drain_s));
             drain.run(what).await;
             stop(&backends, grace, what).await
         }
@@ -423,8 +430,8 @@ async fn supervise(
         }
     };
     monitor.abort();
-    if let Some(dog) = dog {
-        dog.abort();
+    for task in [dog, pings].into_iter().flatten() {
+        task.abort();
     }
     code
 }
@@ -514,6 +521,7 @@ async fn port_taken(backends: &[Backend]) -> String {
 /// A signal: stop the backends in order and exit cleanly.
 async fn stop(backends: &[Backend], grace: Duration, what: &str) -> i32 {
     eprintln!("1bit serve: {what}: stopping");
+    notify::exiting(&format!("{what}: stopping the backends"));
     for line in supervisor::stop_all(backends, grace).await {
         eprintln!("1bit serve: {line}");
     }
@@ -601,6 +609,7 @@ async fn fail(
     if let Some(hint) = hint {
         eprintln!("1bit serve: {hint}");
     }
+    notify::exiting(&message);
     for line in supervisor::stop_all(backends, grace).await {
         eprintln!("1bit serve: {line}");
     }
@@ -618,6 +627,7 @@ async fn hung(
 ) -> i32 {
     app.set_status(Status::Failed(format!("the watchdog fired: {line}")));
     eprintln!("1bit serve: watchdog: {line}");
+    notify::exiting(&format!("the watchdog fired: {line}"));
     let root = app.metrics.sysfs_root.clone();
     if let Ok(Some(t)) = tokio::task::spawn_blocking(move || metrics::tctl_celsius(&root)).await {
         eprintln!("1bit serve: watchdog: Tctl {t:.1} C");

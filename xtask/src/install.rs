@@ -1,12 +1,15 @@
-//! `cargo xtask install [--prefix DIR] [--debug]`: installs `1bit` like a program: the binary,
-//! the `llama-server` name linked to it (what Lemonade's `LEMONADE_LLAMACPP_CPU_BIN` points
-//! at), its routes, and the pinned llama-server it runs, under one prefix (docs/lemonade.md).
+//! `cargo xtask install [--prefix DIR] [--debug] [--service [--model PATH]]`: installs `1bit`
+//! like a program: the binary, the `llama-server` name linked to it (what Lemonade's
+//! `LEMONADE_LLAMACPP_CPU_BIN` points at), its routes, and the pinned llama-server it runs,
+//! under one prefix (docs/lemonade.md); with `--service`, the systemd user unit that runs it
+//! (service.rs, docs/service.md). `--uninstall-service [--prefix DIR]` removes that unit.
 
 use std::fs;
 use std::os::unix::fs::{PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::service::{self, ServiceFiles};
 use crate::{Failure, Workspace, process, setup};
 
 /// The route libraries, by cargo package.
@@ -45,6 +48,9 @@ impl Layout {
 pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
     let mut prefix: Option<PathBuf> = None;
     let mut release = true;
+    let mut with_service = false;
+    let mut uninstall_service = false;
+    let mut model: Option<PathBuf> = None;
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         match arg.as_str() {
@@ -55,14 +61,43 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
                 prefix = Some(PathBuf::from(dir));
             }
             "--debug" => release = false,
+            "--service" => with_service = true,
+            "--uninstall-service" => uninstall_service = true,
+            "--model" => {
+                let path = rest.next().ok_or_else(|| {
+                    Failure::new("--model needs a path", "e.g. --model ~/models/m.gguf")
+                })?;
+                model = Some(PathBuf::from(path));
+            }
             other => {
                 return Err(Failure::new(
                     format!("`cargo xtask install` does not take `{other}`"),
-                    "use --prefix DIR and --debug only",
+                    "use --prefix DIR, --debug, --service [--model PATH] or --uninstall-service",
                 ));
             }
         }
     }
+    if uninstall_service {
+        if with_service || model.is_some() || !release {
+            return Err(Failure::new(
+                "--uninstall-service removes the service files only",
+                "pass it alone, or with the --prefix DIR of the install",
+            ));
+        }
+        service::uninstall(&ServiceFiles::new(prefix.as_deref())?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if model.is_some() && !with_service {
+        return Err(Failure::new(
+            "--model names the service's model",
+            "pass it with --service",
+        ));
+    }
+    let service_files = if with_service {
+        Some(ServiceFiles::new(prefix.as_deref())?)
+    } else {
+        None
+    };
     let prefix = match prefix {
         Some(p) => p,
         None => std::env::var_os("HOME")
@@ -125,6 +160,20 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
         "  {}",
         layout.llama_server_dir.join("llama-server").display()
     );
+    if let Some(files) = service_files {
+        // The unit names absolute paths: the manager's working directory is not this one.
+        let one_bit = fs::canonicalize(layout.bin.join("1bit")).map_err(|e| {
+            Failure::new(
+                format!("cannot resolve {}: {e}", layout.bin.display()),
+                "pass an absolute --prefix",
+            )
+        })?;
+        let default_model = installed
+            .models
+            .first()
+            .ok_or_else(|| Failure::new("setup installed no model", "pass --model PATH"))?;
+        service::install(&ws.root, &files, &one_bit, model.as_deref(), default_model)?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -11,6 +11,7 @@ mod paths;
 mod pins;
 mod process;
 mod serve;
+mod service;
 mod setup;
 mod soak;
 mod test;
@@ -41,7 +42,10 @@ usage: cargo xtask <subcommand>
                     tests that pass direct only (docs/lemonade.md)
   paths             print cache_dir, llama_server and model paths, one name=value per line
   install [--prefix DIR] [--debug]  build and install 1bit, its routes, the pinned llama-server
-                    and the llama-server link to 1bit under DIR (default ~/.local)";
+                    and the llama-server link to 1bit under DIR (default ~/.local)
+    --service [--model PATH]  also write the systemd user unit 1bit-serve.service and its
+                    environment file (~/.config/systemd/user, or DIR/lib/systemd/user)
+    --uninstall-service  remove those two files, nothing else (docs/service.md)";
 
 /// Why a subcommand stopped: one line saying what failed and what to do about it.
 #[derive(Debug)]

@@ -48,10 +48,18 @@ pub struct StateFile {
     counts: Mutex<Counts>,
 }
 
-/// `$ONEBIT_STATE_DIR`, else `~/.local/state/1bit/serve` with the home directory from the user
-/// database (not `$HOME`, which a service manager may not set).
+/// `$ONEBIT_STATE_DIR`, else the first of `$STATE_DIRECTORY` (what systemd sets for a unit's
+/// `StateDirectory=`, a colon-separated list), else `~/.local/state/1bit/serve` with the home
+/// directory from the user database (not `$HOME`, which a service manager may not set).
 pub fn state_dir() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("ONEBIT_STATE_DIR").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var("STATE_DIRECTORY")
+        .ok()
+        .and_then(|list| list.split(':').next().map(str::to_string))
+        .filter(|d| !d.is_empty())
+    {
         return Some(PathBuf::from(dir));
     }
     let user = nix::unistd::User::from_uid(nix::unistd::getuid()).ok()??;
