@@ -692,10 +692,24 @@ mod tests {
     }
 
     #[test]
-    fn request_shape_accepts_objects_only() {
-        assert!(serde_json::from_slice::<RequestShape>(br#"{"stream":true,"x":[1]}"#).is_ok());
-        assert!(serde_json::from_slice::<RequestShape>(b"[1,2]").is_err());
-        assert!(serde_json::from_slice::<RequestShape>(b"{bad").is_err());
-        assert!(serde_json::from_slice::<RequestShape>(b"").is_err());
+    fn a_json_body_must_be_one_object() {
+        let json = Some(&b"application/json"[..]);
+        assert_eq!(
+            check_body(BodyKind::Json, json, br#"{"stream":true,"x":[1]}"#),
+            Ok(true)
+        );
+        assert_eq!(check_body(BodyKind::Json, json, br#"{"x":1}"#), Ok(false));
+        for bad in [&b"[1,2]"[..], b"{bad", b"", b"\xff{}"] {
+            assert!(
+                matches!(
+                    check_body(BodyKind::Json, json, bad),
+                    Err(ApiError::BadJson(_))
+                ),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // 1.3 and older rules: a POST body is checked as JSON.
+        assert!(check_body(BodyKind::ByMethod, json, b"[1]").is_err());
     }
 }
