@@ -27,10 +27,9 @@ use onebit_plugin_api::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
-use crate::relay::general::{SseRenamer, with_model_name};
 use crate::relay::plan::{Engine, RelayPlan, Target};
+use crate::relay::{App, served_name};
 
 /// How long a stream's cut-off waits behind the bytes before it (see `respond`).
 const CUT_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
@@ -138,7 +137,7 @@ async fn answer(
     let mut response = if plan.name_reply && json_reply {
         // A whole JSON reply: name the model as serve serves it, as the relay does.
         match body.collect().await {
-            Ok(collected) => Response::new(Body::from(with_model_name(
+            Ok(collected) => Response::new(Body::from(served_name::in_reply(
                 collected.to_bytes(),
                 &app.served_name,
             ))),
@@ -151,12 +150,10 @@ async fn answer(
             }
         }
     } else if plan.rename_stream {
-        let mut events = SseRenamer::new(app.served_name.clone(), plan.reply);
-        Response::new(Body::new(body.map_frame(
-            move |frame| match frame.into_data() {
-                Ok(data) => hyper::body::Frame::data(events.feed(&data)),
-                Err(frame) => frame,
-            },
+        Response::new(Body::new(served_name::in_stream(
+            body,
+            app.served_name.clone(),
+            plan.reply,
         )))
     } else {
         Response::new(body)

@@ -23,6 +23,14 @@ const PINS: &str = include_str!("../../../third_party/pins.json");
 /// (`registry/architectures.json`).
 const ARCHITECTURES: &str = include_str!("../../../registry/architectures.json");
 
+/// Whether the user set `key` in serve's environment (to anything, empty included): then the
+/// user's value wins over any the plan would give the backend. The one definition of the rule,
+/// used by [`plan::Env::resolve`] and by the recipes' lines (which must not claim a variable they did
+/// not set).
+pub fn user_set(request: &PlanRequest, key: &str) -> bool {
+    request.env.contains_key(key)
+}
+
 /// Refuse an H32 file (a Hadamard-rotated Q4_0 stamped `onebit.hadamard_q4_0`, a dropped
 /// format) on every route: each route's `plan` calls this first (exit 2).
 pub fn refuse_h32(request: &PlanRequest) -> Result<(), Refusal> {

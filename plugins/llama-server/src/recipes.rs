@@ -239,7 +239,7 @@ pub fn apply(
             argv.extend(group);
         }
         for (k, v) in &recipe.env {
-            if crate::plan::user_set(request, k) || env.contains_key(k) {
+            if crate::user_set(request, k) || env.contains_key(k) {
                 continue;
             }
             added.push(format!("{k}={v}"));
