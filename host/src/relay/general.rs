@@ -336,7 +336,7 @@ fn body_error(e: axum::Error, limit: usize) -> ApiError {
     if too_large {
         ApiError::TooLarge { limit }
     } else {
-        ApiError::BadJson(format!("the body could not be read: {e}"))
+        ApiError::BodyBroken(error_chain(&e))
     }
 }
 
@@ -356,7 +356,7 @@ fn upstream_request(
         .unwrap_or("/");
     let target: Uri = format!("http://127.0.0.1:{port}{path_and_query}")
         .parse()
-        .map_err(|e| ApiError::BadJson(format!("the request path is not valid: {e}")))?;
+        .map_err(|e: axum::http::uri::InvalidUri| ApiError::BadPath(e.to_string()))?;
     let mut request = hyper::Request::new(Full::new(body));
     *request.method_mut() = parts.method;
     *request.uri_mut() = target;
