@@ -222,16 +222,6 @@ impl SseEdge {
     }
 }
 
-/// `bytes` as one chunk of a chunked body (nothing for no bytes: an empty chunk would end it).
-pub fn as_chunk(bytes: &[u8], out: &mut Vec<u8>) {
-    if bytes.is_empty() {
-        return;
-    }
-    out.extend_from_slice(format!("{:x}\r\n", bytes.len()).as_bytes());
-    out.extend_from_slice(bytes);
-    out.extend_from_slice(b"\r\n");
-}
-
 /// The one event a stream already answered 200 ends with when its backend then refuses it
 /// with `status` (Lemonade sends the same): `data: {"error":…}` with the backend's own error
 /// object when it sent one; no `[DONE]`.
