@@ -460,7 +460,10 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
                     format!(
                         "after the panic the route answered {}{}",
                         heads_in_words(&seen.heads),
-                        outcome.err().map(|e| format!(" and {e}")).unwrap_or_default()
+                        outcome
+                            .err()
+                            .map(|e| format!(" and {e}"))
+                            .unwrap_or_default()
                     ),
                 ),
                 Err(e) => report.fail("panic contained", format!("after the panic: {e}")),

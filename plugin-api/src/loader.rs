@@ -394,9 +394,9 @@ pub enum RespondError {
 impl fmt::Display for RespondError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RespondError::Lacking => f.write_str(
-                "the route has no respond operation (built before route ABI 1.2)",
-            ),
+            RespondError::Lacking => {
+                f.write_str("the route has no respond operation (built before route ABI 1.2)")
+            }
             RespondError::Failed(message) => f.write_str(message),
         }
     }

@@ -154,7 +154,10 @@ fn no_mem_check_and_onebit_mem_check_0_skip_the_check() {
     // a skipped check also says nothing of fitting.
     serve.ready();
     let output = serve.output();
-    assert!(!output.contains("fits: need") && !output.contains("does not fit"), "{output}");
+    assert!(
+        !output.contains("fits: need") && !output.contains("does not fit"),
+        "{output}"
+    );
 }
 
 /// The cpu route's plan for `model` at `ctx`, through the real route library.

@@ -169,7 +169,9 @@ fn a_slow_client_slows_the_route_and_serve_memory_stays_flat() {
     // one send, so one chunk on the wire: its length in hex, CRLF, the event, CRLF.
     let sent_bytes: usize = (0..sent)
         .map(|n| {
-            let event = format!("data: {{\"model\":\"fixture-model\",\"n\":{n},\"p\":\"\"}}\n\n").len() + 1000;
+            let event = format!("data: {{\"model\":\"fixture-model\",\"n\":{n},\"p\":\"\"}}\n\n")
+                .len()
+                + 1000;
             format!("{event:x}").len() + 2 + event + 2
         })
         .sum();
@@ -202,7 +204,8 @@ fn a_slow_client_slows_the_route_and_serve_memory_stays_flat() {
 /// tcp_wmem and tcp_rmem.
 fn socket_queues(serve_port: u16, client_port: u16) -> (usize, usize) {
     let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    let port = |address: &str| u16::from_str_radix(address.rsplit(':').next().unwrap(), 16).unwrap();
+    let port =
+        |address: &str| u16::from_str_radix(address.rsplit(':').next().unwrap(), 16).unwrap();
     let mut queued = 0;
     for line in table.lines().skip(1) {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -234,35 +237,42 @@ fn socket_queues(serve_port: u16, client_port: u16) -> (usize, usize) {
 fn a_client_that_leaves_during_a_long_prefill_stops_it_before_the_next_send() {
     let serve = serve_inproc("prefill.gguf", &[]);
     serve.ready();
-    // A 20 s "prefill" after the head, in which the route sends nothing and asks its sink's
-    // client_gone every 10 ms.
-    let mut tcp = open_stream(
-        &serve,
-        r#"{"stream":true,"events":5,"prefill_ms":20000}"#,
-    );
-    let mut buf = vec![0u8; 4096];
-    let mut seen = Vec::new();
-    while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
-        let n = tcp.read(&mut buf).unwrap();
-        assert!(n > 0, "the reply ended before its head");
-        seen.extend_from_slice(&buf[..n]);
-    }
-    assert_eq!(status_of(&String::from_utf8_lossy(&seen)), 200);
-    std::thread::sleep(Duration::from_millis(200));
-    let closed_at = now_ns();
-    drop(tcp);
-    assert!(
-        wait_until(Duration::from_secs(5), || fixture_metric(
+    // A 20 s "prefill" in which the route sends nothing and asks its sink's client_gone every
+    // 10 ms: before its head (as the inproc add-on, whose head comes with its first text),
+    // then after it.
+    for (n, head_first) in [(1, false), (2, true)] {
+        let mut tcp = open_stream(
             &serve,
-            "fixture_prefills_stopped_total"
-        ) == 1),
-        "the route computed on after its client left:\n{}",
-        serve.output()
-    );
-    eprintln!(
-        "the prefill stopped {:.1} ms after the client closed",
-        fixture_metric(&serve, "fixture_stopped_at_ns").saturating_sub(closed_at) as f64 / 1e6
-    );
+            &format!(
+                r#"{{"stream":true,"events":5,"prefill_ms":20000,"head_before_prefill":{head_first}}}"#
+            ),
+        );
+        if head_first {
+            let mut buf = vec![0u8; 4096];
+            let mut seen = Vec::new();
+            while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
+                let got = tcp.read(&mut buf).unwrap();
+                assert!(got > 0, "the reply ended before its head");
+                seen.extend_from_slice(&buf[..got]);
+            }
+            assert_eq!(status_of(&String::from_utf8_lossy(&seen)), 200);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let closed_at = now_ns();
+        drop(tcp);
+        assert!(
+            wait_until(Duration::from_secs(5), || fixture_metric(
+                &serve,
+                "fixture_prefills_stopped_total"
+            ) == n),
+            "head first {head_first}: the route computed on after its client left:\n{}",
+            serve.output()
+        );
+        eprintln!(
+            "head first {head_first}: the prefill stopped {:.1} ms after the client closed",
+            fixture_metric(&serve, "fixture_stopped_at_ns").saturating_sub(closed_at) as f64 / 1e6
+        );
+    }
     assert_eq!(
         fixture_metric(&serve, "fixture_sends_refused_total"),
         0,
