@@ -66,6 +66,9 @@ fn main() {
         }
         cli::Command::RpcWorker(args) => rpc::worker::run(args),
     };
+    // The one place serve exits, with the code each command decided after stopping what it
+    // started; threads still parked on a blocking read are not waited for.
+    #[allow(clippy::disallowed_methods)]
     std::process::exit(code);
 }
 

@@ -6,6 +6,9 @@
 //! std, so this hook is the route's alone): the user sees serve's one line about the panic,
 //! not Rust's message and backtrace before it.
 
+// Unsafe is allowed here alone in this crate: the route side of the FFI boundary: abi_stable headers and raw sink pointers.
+#![allow(unsafe_code)]
+
 use std::any::Any;
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};

@@ -7,6 +7,9 @@
 //! the module as that minor defined it (same name, same fields), and fills the operations that
 //! minor lacked with their documented defaults.
 
+// Unsafe is allowed here alone in this crate: the older minors' root modules, declared with abi_stable's macros.
+#![allow(unsafe_code)]
+
 use abi_stable::{
     StableAbi, declare_root_module_statics,
     library::RootModule,

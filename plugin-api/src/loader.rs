@@ -3,6 +3,9 @@
 //! Only the host enables this (feature `host`). A route library, once loaded, is never
 //! unloaded: its functions may be running on any thread until the process ends.
 
+// Unsafe is allowed here alone in this crate: the host side of the FFI boundary: loading libraries and calling through them.
+#![allow(unsafe_code)]
+
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -412,7 +415,6 @@ impl std::error::Error for RespondError {}
 /// its own stack, and the call must come while that `respond` call runs, on its thread (the
 /// route gets the `SinkApi` by value for that call alone, documented as valid for it only), so
 /// that the reference is live and nothing else uses it meanwhile.
-#[allow(unsafe_code)]
 unsafe fn with_sink<T>(handle: *mut c_void, f: impl FnOnce(&mut dyn ReplySink) -> T) -> Option<T> {
     // SAFETY: the caller guarantees `handle` is a live, unaliased `&mut &mut dyn ReplySink`.
     let sink: &mut &mut dyn ReplySink = unsafe { &mut *handle.cast::<&mut dyn ReplySink>() };
@@ -422,7 +424,6 @@ unsafe fn with_sink<T>(handle: *mut c_void, f: impl FnOnce(&mut dyn ReplySink) -
 // The four functions below are the `SinkApi` the route calls back; `with_sink`'s contract holds
 // because the route may call them only during the `respond` call that handed it the handle.
 
-#[allow(unsafe_code)]
 extern "C" fn sink_send_head(
     handle: *mut c_void,
     status: u16,
@@ -436,7 +437,6 @@ extern "C" fn sink_send_head(
     }
 }
 
-#[allow(unsafe_code)]
 extern "C" fn sink_send(handle: *mut c_void, bytes: RSlice<'_, u8>) -> RResult<(), RString> {
     // SAFETY: `handle` comes from `call_respond`, during its call (see `with_sink`).
     match unsafe { with_sink(handle, |s| s.send(bytes.as_slice())) } {
@@ -446,13 +446,11 @@ extern "C" fn sink_send(handle: *mut c_void, bytes: RSlice<'_, u8>) -> RResult<(
     }
 }
 
-#[allow(unsafe_code)]
 extern "C" fn sink_end(handle: *mut c_void) {
     // SAFETY: `handle` comes from `call_respond`, during its call (see `with_sink`).
     let _ = unsafe { with_sink(handle, |s| s.end()) };
 }
 
-#[allow(unsafe_code)]
 extern "C" fn sink_client_gone(handle: *mut c_void) -> bool {
     // SAFETY: `handle` comes from `call_respond`, during its call (see `with_sink`). A host
     // sink that panics answers "gone": the route stops rather than computing for nobody.
