@@ -203,6 +203,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         metrics_off: args.no_metrics,
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
+        names_model: !args.llama_router,
         precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
         serialize_forwards: plan.serialize_forwards,
     };
