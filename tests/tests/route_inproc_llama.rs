@@ -191,7 +191,6 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
 }
 
 #[test]
-#[ignore = "issue 23 item 4: on some CPUs (AVX-512 Xeon, and this AMD EPYC AVX2) Gemma 3 flips a greedy near-tie between the add-on and llama-server; the setting that differs is not yet found"]
 fn greedy_completions_of_gemma3_equal_llama_servers() {
     if !libraries_installed("greedy_completions_of_gemma3_equal_llama_servers") {
         return;
@@ -226,7 +225,6 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
 /// prompt that continues the long one reuses it, as llama-server does, with llama-server's
 /// answer.
 #[test]
-#[ignore = "issue 23 item 4: on some CPUs (AVX-512 Xeon, and this AMD EPYC AVX2) Gemma 3 flips a greedy near-tie between the add-on and llama-server; the setting that differs is not yet found"]
 fn windowed_layers_reuse_a_prefix_only_while_its_window_is_held() {
     if !libraries_installed("windowed_layers_reuse_a_prefix_only_while_its_window_is_held") {
         return;

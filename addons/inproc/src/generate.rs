@@ -206,6 +206,8 @@ pub struct SlotEngine<'a> {
     batch: TokenBatch,
     counters: std::sync::Arc<Counters>,
     cache: PromptCache,
+    /// [`SlotEngine::checkpoint_ends_for`] the model.
+    checkpoint_ends: Vec<usize>,
 }
 
 impl<'a> SlotEngine<'a> {
@@ -217,6 +219,7 @@ impl<'a> SlotEngine<'a> {
     ) -> Self {
         let batch = session.batch(session.n_batch().max(slots));
         SlotEngine {
+            checkpoint_ends: Self::checkpoint_ends_for(&session),
             cache,
             counters,
             session,
@@ -372,6 +375,20 @@ impl<'a> SlotEngine<'a> {
             .store(self.cache.bytes() as u64, Ordering::Relaxed);
     }
 
+    /// How many tokens before a prompt's end llama-server ends a prompt decode, on a model
+    /// whose memory it checkpoints (windowed attention): `4 + n_ubatch` and 4, each at most
+    /// n_batch (its `checkpoint_offsets`, llama.cpp PR 20288). Empty for other models. The
+    /// add-on keeps no checkpoints, but splits the prompt where llama-server does: a batch's
+    /// size picks the matmul path (repacked weights take a batched kernel for several rows,
+    /// another for one), whose rounding can flip a greedy near-tie (issue 23: Gemma 3).
+    fn checkpoint_ends_for(session: &Session<'_>) -> Vec<usize> {
+        if session.n_swa() == 0 {
+            return Vec::new();
+        }
+        let n_batch = session.n_batch();
+        vec![(4 + session.n_ubatch()).min(n_batch), 4.min(n_batch)]
+    }
+
     /// The most tokens a prompt decode takes at once (the batch's capacity, at most n_batch).
     fn batch_room(&self) -> usize {
         self.session.n_batch().max(1)
@@ -411,7 +428,13 @@ impl<'a> SlotEngine<'a> {
                 self.finish(seq, Finish::Gone);
                 continue;
             }
-            let (from, to) = (active.fed, active.prompt.len().min(active.fed + free));
+            let from = active.fed;
+            let to = prompt_chunk_end(
+                from,
+                active.prompt.len().min(from + free),
+                active.prompt.len(),
+                &self.checkpoint_ends,
+            );
             let mut logits = None;
             for pos in from..to {
                 let last = pos == active.prompt.len() - 1;
@@ -597,9 +620,20 @@ fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// Where a prompt decode that starts at `from` and could go to `to` ends: before the first
+/// point `n` tokens from the prompt's end (`len - n`, for each `n` of `ends`) that lies inside
+/// it, as llama-server ends its batch there. A decode that starts at such a point goes past it.
+fn prompt_chunk_end(from: usize, to: usize, len: usize, ends: &[usize]) -> usize {
+    ends.iter()
+        .filter_map(|n| len.checked_sub(*n))
+        .filter(|point| from < *point && *point < to)
+        .min()
+        .unwrap_or(to)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{PromptCache, StopScan};
+    use super::{PromptCache, StopScan, prompt_chunk_end};
 
     #[test]
     fn the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_match() {
@@ -648,5 +682,23 @@ mod tests {
         assert_eq!(scan.push(&e[1..]), ("é".to_string(), false));
         assert_eq!(scan.push(&e[..1]), (String::new(), false));
         assert_eq!(scan.finish(), "", "an unfinished last character is dropped");
+    }
+
+    /// llama-server's batch ends on a windowed model: 4 + n_ubatch and 4 tokens before the
+    /// prompt's end, only inside a decode; a decode starting at such a point goes on.
+    #[test]
+    fn a_prompt_decode_ends_where_llama_servers_does() {
+        let ends = [516, 4];
+        // 9 tokens: 5, then the last 4.
+        assert_eq!(prompt_chunk_end(0, 9, 9, &ends), 5);
+        assert_eq!(prompt_chunk_end(5, 9, 9, &ends), 9);
+        // 1,000 tokens in a 2,048 batch: 484, then 512, then 4.
+        assert_eq!(prompt_chunk_end(0, 1000, 1000, &ends), 484);
+        assert_eq!(prompt_chunk_end(484, 1000, 1000, &ends), 996);
+        assert_eq!(prompt_chunk_end(996, 1000, 1000, &ends), 1000);
+        // A batch that ends before the points, a prompt of 4 or fewer, a model without them.
+        assert_eq!(prompt_chunk_end(0, 300, 1000, &ends), 300);
+        assert_eq!(prompt_chunk_end(0, 3, 3, &ends), 3);
+        assert_eq!(prompt_chunk_end(0, 9, 9, &[]), 9);
     }
 }
