@@ -251,10 +251,7 @@ pub fn translate_in(
     while i < args.len() {
         let arg = &args[i];
         i += 1;
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
+        let (flag, inline) = flag_and_inline_value(arg);
         let mut value = |what: &str| -> Result<String, String> {
             if let Some(v) = inline.clone() {
                 return Ok(v);
@@ -323,18 +320,7 @@ pub fn translate_in(
                     "{f}: 1bit downloads nothing; download the GGUF yourself and pass -m FILE.gguf"
                 ));
             }
-            _ => {
-                pass.push(arg.clone());
-                let takes_value = inline.is_none()
-                    && arg.starts_with('-')
-                    && !NO_VALUE.contains(&flag)
-                    && (WITH_VALUE.contains(&flag)
-                        || args.get(i).is_some_and(|next| looks_like_value(next)));
-                if takes_value && let Some(next) = args.get(i) {
-                    pass.push(next.clone());
-                    i += 1;
-                }
-            }
+            _ => pass_through(args, &mut i, flag, inline.is_some(), &mut pass),
         }
     }
     // A drafter becomes serve's own flag when the speculative type says which kind it is, so
@@ -385,10 +371,7 @@ fn router(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Vec<String> 
     while i < args.len() {
         let arg = &args[i];
         i += 1;
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
+        let (flag, inline) = flag_and_inline_value(arg);
         key |= flag.starts_with("--api-key");
         port |= flag == "--port";
         metrics |= flag == "--metrics";
@@ -410,16 +393,7 @@ fn router(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Vec<String> 
             serve.push(flag.to_string());
             continue;
         }
-        pass.push(arg.clone());
-        let takes_value = inline.is_none()
-            && arg.starts_with('-')
-            && !NO_VALUE.contains(&flag)
-            && (WITH_VALUE.contains(&flag)
-                || args.get(i).is_some_and(|next| looks_like_value(next)));
-        if takes_value && let Some(next) = args.get(i) {
-            pass.push(next.clone());
-            i += 1;
-        }
+        pass_through(args, &mut i, flag, inline.is_some(), &mut pass);
     }
     serve_policy(serve, pass, key, port, metrics, env)
 }
@@ -457,6 +431,29 @@ fn serve_policy(
         serve.extend(pass);
     }
     serve
+}
+
+/// `--flag=value` as (`--flag`, the value); any other token as itself, with no value.
+fn flag_and_inline_value(arg: &str) -> (&str, Option<String>) {
+    match arg.split_once('=') {
+        Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+        _ => (arg, None),
+    }
+}
+
+/// `args[*i - 1]` (read as `flag`, its value inline or not) for the real llama-server, with the
+/// token after it when that is the flag's value; `*i` moves past what was taken.
+fn pass_through(args: &[String], i: &mut usize, flag: &str, inline: bool, pass: &mut Vec<String>) {
+    let arg = &args[*i - 1];
+    pass.push(arg.clone());
+    let takes_value = !inline
+        && arg.starts_with('-')
+        && !NO_VALUE.contains(&flag)
+        && (WITH_VALUE.contains(&flag) || args.get(*i).is_some_and(|next| looks_like_value(next)));
+    if takes_value && let Some(next) = args.get(*i) {
+        pass.push(next.clone());
+        *i += 1;
+    }
 }
 
 /// A token after a flag of unknown arity is its value unless it is itself a flag; `-1` is a
