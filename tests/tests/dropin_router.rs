@@ -157,10 +157,10 @@ fn nothing_the_router_started_outlives_serve() {
     kill9_leaves_nothing(serve);
 }
 
-/// Router mode runs on the cpu route, whose llama-server the router is; another route is
-/// refused in one line.
+/// Router mode runs on the cpu route, whose llama-server the router is, with serve in the
+/// request path; another route, or `--print-backend`, is refused in one line.
 #[test]
-fn router_mode_on_another_route_is_refused_saying_which_it_runs_on() {
+fn router_mode_on_another_route_or_printed_is_refused_saying_why() {
     let out = Command::new(onebit())
         .args(["serve", "--llama-router", "--device", "hrx"])
         .env("ONEBIT_STATE_DIR", temp_dir("state"))
@@ -170,6 +170,19 @@ fn router_mode_on_another_route_is_refused_saying_which_it_runs_on() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("--device hrx: llama-server's router mode (no -m) runs on the cpu route"),
+        "{stderr}"
+    );
+    // Nor can the router be printed as a one-hop command: it has no model serve could check.
+    let out = Command::new(onebit())
+        .args(["serve", "--llama-router", "--print-backend"])
+        .env("ONEBIT_STATE_DIR", temp_dir("state"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert!(
+        stderr
+            .contains("--print-backend: router mode (no -m) needs 1bit serve in the request path"),
         "{stderr}"
     );
 }

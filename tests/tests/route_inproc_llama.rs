@@ -126,6 +126,16 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
     assert_eq!(decodes, Some(1.0), "{metrics}");
     let (kv, metrics) = metric(&serve, "onebit_inproc_model_buffer_bytes{buffer=\"kv\"}");
     assert_eq!(kv, Some((30 * 3 * 64 * 2 * 2 * 2048) as f64), "{metrics}");
+    // The compute graph is sized for one output per slot, as llama-server's (the library's
+    // default, n_batch outputs, reserves 2048 x 49152 vocabulary logits: about 400 MB).
+    let (compute, metrics) = metric(
+        &serve,
+        "onebit_inproc_model_buffer_bytes{buffer=\"compute\"}",
+    );
+    assert!(
+        compute.is_some_and(|b| b < 64.0 * 1024.0 * 1024.0),
+        "{metrics}"
+    );
     let file = std::fs::metadata(smollm2()).unwrap().len() as f64;
     let (resident, metrics) = metric(&serve, "onebit_inproc_model_resident_bytes");
     assert!(resident.is_some_and(|b| b > file / 2.0), "{metrics}");
