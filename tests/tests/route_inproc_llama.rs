@@ -201,8 +201,8 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
 }
 
 #[test]
-fn greedy_completions_of_gemma3_equal_llama_servers() {
-    if !libraries_installed("greedy_completions_of_gemma3_equal_llama_servers") {
+fn greedy_completions_and_chats_of_gemma3_equal_llama_servers() {
+    if !libraries_installed("greedy_completions_and_chats_of_gemma3_equal_llama_servers") {
         return;
     }
     let model = installed_model("gemma-3-270m-Q4_K_M.gguf");
@@ -218,7 +218,34 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
             })
             .collect()
     };
+    // A chat's prompt is decoded in as many batches as llama-server decodes it in: on a
+    // windowed model it also ends one where the user message starts.
+    let one_token_chat = serde_json::json!({
+        "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        "max_tokens": 1,
+        "cache_prompt": false,
+    })
+    .to_string();
+    let decodes_for_a_chat = |serve: &Serve, series: &str| {
+        let before = metric(serve, series).0.unwrap_or(0.0);
+        let (status, reply) = post(&serve.url("/v1/chat/completions"), &one_token_chat);
+        assert_eq!(status, 200, "{reply}");
+        let (after, metrics) = metric(serve, series);
+        after
+            .map(|n| n - before)
+            .unwrap_or_else(|| panic!("{series}:\n{metrics}"))
+    };
+    let (expected_chats, expected_decodes) = {
+        let cpu = serve_cpu(&model, &["--ctx-size", "2048"]);
+        let chats: Vec<String> = QUESTIONS.iter().map(|q| chat(&cpu, q)).collect();
+        (chats, decodes_for_a_chat(&cpu, "llamacpp:n_decode_total"))
+    };
     let serve = serve_inproc_model(&model, &[], &[]);
+    assert_eq!(
+        decodes_for_a_chat(&serve, "onebit_inproc_decodes_total"),
+        expected_decodes,
+        "prompt decodes of one chat"
+    );
     for (prompt, expected) in PROMPTS.iter().zip(&expected) {
         let reply = completion(&serve, greedy(prompt));
         assert_eq!(
@@ -226,6 +253,9 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
             expected,
             "{prompt:?}: {reply}"
         );
+    }
+    for (question, expected) in QUESTIONS.iter().zip(&expected_chats) {
+        assert_eq!(&chat(&serve, question), expected, "{question:?}");
     }
 }
 

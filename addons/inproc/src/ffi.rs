@@ -601,6 +601,12 @@ impl Session<'_> {
     /// Tokenize `text` as llama-server does a prompt: special tokens added (BOS where the
     /// vocabulary wants it) and parsed.
     pub fn tokenize(&self, text: &str) -> Result<Vec<Token>, String> {
+        self.tokenize_with(text, true)
+    }
+
+    /// Tokenize `text` with special tokens parsed, and added only when `add_special` (a piece
+    /// of a prompt, such as a message delimiter, gets none).
+    pub fn tokenize_with(&self, text: &str, add_special: bool) -> Result<Vec<Token>, String> {
         let len = i32::try_from(text.len()).map_err(|_| "the prompt is too long".to_string())?;
         let mut tokens = vec![0; text.len() + 2];
         loop {
@@ -613,7 +619,7 @@ impl Session<'_> {
                     len,
                     tokens.as_mut_ptr(),
                     tokens.len() as i32,
-                    true,
+                    add_special,
                     true,
                 )
             };
