@@ -33,8 +33,9 @@ usage: cargo xtask <subcommand>
                     sse, startup, rss, mem-check (all when none is named; results/); alone:
                     inproc (the fixture route), inproc-llama (the inproc add-on against the hop),
                     stop (SIGTERM to exit on every kind of route, idle and streaming)
-  soak [--minutes N]  N minutes (20) of mixed traffic and faults against the cpu route; the
-                    report of outcomes, corrupted streams, RSS and FD slopes, what was left
+  soak [--minutes N]  N minutes (20) of mixed traffic and faults, half on the cpu route, half on
+                    the inproc add-on, then a watchdog kill; the report of outcomes, corrupted
+                    streams, RSS, FD and task slopes, the stops, what was left
   addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
   laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
   llama-suite [--timeout S] [PYTEST ARGS...]  llama.cpp's server tests, direct and through the

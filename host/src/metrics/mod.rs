@@ -284,6 +284,15 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
         "SSE keep-alive comments sent on streams whose backend was silent",
         keepalives,
     );
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let tasks = Gauge::<i64>::default();
+        tasks.set(i64::try_from(runtime.metrics().num_alive_tasks()).unwrap_or(i64::MAX));
+        registry.register(
+            "onebit_runtime_tasks",
+            "Tasks alive in serve's async runtime (connections, requests, monitors); flat when idle",
+            tasks,
+        );
+    }
     if machine.gtt_total.is_some() || machine.gtt_used.is_some() {
         let gtt = Family::<GttLabel, Gauge>::default();
         for (kind, v) in [
@@ -415,5 +424,34 @@ mod tests {
         assert!(!text.contains("onebit_serve_starts"), "{text}");
         assert_eq!(read_machine(&root.join("nothing")), Machine::default());
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// The runtime's live tasks are a series of their own (the soak samples it for leaks).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn the_runtimes_live_tasks_are_counted() {
+        let count = || {
+            let text = render_own("cpu", true, None, &Machine::default());
+            text.lines()
+                .find_map(|l| l.strip_prefix("onebit_runtime_tasks "))
+                .and_then(|n| n.parse::<i64>().ok())
+                .unwrap_or_else(|| panic!("no onebit_runtime_tasks:\n{text}"))
+        };
+        let before = count();
+        let waiting: Vec<_> = (0..3)
+            .map(|_| tokio::spawn(std::future::pending::<()>()))
+            .collect();
+        assert_eq!(count(), before + 3);
+        for task in &waiting {
+            task.abort();
+        }
+        for task in waiting {
+            let _ = task.await;
+        }
+        assert_eq!(count(), before);
+        // Outside a runtime there is no such series.
+        let text = std::thread::spawn(|| render_own("cpu", true, None, &Machine::default()))
+            .join()
+            .unwrap();
+        assert!(!text.contains("onebit_runtime_tasks"), "{text}");
     }
 }
