@@ -184,6 +184,7 @@ pub const HOST_STOPPING: &str = "the host is stopping";
 /// ([`HOST_STOPPING`]), or the reply was already ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SinkError {
+    /// What happened, one line ([`HOST_STOPPING`] when the host is stopping).
     pub message: String,
 }
 

@@ -140,6 +140,7 @@ pub fn spawn(mut command: Command) -> io::Result<Process> {
 }
 
 impl Process {
+    /// The process id (also its process group id: each process leads a group of its own).
     pub fn pid(&self) -> u32 {
         self.pid
     }

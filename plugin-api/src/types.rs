@@ -39,8 +39,11 @@ pub enum Purpose {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PlanRequest {
+    /// What the plan is for: serving, or printing the one-hop command.
     pub purpose: Purpose,
+    /// The command line's options, as the host read them.
     pub options: ServeOptions,
+    /// What the host read from the model file.
     pub model: ModelFacts,
     /// serve's whole environment. A route reads its variables from here, not from the process,
     /// so a plan depends only on its request.
@@ -145,7 +148,9 @@ pub struct ServeOptions {
 pub struct RouteOption {
     /// The flag it came with: `--route-opt` or `--npu-opt`.
     pub flag: String,
+    /// The part before `=`.
     pub key: String,
+    /// The part after the first `=` (a value without one is refused before any route sees it).
     pub value: String,
 }
 
@@ -230,7 +235,9 @@ impl Claim {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PlanOutcome {
+    /// The route serves this request with this plan.
     Plan(Plan),
+    /// The route does not serve it, and says why.
     Refused(Refusal),
 }
 
@@ -296,10 +303,12 @@ impl Refusal {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct RouteError {
+    /// One line the host prints, saying what failed and what to do.
     pub message: String,
 }
 
 impl RouteError {
+    /// An error with this message.
     pub fn new(message: impl Into<String>) -> Self {
         Self {
             message: message.into(),
@@ -396,6 +405,7 @@ pub struct Rule {
     pub method: String,
     /// An exact path, or a prefix ending in `*` (`/slots/*`).
     pub path: String,
+    /// What the host does with a request that matches.
     pub action: Action,
     /// A chat, completion or Responses request: the watchdog tracks it, and a non-streamed
     /// JSON reply gets the served model name.
@@ -462,11 +472,17 @@ pub enum ReplyShape {
 #[serde(rename_all = "snake_case")]
 pub enum Action {
     /// Relay it unchanged to `backends[backend]`, same method, path and query.
-    Proxy { backend: usize },
+    Proxy {
+        /// The backend's index in the plan.
+        backend: usize,
+    },
     /// Answer it directly.
     Answer {
+        /// The HTTP status.
         status: u16,
+        /// The reply's `Content-Type`.
         content_type: String,
+        /// The reply's body.
         body: String,
     },
     /// Ask the route ([`crate::DeviceRoute::forward`]) on a blocking thread.
@@ -570,7 +586,9 @@ impl Default for Action {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Warmup {
+    /// The path it is POSTed to.
     pub path: String,
+    /// Its JSON body.
     pub body: serde_json::Value,
 }
 
@@ -612,6 +630,7 @@ pub struct LlamaKv {
     pub unified: bool,
     /// The K and V cache types, by llama.cpp's names (`f16`, `q8_0`, ...).
     pub type_k: String,
+    /// The V cache type, as `type_k`.
     pub type_v: String,
     /// Flash attention on (or auto) when the cache is made; off stores V transposed.
     pub flash_attn: bool,
@@ -622,6 +641,8 @@ pub struct LlamaKv {
 }
 
 impl LlamaKv {
+    /// A context of `ctx` tokens over `n_parallel` sequences, with llama-server's defaults
+    /// for the rest.
     pub fn new(ctx: u64, n_parallel: u32) -> LlamaKv {
         LlamaKv {
             ctx,
@@ -646,6 +667,7 @@ impl Default for LlamaKv {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Started {
+    /// The plan the host started.
     pub plan: Plan,
     /// The process id of each backend, in the plan's order.
     pub pids: Vec<u32>,
@@ -663,6 +685,7 @@ pub struct HealthProbe {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BackendHealth {
+    /// It is running and answered its health route in time.
     pub ok: bool,
     /// Why not, when not ok.
     pub reason: String,
@@ -672,6 +695,7 @@ pub struct BackendHealth {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Health {
+    /// The model is served: `/health` answers 200.
     pub ok: bool,
     /// Why not, when not ok; shown in `/health`'s body.
     pub reason: String,
@@ -699,6 +723,7 @@ impl Health {
 pub struct BackendLine {
     /// Which backend, by its index in the plan.
     pub backend: usize,
+    /// The line as the backend printed it, without its newline.
     pub line: String,
 }
 
@@ -716,8 +741,11 @@ pub struct LineVerdict {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ForwardRequest {
+    /// `GET`, `POST`, ...
     pub method: String,
+    /// The path, without the query.
     pub path: String,
+    /// The query, without its `?` (empty when there was none).
     pub query: String,
     /// The JSON body as text.
     pub body: String,
@@ -729,7 +757,9 @@ pub struct ForwardRequest {
 pub enum Forward {
     /// Relay it to a backend, with this body instead of the client's when given.
     Proxy {
+        /// The backend's index in the plan.
         backend: usize,
+        /// The body to send instead of the client's.
         #[serde(default)]
         body: Option<String>,
         /// A line serve prints on stderr when the reply's first byte arrives, with
@@ -739,8 +769,11 @@ pub enum Forward {
     },
     /// Answer it directly.
     Answer {
+        /// The HTTP status.
         status: u16,
+        /// The reply's `Content-Type`.
         content_type: String,
+        /// The reply's body.
         body: String,
     },
 }
@@ -749,10 +782,13 @@ pub enum Forward {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BackendRequest {
+    /// The backend's index in the plan.
     pub backend: usize,
+    /// `GET`, `POST`, ...
     pub method: String,
     /// Path and query.
     pub path: String,
+    /// The JSON body, when there is one.
     pub body: Option<String>,
     /// Give up after this long; 0 means the host's default (30 s).
     pub timeout_ms: u64,
@@ -762,6 +798,8 @@ pub struct BackendRequest {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BackendReply {
+    /// The HTTP status (a backend that does not answer is an error, not a reply).
     pub status: u16,
+    /// The reply's body.
     pub body: String,
 }
