@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// `1bit rpc-worker --port`'s default: ggml-rpc-server's own.
 pub const RPC_WORKER_DEFAULT_PORT: u16 = 50052;
@@ -22,8 +22,40 @@ pub const CORS_HEADERS_DEFAULT: &str = "*";
     about = "Serve one local model behind an OpenAI-compatible API"
 )]
 pub struct Cli {
+    #[command(flatten)]
+    pub log: LogArgs,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How serve's lines are written (`log` sets it up before anything is said). Global: before
+/// or after the subcommand; the drop-in (`1bit llama-server`) takes them from the environment.
+#[derive(Args, Debug, Clone)]
+pub struct LogArgs {
+    /// Which lines are written: a `tracing` filter (`info`; `debug` adds one line per request;
+    /// `warn`; `info,onebit::request=debug`).
+    #[arg(long = "log", value_name = "FILTER", env = "ONEBIT_LOG", default_value = "info", global = true)]
+    pub filter: String,
+    /// `text`: each line as it always was; `json`: one JSON object per line (time, level,
+    /// target, message, fields), the backends' lines too.
+    #[arg(long, value_name = "FORMAT", env = "ONEBIT_LOG_FORMAT", default_value = "text", global = true)]
+    pub log_format: LogFormat,
+}
+
+/// `--log-format`'s values.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The log settings from the environment alone (`ONEBIT_LOG`, `ONEBIT_LOG_FORMAT`), for a
+/// command line that is not serve's own (the drop-in's). A value clap refuses is the error.
+#[derive(Parser, Debug)]
+#[command(name = "1bit")]
+pub struct LogFromEnv {
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 #[derive(Subcommand, Debug)]

@@ -18,6 +18,7 @@ mod front;
 mod guard;
 mod laya;
 mod llama_server_cli;
+mod log;
 mod metrics;
 mod model;
 mod notify;
@@ -43,7 +44,11 @@ fn main() {
             args: argv[1..].to_vec(),
         }
     } else {
-        cli::Cli::parse().command
+        let cli = cli::Cli::parse();
+        if let Err(line) = log::init(&cli.log) {
+            exit_with_line(&line);
+        }
+        cli.command
     };
     let code = match cli {
         cli::Command::Serve(mut args) => {
@@ -69,16 +74,37 @@ fn main() {
     std::process::exit(code);
 }
 
+/// Before the subscriber is set up, a line can only be written directly: this one, the
+/// error that stopped it being set up.
+fn exit_with_line(line: &str) -> ! {
+    std::process::exit(usage_line(line));
+}
+
+fn usage_line(line: &str) -> i32 {
+    let first = line.lines().next().unwrap_or("").trim_start_matches("error: ");
+    eprintln!("1bit: {first}");
+    error::exit::USAGE
+}
+
 /// `1bit llama-server ARGS…`: llama-server's arguments, translated, then `1bit serve`.
 fn drop_in(args: &[String]) -> i32 {
+    // llama-server's command line has no words for serve's lines: the environment says.
+    let log = match cli::LogFromEnv::try_parse_from(["1bit"]) {
+        Ok(from_env) => from_env.log,
+        Err(e) => return usage_line(&e.to_string()),
+    };
+    if let Err(line) = log::init(&log) {
+        return usage_line(&line);
+    }
     let translated = match llama_server_cli::translate(args) {
         Ok(t) => t,
         Err(line) => {
-            eprintln!("1bit llama-server: {line}");
+            tracing::info!("1bit llama-server: {line}");
             return error::exit::USAGE;
         }
     };
     if translated == ["--version"] {
+        // The answer to --version (Lemonade reads it), not a log line: always written.
         eprintln!(
             "version: 1bit {} (llama-server drop-in)",
             env!("CARGO_PKG_VERSION")
@@ -89,6 +115,7 @@ fn drop_in(args: &[String]) -> i32 {
     match cli::Cli::try_parse_from(words.chain(translated.iter().cloned())) {
         Ok(cli::Cli {
             command: cli::Command::Serve(mut serve_args),
+            ..
         }) => {
             serve_args.command_line = translated;
             metrics::text::set_under_lemonade();
@@ -103,7 +130,7 @@ fn drop_in(args: &[String]) -> i32 {
                 .next()
                 .unwrap_or("")
                 .trim_start_matches("error: ");
-            eprintln!("1bit llama-server: {first}");
+            tracing::info!("1bit llama-server: {first}");
             error::exit::USAGE
         }
     }

@@ -86,7 +86,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     for f in found {
         match f.outcome {
             Ok(route) => loaded.push(route),
-            Err(e) => eprintln!("1bit serve: skipping a route: {e}"),
+            Err(e) => tracing::info!("1bit serve: skipping a route: {e}"),
         }
     }
 
@@ -153,7 +153,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let refused_flag = refused_flag(args);
     let (route, claim) = routes::choose(&args.device, &loaded, &request)?;
     if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
-        eprintln!(
+        tracing::info!(
             "1bit serve: --device auto chose {} ({})",
             route.info.name, claim.reason
         );
@@ -244,7 +244,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
     }
     for note in &plan.notes {
-        eprintln!("1bit serve: {note}");
+        tracing::info!("1bit serve: {note}");
     }
     if printing {
         return print_backend(args, &plan).map(Prepared::Exit);
@@ -334,7 +334,7 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
 /// The check before a load: say the estimate, refuse with exit 3 when it does not fit.
 fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
     if let Some(why) = &plan.memory_unknown {
-        eprintln!(
+        tracing::warn!(
             "1bit serve: warning: {}",
             admission::unknown_line(name, why)
         );
@@ -352,9 +352,9 @@ fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
             message: verdict.line,
         });
     }
-    eprintln!("1bit serve: {}", verdict.line);
+    tracing::info!("1bit serve: {}", verdict.line);
     for warning in &verdict.warnings {
-        eprintln!("1bit serve: warning: {warning}");
+        tracing::warn!("1bit serve: warning: {warning}");
     }
     Ok(())
 }

@@ -61,7 +61,7 @@ pub fn run(args: ServeArgs) -> i32 {
 }
 
 fn say_fatal(fatal: &Fatal) -> i32 {
-    eprintln!("1bit serve: {}", fatal.message);
+    tracing::error!("1bit serve: {}", fatal.message);
     notify::exiting(&fatal.message);
     fatal.code
 }
@@ -143,7 +143,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     notify::loading(&served_name, &plan.device);
     let guard = Guard::for_bind(&args.host);
     if !guard.loopback_bind && api_key.is_none() {
-        eprintln!(
+        tracing::warn!(
             "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
         );
     }
@@ -154,7 +154,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
                 .await
                 .unwrap_or_default();
         for dir in removed {
-            eprintln!(
+            tracing::info!(
                 "1bit serve: removed {}, left by a serve that is gone",
                 dir.display()
             );
@@ -228,7 +228,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         requests: Default::default(),
         pm: pm.map(|(experts, url)| {
             let pm = crate::pm::Pm::new(experts, url, served_name.clone(), client.clone());
-            eprintln!("1bit serve: {}", pm.summary());
+            tracing::info!("1bit serve: {}", pm.summary());
             Arc::new(pm)
         }),
         laya: policy.map(|policy| {
@@ -285,7 +285,7 @@ async fn supervise(
         .iter()
         .flat_map(|(route, plan)| plan.backends.iter().map(move |spec| (route, spec)));
     for (index, (route, spec)) in specs.enumerate() {
-        eprintln!(
+        tracing::info!(
             "1bit serve: starting {} on the {} route (port {}): {}",
             spec.engine,
             devices[index],
@@ -373,7 +373,7 @@ async fn supervise(
         }
         for warmup in &plan.warmups {
             if let Err(e) = backend_post(client, &mine[0], &warmup.path, &warmup.body).await {
-                eprintln!("1bit serve: warm-up {} failed: {e}", warmup.path);
+                tracing::info!("1bit serve: warm-up {} failed: {e}", warmup.path);
             }
         }
         first += plan.backends.len();
@@ -384,7 +384,7 @@ async fn supervise(
         display_host(first_host(&args.host)),
         args.port
     );
-    eprintln!("1bit serve: ready on {url}");
+    tracing::info!("1bit serve: ready on {url}");
     notify::ready(&app.settings.served_name, &url, &plan.device);
     let pings = notify::spawn_watchdog(app.status.clone());
 
@@ -520,10 +520,10 @@ async fn port_taken(backends: &[Backend]) -> String {
 
 /// A signal: stop the backends in order and exit cleanly.
 async fn stop(backends: &[Backend], grace: Duration, what: &str) -> i32 {
-    eprintln!("1bit serve: {what}: stopping");
+    tracing::info!("1bit serve: {what}: stopping");
     notify::exiting(&format!("{what}: stopping the backends"));
     for line in supervisor::stop_all(backends, grace).await {
-        eprintln!("1bit serve: {line}");
+        tracing::info!("1bit serve: {line}");
     }
     exit::OK
 }
@@ -605,13 +605,13 @@ async fn fail(
         _ => message,
     };
     app.set_status(Status::Failed(message.clone()));
-    eprintln!("1bit serve: {message}");
+    tracing::error!("1bit serve: {message}");
     if let Some(hint) = hint {
-        eprintln!("1bit serve: {hint}");
+        tracing::info!("1bit serve: {hint}");
     }
     notify::exiting(&message);
     for line in supervisor::stop_all(backends, grace).await {
-        eprintln!("1bit serve: {line}");
+        tracing::info!("1bit serve: {line}");
     }
     exit::BACKEND
 }
@@ -626,23 +626,23 @@ async fn hung(
     grace: Duration,
 ) -> i32 {
     app.set_status(Status::Failed(format!("the watchdog fired: {line}")));
-    eprintln!("1bit serve: watchdog: {line}");
+    tracing::error!("1bit serve: watchdog: {line}");
     notify::exiting(&format!("the watchdog fired: {line}"));
     let root = app.metrics.sysfs_root.clone();
     if let Ok(Some(t)) = tokio::task::spawn_blocking(move || metrics::tctl_celsius(&root)).await {
-        eprintln!("1bit serve: watchdog: Tctl {t:.1} C");
+        tracing::info!("1bit serve: watchdog: Tctl {t:.1} C");
     }
     if let Some(b) = backends.get(index) {
         let tail = b.tail();
         if !tail.is_empty() {
-            eprintln!("1bit serve: watchdog: the backend's last lines:");
+            tracing::info!("1bit serve: watchdog: the backend's last lines:");
             for l in tail {
-                eprintln!("1bit serve: watchdog: | {l}");
+                tracing::info!("1bit serve: watchdog: | {l}");
             }
         }
         b.signal(Signal::SIGKILL);
         if !supervisor::wait_exited(std::slice::from_ref(b), Duration::from_secs(5)).await {
-            eprintln!(
+            tracing::info!(
                 "1bit serve: watchdog: the {} backend (pid {}) did not die after SIGKILL (stuck in the kernel?); exiting anyway",
                 b.spec.engine, b.pid
             );
@@ -650,7 +650,7 @@ async fn hung(
     }
     metrics::bump(&app.metrics.state, |c| c.watchdog_kills += 1).await;
     for said in supervisor::stop_all(backends, grace).await {
-        eprintln!("1bit serve: {said}");
+        tracing::info!("1bit serve: {said}");
     }
     exit::BACKEND
 }

@@ -90,8 +90,10 @@ async fn answer(
     let (body_tx, body_rx) = mpsc::channel::<Chunk>(SINK_BUFFER_BYTES / SINK_CHUNK_BYTES);
     let route = app.route.route.clone();
     let device = app.device.clone();
+    // The route's thread says its lines in the request's span (its id).
+    let span = tracing::Span::current();
     let running = tokio::task::spawn_blocking(move || {
-        run_route(&route, &device, &what, &request, head_tx, body_tx)
+        span.in_scope(|| run_route(&route, &device, &what, &request, head_tx, body_tx))
     });
 
     let Ok(head) = head_rx.await else {
@@ -212,7 +214,7 @@ fn run_route(
         }
         Err(RespondError::Failed(why)) => {
             let line = format!("the {device} route failed to answer {what}: {why}");
-            eprintln!("1bit serve: {line}");
+            tracing::info!("1bit serve: {line}");
             if let Some(body) = sink.body.take() {
                 let _ = body.blocking_send(Err(std::io::Error::other(line.clone())));
             }

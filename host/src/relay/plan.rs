@@ -283,6 +283,11 @@ pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
     if is_hop_header(name) || named_by_connection(name, connection) {
         return false;
     }
+    // The request's id is serve's to send and to answer with (`relay::request_id`): a
+    // client's or backend's own goes no further.
+    if name.eq_ignore_ascii_case(crate::relay::request_id::HEADER) {
+        return false;
+    }
     match way {
         // Authorization is serve's (its API key) or nothing the backend asked for: serve's
         // backends take no key, and a client's key must not reach them.
@@ -337,6 +342,7 @@ pub fn upstream_head<'h>(
     headers: impl Iterator<Item = (&'h str, &'h [u8])>,
     connection: &[&[u8]],
     body_len: Option<usize>,
+    request_id: &[u8],
 ) {
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
@@ -353,6 +359,9 @@ pub fn upstream_head<'h>(
         out.extend_from_slice(value);
         out.extend_from_slice(b"\r\n");
     }
+    out.extend_from_slice(b"X-Request-Id: ");
+    out.extend_from_slice(request_id);
+    out.extend_from_slice(b"\r\n");
     if let Some(len) = body_len {
         out.extend_from_slice(b"Content-Length: ");
         out.extend_from_slice(len.to_string().as_bytes());
@@ -568,8 +577,9 @@ mod tests {
 
     #[test]
     fn the_upstream_head_names_the_backend_and_its_own_length() {
-        let headers: [(&str, &[u8]); 5] = [
+        let headers: [(&str, &[u8]); 6] = [
             ("Host", b"localhost:8080"),
+            ("x-request-id", b"the client's"),
             ("Connection", b"close, X-Drop"),
             ("X-Drop", b"1"),
             ("Content-Length", b"7"),
@@ -584,11 +594,13 @@ mod tests {
             headers.iter().copied(),
             &[b"close, X-Drop"],
             Some(2),
+            b"0123456789abcdef",
         );
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:9000\r\n\
-             Content-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+             Content-Type: application/json\r\nX-Request-Id: 0123456789abcdef\r\n\
+             Content-Length: 2\r\n\r\n"
         );
     }
 

@@ -356,7 +356,7 @@ pub fn admit(
             message: line,
         });
     }
-    eprintln!("1bit serve: {line}");
+    tracing::info!("1bit serve: {line}");
     Ok(None)
 }
 
