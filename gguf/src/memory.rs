@@ -489,42 +489,10 @@ pub fn kv_estimate(h: &Header, s: &KvSettings) -> Result<KvEstimate, String> {
         });
     }
 
-    // llama.cpp caps layers at LLAMA_MAX_LAYERS (512); the cap also bounds the loops here.
-    let n_all = k.req("block_count")?;
-    if n_all == 0 || n_all > 512 {
-        return Err(format!(
-            "{}: key '{}' is {n_all}; llama.cpp loads 1 to 512 layers",
-            h.source,
-            k.key("block_count")
-        ));
-    }
-    let n_all = n_all as usize;
-    let nextn = k.or("nextn_predict_layers", 0)? as usize;
-    if nextn > n_all {
-        return Err(format!(
-            "{}: key '{}' is {nextn}, more than the {n_all} layers",
-            h.source,
-            k.key("nextn_predict_layers")
-        ));
-    }
+    let (n_all, nextn) = layer_counts(&k)?;
     let n_layer = n_all - nextn;
 
-    // Context: -c (or the model's own), padded; split per stream unless unified.
-    let ctx = match s.ctx {
-        0 => k.req("context_length")?,
-        c => c,
-    };
-    let n_ctx = pad(ctx);
-    let (n_stream, cells) = if s.unified {
-        (1, n_ctx)
-    } else {
-        (n_par, pad(n_ctx / n_par))
-    };
-    if cells == 0 {
-        return Err(format!(
-            "a context of {ctx} is too small for {n_par} parallel sequences; raise --ctx-size"
-        ));
-    }
+    let (n_ctx, n_stream, cells) = context_cells(&k, s, n_par)?;
 
     // Heads and head sizes (`llama_model_base::load_hparams`).
     let n_head = k
@@ -548,83 +516,11 @@ pub fn kv_estimate(h: &Header, s: &KvSettings) -> Result<KvEstimate, String> {
     let is_mla = k.opt("attention.key_length_mla")?.unwrap_or(0) != 0
         && k.opt("attention.value_length_mla")?.unwrap_or(0) != 0;
 
-    // Which layers recur, and which of the rest the attention cache holds.
-    // `is_recr` is llama.cpp's per-layer flag; `attends` and `recurs` are the filters its
-    // attention and recurrent caches apply, which differ from the flag per architecture.
-    let mut is_recr = vec![false; n_all];
-    let mut attends = vec![true; n_all];
-    let mut recurs = vec![false; n_all];
-    match layout {
-        Layout::None => unreachable!("returned above"),
-        Layout::Attention => {
-            // The trunk's cache skips the MTP head's layers.
-            if nextn > 0 && n_layer > 0 {
-                attends = (0..n_all).map(|il| il < n_layer).collect();
-            }
-        }
-        Layout::Recurrent => {
-            is_recr = (0..n_all).map(|il| il < n_layer).collect();
-            attends = vec![false; n_all];
-            recurs = is_recr.clone();
-        }
-        Layout::Interval(default_interval) => {
-            is_recr = match k.per_layer("attention.recurrent_layers", n_all)? {
-                Some(flags) => flags.iter().map(|&f| f != 0).collect(),
-                None => {
-                    let interval = k.or("full_attention_interval", default_interval)?;
-                    if interval == 0 {
-                        return Err(format!(
-                            "{}: key '{}' is 0; llama.cpp needs at least 1",
-                            h.source,
-                            k.key("full_attention_interval")
-                        ));
-                    }
-                    (0..n_all)
-                        .map(|il| il < n_layer && !(il as u64 + 1).is_multiple_of(interval))
-                        .collect()
-                }
-            };
-            attends = (0..n_all).map(|il| il < n_layer && !is_recr[il]).collect();
-            recurs = (0..n_all).map(|il| il < n_layer && is_recr[il]).collect();
-        }
-        Layout::HeadlessRecurrent { trunk_only } => {
-            // GLM5-Next flags MTP layers too; the others only flag trunk layers.
-            let flagged = if trunk_only { n_all } else { n_layer };
-            is_recr = (0..n_all)
-                .map(|il| il < flagged && n_head_kv[il] == 0)
-                .collect();
-            attends = (0..n_all)
-                .map(|il| !is_recr[il] && (!trunk_only || il < n_layer))
-                .collect();
-            recurs = (0..n_all).map(|il| il < n_layer && is_recr[il]).collect();
-        }
-        Layout::Both => {
-            is_recr = (0..n_all).map(|il| il < n_layer).collect();
-            recurs = is_recr.clone();
-        }
-        Layout::Nemotron => {
-            let n_ff = k
-                .per_layer("feed_forward_length", n_all)?
-                .unwrap_or_else(|| vec![0; n_all]);
-            is_recr = (0..n_all)
-                .map(|il| il < n_layer && n_head_kv[il] == 0 && n_ff[il] == 0)
-                .collect();
-            attends = (0..n_all).map(|il| !is_recr[il] && n_ff[il] == 0).collect();
-            recurs = (0..n_all).map(|il| il < n_layer && is_recr[il]).collect();
-        }
-    }
-
-    // Gemma-3n/4 share the KV of their last layers with earlier ones (`has_kv`).
-    let kv_from_start = match arch {
-        "gemma3n" => Some(20),
-        "gemma4" => Some(n_all.saturating_sub(k.or("attention.shared_kv_layers", 0)? as usize)),
-        _ => None,
-    };
-    if let Some(limit) = kv_from_start {
-        for (il, a) in attends.iter_mut().enumerate() {
-            *a = *a && il < limit;
-        }
-    }
+    let Roles {
+        is_recr,
+        attends,
+        recurs,
+    } = layer_roles(&k, layout, n_layer, n_all, nextn, &n_head_kv)?;
 
     let swa = window(&k, n_layer, n_all, &is_recr)?;
     let is_swa = |il: usize| swa.as_ref().is_some_and(|(_, layers)| layers[il]);
@@ -696,6 +592,153 @@ pub fn kv_estimate(h: &Header, s: &KvSettings) -> Result<KvEstimate, String> {
         est.recurrent_layers = recurrent_layers as u32;
     }
     Ok(est)
+}
+
+/// The model's layers (`block_count`, 1 to 512 as llama.cpp's LLAMA_MAX_LAYERS; the cap also
+/// bounds the loops here) and how many of them are its MTP head (`nextn_predict_layers`).
+fn layer_counts(k: &Keys<'_>) -> Result<(usize, usize), String> {
+    let h = k.h;
+    let n_all = k.req("block_count")?;
+    if n_all == 0 || n_all > 512 {
+        return Err(format!(
+            "{}: key '{}' is {n_all}; llama.cpp loads 1 to 512 layers",
+            h.source,
+            k.key("block_count")
+        ));
+    }
+    let n_all = n_all as usize;
+    let nextn = k.or("nextn_predict_layers", 0)? as usize;
+    if nextn > n_all {
+        return Err(format!(
+            "{}: key '{}' is {nextn}, more than the {n_all} layers",
+            h.source,
+            k.key("nextn_predict_layers")
+        ));
+    }
+    Ok((n_all, nextn))
+}
+
+/// The context asked (`-c`, or the model's own) padded, its streams, and the cells of each:
+/// one stream holding it all when unified, else one per sequence.
+fn context_cells(k: &Keys<'_>, s: &KvSettings, n_par: u64) -> Result<(u64, u64, u64), String> {
+    let ctx = match s.ctx {
+        0 => k.req("context_length")?,
+        c => c,
+    };
+    let n_ctx = pad(ctx);
+    let (n_stream, cells) = if s.unified {
+        (1, n_ctx)
+    } else {
+        (n_par, pad(n_ctx / n_par))
+    };
+    if cells == 0 {
+        return Err(format!(
+            "a context of {ctx} is too small for {n_par} parallel sequences; raise --ctx-size"
+        ));
+    }
+
+    Ok((n_ctx, n_stream, cells))
+}
+
+/// Each layer's part in the caches: `is_recr` is llama.cpp's per-layer recurrent flag;
+/// `attends` and `recurs` are the filters its attention and recurrent caches apply, which
+/// differ from the flag per architecture.
+struct Roles {
+    is_recr: Vec<bool>,
+    attends: Vec<bool>,
+    recurs: Vec<bool>,
+}
+
+/// Which of the `n_all` layers (`n_layer` of the trunk, then `nextn` MTP layers) recur, and
+/// which of the rest the attention cache holds, by the architecture's layout.
+fn layer_roles(
+    k: &Keys<'_>,
+    layout: Layout,
+    n_layer: usize,
+    n_all: usize,
+    nextn: usize,
+    n_head_kv: &[u64],
+) -> Result<Roles, String> {
+    let (h, arch) = (k.h, k.arch);
+    let mut is_recr = vec![false; n_all];
+    let mut attends = vec![true; n_all];
+    let mut recurs = vec![false; n_all];
+    match layout {
+        Layout::None => unreachable!("kv_estimate answers a layout without caches itself"),
+        Layout::Attention => {
+            // The trunk's cache skips the MTP head's layers.
+            if nextn > 0 && n_layer > 0 {
+                attends = (0..n_all).map(|il| il < n_layer).collect();
+            }
+        }
+        Layout::Recurrent => {
+            is_recr = (0..n_all).map(|il| il < n_layer).collect();
+            attends = vec![false; n_all];
+            recurs = is_recr.clone();
+        }
+        Layout::Interval(default_interval) => {
+            is_recr = match k.per_layer("attention.recurrent_layers", n_all)? {
+                Some(flags) => flags.iter().map(|&f| f != 0).collect(),
+                None => {
+                    let interval = k.or("full_attention_interval", default_interval)?;
+                    if interval == 0 {
+                        return Err(format!(
+                            "{}: key '{}' is 0; llama.cpp needs at least 1",
+                            h.source,
+                            k.key("full_attention_interval")
+                        ));
+                    }
+                    (0..n_all)
+                        .map(|il| il < n_layer && !(il as u64 + 1).is_multiple_of(interval))
+                        .collect()
+                }
+            };
+            attends = (0..n_all).map(|il| il < n_layer && !is_recr[il]).collect();
+            recurs = (0..n_all).map(|il| il < n_layer && is_recr[il]).collect();
+        }
+        Layout::HeadlessRecurrent { trunk_only } => {
+            // GLM5-Next flags MTP layers too; the others only flag trunk layers.
+            let flagged = if trunk_only { n_all } else { n_layer };
+            is_recr = (0..n_all)
+                .map(|il| il < flagged && n_head_kv[il] == 0)
+                .collect();
+            attends = (0..n_all)
+                .map(|il| !is_recr[il] && (!trunk_only || il < n_layer))
+                .collect();
+            recurs = (0..n_all).map(|il| il < n_layer && is_recr[il]).collect();
+        }
+        Layout::Both => {
+            is_recr = (0..n_all).map(|il| il < n_layer).collect();
+            recurs = is_recr.clone();
+        }
+        Layout::Nemotron => {
+            let n_ff = k
+                .per_layer("feed_forward_length", n_all)?
+                .unwrap_or_else(|| vec![0; n_all]);
+            is_recr = (0..n_all)
+                .map(|il| il < n_layer && n_head_kv[il] == 0 && n_ff[il] == 0)
+                .collect();
+            attends = (0..n_all).map(|il| !is_recr[il] && n_ff[il] == 0).collect();
+            recurs = (0..n_all).map(|il| il < n_layer && is_recr[il]).collect();
+        }
+    }
+
+    // Gemma-3n/4 share the KV of their last layers with earlier ones (`has_kv`).
+    let kv_from_start = match arch {
+        "gemma3n" => Some(20),
+        "gemma4" => Some(n_all.saturating_sub(k.or("attention.shared_kv_layers", 0)? as usize)),
+        _ => None,
+    };
+    if let Some(limit) = kv_from_start {
+        for (il, a) in attends.iter_mut().enumerate() {
+            *a = *a && il < limit;
+        }
+    }
+    Ok(Roles {
+        is_recr,
+        attends,
+        recurs,
+    })
 }
 
 #[cfg(test)]

@@ -34,11 +34,23 @@ pub struct Cli {
 pub struct LogArgs {
     /// Which lines are written: a `tracing` filter (`info`; `debug` adds one line per request;
     /// `warn`; `info,onebit::request=debug`).
-    #[arg(long = "log", value_name = "FILTER", env = "ONEBIT_LOG", default_value = "info", global = true)]
+    #[arg(
+        long = "log",
+        value_name = "FILTER",
+        env = "ONEBIT_LOG",
+        default_value = "info",
+        global = true
+    )]
     pub filter: String,
     /// `text`: each line as it always was; `json`: one JSON object per line (time, level,
     /// target, message, fields), the backends' lines too.
-    #[arg(long, value_name = "FORMAT", env = "ONEBIT_LOG_FORMAT", default_value = "text", global = true)]
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        env = "ONEBIT_LOG_FORMAT",
+        default_value = "text",
+        global = true
+    )]
     pub log_format: LogFormat,
 }
 

@@ -54,6 +54,10 @@ impl fmt::Display for Fatal {
 pub enum ApiError {
     /// The body is not a JSON object.
     BadJson(String),
+    /// The body broke off before its end (the client's connection failed while sending it).
+    BodyBroken(String),
+    /// The request's path and query cannot be sent on to the backend.
+    BadPath(String),
     /// The body is larger than the limit.
     TooLarge { limit: usize },
     /// A body with a Content-Type serve does not read as JSON.
@@ -90,7 +94,10 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadJson(_) | ApiError::SeveralHosts { .. } => StatusCode::BAD_REQUEST,
+            ApiError::BadJson(_)
+            | ApiError::BodyBroken(_)
+            | ApiError::BadPath(_)
+            | ApiError::SeveralHosts { .. } => StatusCode::BAD_REQUEST,
             ApiError::NoKey | ApiError::WrongKey => StatusCode::UNAUTHORIZED,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadContentType(_) | ApiError::NotMultipart(_) => StatusCode::BAD_REQUEST,
@@ -106,6 +113,8 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             ApiError::BadJson(_)
+            | ApiError::BodyBroken(_)
+            | ApiError::BadPath(_)
             | ApiError::SeveralHosts { .. }
             | ApiError::TooLarge { .. }
             | ApiError::BadContentType(_)
@@ -125,6 +134,12 @@ impl ApiError {
             ApiError::BadJson(why) => {
                 format!("the request body is not a JSON object ({why}); send a JSON object")
             }
+            ApiError::BodyBroken(why) => {
+                format!("the request body broke off before its end ({why}); send it again")
+            }
+            ApiError::BadPath(why) => format!(
+                "the request path cannot be passed on ({why}); send a path of plain URL characters"
+            ),
             ApiError::TooLarge { limit } => format!(
                 "the request body is larger than {limit} bytes; send less, or raise ONEBIT_MAX_BODY_BYTES"
             ),

@@ -35,6 +35,15 @@ mod settings;
 use clap::Parser;
 
 fn main() {
+    let code = run();
+    // The one place serve exits, with the code each command decided after stopping what it
+    // started; threads still parked on a blocking read are not waited for.
+    #[allow(clippy::disallowed_methods)]
+    std::process::exit(code);
+}
+
+/// The command `argv` names, run: its exit code.
+fn run() -> i32 {
     let argv: Vec<String> = std::env::args().collect();
     let cli = if argv
         .first()
@@ -45,12 +54,13 @@ fn main() {
         }
     } else {
         let cli = cli::Cli::parse();
+        // Before the subscriber is set up, the error that stopped it is written directly.
         if let Err(line) = log::init(&cli.log) {
-            exit_with_line(&line);
+            return usage_line(&line);
         }
         cli.command
     };
-    let code = match cli {
+    match cli {
         cli::Command::Serve(mut args) => {
             args.command_line = argv.iter().skip(2).cloned().collect();
             serve::run(*args)
@@ -70,18 +80,16 @@ fn main() {
             error::exit::OK
         }
         cli::Command::RpcWorker(args) => rpc::worker::run(args),
-    };
-    std::process::exit(code);
+    }
 }
 
-/// Before the subscriber is set up, a line can only be written directly: this one, the
-/// error that stopped it being set up.
-fn exit_with_line(line: &str) -> ! {
-    std::process::exit(usage_line(line));
-}
-
+/// A line said before the subscriber is set up (it could not be): written directly, exit 2.
 fn usage_line(line: &str) -> i32 {
-    let first = line.lines().next().unwrap_or("").trim_start_matches("error: ");
+    let first = line
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim_start_matches("error: ");
     eprintln!("1bit: {first}");
     error::exit::USAGE
 }

@@ -1,7 +1,8 @@
 //! `1bit plugins check FILE`: the conformance check a vendor runs on a route library before
 //! shipping it: load it as serve would, then info, claim and plan on a model, and for a route
 //! that answers in process: start, health, a whole and a streamed answer, a slow reader, a
-//! client that leaves, bad input, a panic contained, metrics. One line per check.
+//! client that leaves, bad input, a panic contained, metrics. One line per check. A check that
+//! reached nothing beyond the plan (it refused the model) exits 2 saying to pass `-m MODEL`.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -59,7 +60,9 @@ impl Report {
 
 /// Run every check on `file`, with `model` (else a fixture file that is not a GGUF) for claim
 /// and plan. Called by main on its thread; blocks while the route answers (a model load, a few
-/// short generations). Returns serve's exit status: 0 when every check passed, 1 otherwise.
+/// short generations). Returns serve's exit status: 0 when every check passed (a plan that
+/// answers nothing in process is checked as far as its plan), 1 when one failed, 2 when the
+/// plan refused the model, so that nothing beyond it was checked.
 pub fn run(file: &Path, model_path: Option<&Path>) -> i32 {
     let mut report = Report::default();
     let route = match loader::load(file) {
@@ -118,10 +121,14 @@ pub fn run(file: &Path, model_path: Option<&Path>) -> i32 {
                         refusal.message
                     ),
                 );
-                report.skip(
-                    "answers",
-                    "the plan refused this model; pass -m MODEL with a model the route serves",
-                );
+                report.skip("answers", "the plan refused this model");
+                if report.failed == 0 {
+                    println!(
+                        "nothing beyond plan was checked: pass -m MODEL with a model the {} route serves",
+                        route.info.name
+                    );
+                    return error::exit::USAGE;
+                }
             }
             return finish(&report);
         }
@@ -258,6 +265,35 @@ impl ReplySink for CheckSink {
     fn end(&mut self) {
         self.seen.ended = true;
     }
+
+    fn client_gone(&self) -> bool {
+        self.leave_after.is_some_and(|n| self.seen.sends >= n)
+    }
+}
+
+/// Whether an answer check asks the route's export layer to panic
+/// ([`onebit_plugin_api::CHECK_PANIC_MESSAGE`]).
+#[derive(Clone, Copy)]
+enum Panic {
+    No,
+    Asked,
+}
+
+/// A check's time, in milliseconds.
+fn in_ms(took: Duration) -> String {
+    format!("{:.1} ms", took.as_secs_f64() * 1000.0)
+}
+
+/// The heads a sink saw, in words.
+fn heads_in_words(heads: &[(u16, String)]) -> String {
+    if heads.is_empty() {
+        return "no head".to_string();
+    }
+    heads
+        .iter()
+        .map(|(status, ct)| format!("{status} {ct}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Call `respond` on a thread of its own, bounded by [`ANSWER_LIMIT`].
@@ -267,6 +303,7 @@ fn answer(
     body: String,
     slow: bool,
     leave_after: Option<usize>,
+    panic: Panic,
 ) -> Result<(Result<(), RespondError>, Seen, Duration), String> {
     let (tx, rx) = mpsc::channel();
     let route = route.clone();
@@ -283,7 +320,10 @@ fn answer(
             slow,
             leave_after,
         };
-        let result = route.respond(&request, &mut sink);
+        let result = match panic {
+            Panic::No => route.respond(&request, &mut sink),
+            Panic::Asked => route.respond_asked_to_panic(&request, &mut sink),
+        };
         let _ = tx.send((result, sink.seen));
     });
     let (result, seen) = rx
@@ -295,15 +335,16 @@ fn answer(
 /// The answer checks, on the plan's first in-process path.
 fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
     // A whole answer.
-    match answer(route, path, body(false, &[]), false, None) {
+    match answer(route, path, body(false, &[]), false, None, Panic::No) {
         Ok((Ok(()), seen, took)) => match seen.heads.as_slice() {
             [(200, ct)] if ct.starts_with("application/json") && !seen.body.is_empty() => {
                 match serde_json::from_slice::<serde_json::Value>(&seen.body) {
                     Ok(_) => report.ok(
                         "whole answer",
                         format!(
-                            "POST {path}: 200, {} bytes of JSON in {took:.1?}",
-                            seen.body.len()
+                            "POST {path}: 200, {} bytes of JSON in {}",
+                            seen.body.len(),
+                            in_ms(took)
                         ),
                     ),
                     Err(e) => report.fail("whole answer", format!("the body is not JSON: {e}")),
@@ -312,17 +353,19 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
             heads => report.fail(
                 "whole answer",
                 format!(
-                    "expected one 200 application/json head and a body, got {heads:?} and {} bytes",
+                    "expected one 200 application/json head and a body, got {} and {} bytes",
+                    heads_in_words(heads),
                     seen.body.len()
                 ),
             ),
         },
-        Ok((Err(e), _, _)) => report.fail("whole answer", format!("{e:?}")),
+        Ok((Err(e), _, _)) => report.fail("whole answer", e.to_string()),
         Err(e) => report.fail("whole answer", e),
     }
     // A streamed answer.
-    let streamed = |slow: bool| answer(route, path, body(true, &[]), slow, None);
-    let check_stream = |name: &str, outcome, report: &mut Report| match outcome {
+    let streamed = |slow: bool| answer(route, path, body(true, &[]), slow, None, Panic::No);
+    type Answered = Result<(Result<(), RespondError>, Seen, Duration), String>;
+    let check_stream = |name: &str, outcome: Answered, report: &mut Report| match outcome {
         Ok((Ok(()), seen, took)) => {
             let seen: Seen = seen;
             let text = String::from_utf8_lossy(&seen.body);
@@ -333,20 +376,24 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
             if sse && text.trim_end().ends_with("data: [DONE]") {
                 report.ok(
                     name,
-                    format!("{} sends ending in data: [DONE] in {took:.1?}", seen.sends),
+                    format!(
+                        "{} sends ending in data: [DONE] in {}",
+                        seen.sends,
+                        in_ms(took)
+                    ),
                 );
             } else {
                 report.fail(
                     name,
                     format!(
-                        "expected a 200 text/event-stream ending in data: [DONE], got {:?} ending {:?}",
-                        seen.heads,
-                        text.chars().rev().take(40).collect::<String>().chars().rev().collect::<String>()
+                        "expected a 200 text/event-stream ending in data: [DONE], got {} ending \"{}\"",
+                        heads_in_words(&seen.heads),
+                        text.chars().rev().take(40).collect::<String>().chars().rev().collect::<String>().escape_debug()
                     ),
                 );
             }
         }
-        Ok((Err(e), _, _)) => report.fail(name, format!("{e:?}")),
+        Ok((Err(e), _, _)) => report.fail(name, e.to_string()),
         Err(e) => report.fail(name, e),
     };
     check_stream("streamed answer", streamed(false), report);
@@ -354,10 +401,10 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
     // the route must wait, not fail or skip.
     check_stream("slow reader", streamed(true), report);
     // A client that leaves after the first send: the route must stop sending and return.
-    match answer(route, path, body(true, &[]), false, Some(1)) {
+    match answer(route, path, body(true, &[]), false, Some(1), Panic::No) {
         Ok((_, seen, took)) if seen.sends_after_gone <= 1 => report.ok(
             "client leaves",
-            format!("stopped after the first refused send, in {took:.1?}"),
+            format!("stopped after the first refused send, in {}", in_ms(took)),
         ),
         Ok((_, seen, _)) => report.fail(
             "client leaves",
@@ -375,32 +422,60 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
         r#"{"messages":42,"prompt":42,"max_tokens":"x"}"#.to_string(),
         false,
         None,
+        Panic::No,
     ) {
         Ok((Ok(()), seen, _)) => report.ok(
             "bad input",
-            format!("answered {:?}", seen.heads.first().map(|h| h.0)),
+            format!("answered {}", heads_in_words(&seen.heads)),
         ),
         Ok((Err(RespondError::Failed(e)), _, _)) => {
             report.ok("bad input", format!("an error: {e}"))
         }
-        Ok((Err(e), _, _)) => report.fail("bad input", format!("{e:?}")),
+        Ok((Err(e), _, _)) => report.fail("bad input", e.to_string()),
         Err(e) => report.fail("bad input", e),
     }
-    // A panic: a route that panics when asked (`"panic": "before"`, as the test fixture does)
-    // must have it caught at the boundary and reported as an error.
-    match answer(
-        route,
-        path,
-        body(false, &[("panic", "before".into())]),
-        false,
-        None,
-    ) {
-        Ok((Err(RespondError::Failed(e)), _, _)) if e.contains("panicked") => {
-            report.ok("panic contained", e)
-        }
-        Ok(_) => report.skip(
+    // A panic, asked of the route's export layer (ABI 1.5): it panics at the route's first
+    // sink call, inside the route's `respond`; the boundary must catch it and the route must
+    // answer again afterwards.
+    if !route.can_be_asked_to_panic() {
+        report.skip(
             "panic contained",
-            "the route does not panic on request; nothing to contain",
+            format!(
+                "the route was built against route ABI {}; rebuild it against onebit-plugin-api 1.5 or later for this check",
+                route.abi_version
+            ),
+        );
+        return;
+    }
+    match answer(route, path, body(false, &[]), false, None, Panic::Asked) {
+        Ok((Err(RespondError::Failed(e)), _, _))
+            if e.contains(onebit_plugin_api::CHECK_PANIC_MESSAGE) =>
+        {
+            match answer(route, path, body(false, &[]), false, None, Panic::No) {
+                Ok((Ok(()), seen, _)) if seen.heads.first().is_some_and(|h| h.0 == 200) => {
+                    report.ok("panic contained", format!("{e}; the next answer was a 200"))
+                }
+                Ok((outcome, seen, _)) => report.fail(
+                    "panic contained",
+                    format!(
+                        "after the panic the route answered {}{}",
+                        heads_in_words(&seen.heads),
+                        outcome
+                            .err()
+                            .map(|e| format!(" and {e}"))
+                            .unwrap_or_default()
+                    ),
+                ),
+                Err(e) => report.fail("panic contained", format!("after the panic: {e}")),
+            }
+        }
+        Ok((Err(e), _, _)) => report.fail(
+            "panic contained",
+            format!("asked to panic, the route failed otherwise: {e}"),
+        ),
+        Ok((Ok(()), _, _)) => report.fail(
+            "panic contained",
+            "asked to panic, the route answered as usual",
         ),
         Err(e) => report.fail("panic contained", e),
     }

@@ -155,7 +155,8 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
         tracing::info!(
             "1bit serve: --device auto chose {} ({})",
-            route.info.name, claim.reason
+            route.info.name,
+            claim.reason
         );
     }
     if !request.options.route_options.is_empty() && !takes_route_options(route) {

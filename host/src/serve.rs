@@ -644,7 +644,8 @@ async fn hung(
         if !supervisor::wait_exited(std::slice::from_ref(b), Duration::from_secs(5)).await {
             tracing::info!(
                 "1bit serve: watchdog: the {} backend (pid {}) did not die after SIGKILL (stuck in the kernel?); exiting anyway",
-                b.spec.engine, b.pid
+                b.spec.engine,
+                b.pid
             );
         }
     }

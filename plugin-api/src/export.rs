@@ -6,6 +6,9 @@
 //! std, so this hook is the route's alone): the user sees serve's one line about the panic,
 //! not Rust's message and backtrace before it.
 
+// Unsafe is allowed here alone in this crate: the route side of the FFI boundary: abi_stable headers and raw sink pointers.
+#![allow(unsafe_code)]
+
 use std::any::Any;
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -169,8 +172,20 @@ extern "C" fn metrics<R: DeviceRoute>() -> RResult<RString, RString> {
     guarded("metrics", || Ok(route::<R>().metrics()))
 }
 
-/// The host's sink, seen from the route.
-struct SinkCalls(SinkApi);
+/// The host's sink, seen from the route. When `1bit plugins check` asked for a panic
+/// ([`crate::CHECK_PANIC_MESSAGE`]), the route's first call panics, inside its own `respond`.
+struct SinkCalls {
+    api: SinkApi,
+    panic_asked: Cell<bool>,
+}
+
+impl SinkCalls {
+    fn panic_if_asked(&self) {
+        if self.panic_asked.replace(false) {
+            panic!("{}", crate::CHECK_PANIC_MESSAGE);
+        }
+    }
+}
 
 fn sink_result(reply: RResult<(), RString>) -> Result<(), SinkError> {
     reply.into_result().map_err(|message| SinkError {
@@ -180,28 +195,53 @@ fn sink_result(reply: RResult<(), RString>) -> Result<(), SinkError> {
 
 impl ReplySink for SinkCalls {
     fn send_head(&mut self, status: u16, content_type: &str) -> Result<(), SinkError> {
-        sink_result((self.0.send_head)(
-            self.0.handle,
+        self.panic_if_asked();
+        sink_result((self.api.send_head)(
+            self.api.handle,
             status,
             RStr::from_str(content_type),
         ))
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), SinkError> {
-        sink_result((self.0.send)(self.0.handle, RSlice::from_slice(bytes)))
+        self.panic_if_asked();
+        sink_result((self.api.send)(self.api.handle, RSlice::from_slice(bytes)))
     }
 
     fn end(&mut self) {
-        (self.0.end)(self.0.handle)
+        self.panic_if_asked();
+        (self.api.end)(self.api.handle)
     }
+
+    fn client_gone(&self) -> bool {
+        self.panic_if_asked();
+        (self.api.client_gone)(self.api.handle)
+    }
+}
+
+/// `respond`'s input: the request, and whether `1bit plugins check` asks for a panic (a key
+/// serve never sends; a route before 1.5 ignores it).
+#[derive(serde::Deserialize)]
+struct RespondInput {
+    #[serde(flatten)]
+    request: crate::ForwardRequest,
+    #[serde(default)]
+    onebit_check_panic: bool,
 }
 
 extern "C" fn respond<R: DeviceRoute>(input: RStr<'_>, sink: SinkApi) -> RResult<RString, RString> {
     guarded("respond", || {
-        let mut sink = SinkCalls(sink);
-        route::<R>()
-            .respond(&decode("respond", input)?, &mut sink)
-            .map_err(|e| e.message)?;
+        let input: RespondInput = decode("respond", input)?;
+        let mut sink = SinkCalls {
+            api: sink,
+            panic_asked: Cell::new(input.onebit_check_panic),
+        };
+        let answered = route::<R>()
+            .respond(&input.request, &mut sink)
+            .map_err(|e| e.message);
+        // A route that made no sink call is asked to panic as it returns.
+        sink.panic_if_asked();
+        answered?;
         Ok(String::new())
     })
 }

@@ -11,11 +11,16 @@
 //! appended to [`RouteMod`] after its last prefix field (a minor bump), so an older route simply
 //! lacks them and the host falls back to the documented default.
 //!
-//! `unsafe` is allowed in this crate alone, and only where abi_stable needs it and in
-//! [`process`]'s pre-exec hook (the parent-death signal, which has no safe equivalent).
+//! `unsafe` is allowed in this crate alone (the workspace denies it), and only where
+//! abi_stable needs it (this root, whose derives write unsafe accessors, [`export`], `loader`,
+//! `legacy`) and in [`process`]'s pre-exec hook (the parent-death signal, which has no safe
+//! equivalent); [`types`] forbids it.
 //!
 //! [`process`] is not part of the ABI: the one way the host, a route and a program they start
 //! start a process (it dies with its starter), linked as ordinary Rust code.
+
+// abi_stable's derives and macros for the root module below write unsafe code.
+#![allow(unsafe_code)]
 
 pub mod process;
 pub mod types;
@@ -115,6 +120,12 @@ pub trait DeviceRoute: Default + Send + Sync + 'static {
     /// `sink`: [`ReplySink::send_head`] once, then [`ReplySink::send`] as often as needed
     /// (it blocks while the client reads slowly, and fails once the client is gone: stop
     /// then), then [`ReplySink::end`] (or just return). May take as long as the reply.
+    /// Between long steps that send nothing (a prefill), ask [`ReplySink::client_gone`]
+    /// (1.5) and stop when it is true.
+    ///
+    /// The host calls `respond` concurrently: once per request, each call on a thread of its
+    /// own, so calls for different requests overlap and the route serializes what it cannot
+    /// share.
     ///
     /// An error (or a panic) before the head becomes a 500 naming it; after the head, the
     /// stream is cut off. Default: a 501 saying the route does not answer in process, which is
@@ -147,6 +158,13 @@ pub trait ReplySink {
     fn send(&mut self, bytes: &[u8]) -> Result<(), SinkError>;
     /// The reply is complete. Returning from `respond` ends it too.
     fn end(&mut self);
+    /// Whether the client is gone (or the host is stopping, [`HOST_STOPPING`]), asked without
+    /// sending (ABI 1.5): once true, every `send` fails. A route that computes long before its
+    /// next `send` (a prefill) asks between steps and stops when it is true. Quick and
+    /// non-blocking. The default (a sink of a route's own tests, say) is never gone.
+    fn client_gone(&self) -> bool {
+        false
+    }
 }
 
 /// How much of a reply the host holds for a slow client before [`ReplySink::send`] blocks:
@@ -190,7 +208,18 @@ pub struct SinkApi {
     pub send: extern "C" fn(*mut c_void, RSlice<'_, u8>) -> RResult<(), RString>,
     /// [`ReplySink::end`].
     pub end: extern "C" fn(*mut c_void),
+    /// 1.5: [`ReplySink::client_gone`].
+    pub client_gone: extern "C" fn(*mut c_void) -> bool,
 }
+
+/// What the panic says that `1bit plugins check` asks a route's export layer for (ABI 1.5):
+/// the check's `respond` input carries `"onebit_check_panic": true`, which serve never sends,
+/// and the export layer (this crate's code inside the route library) panics with this message
+/// at the route's first sink call (or, if it makes none, when it returns). The panic unwinds
+/// through the route's own `respond`, so the check proves the boundary contains it (a route
+/// built with `panic = "abort"` would kill serve) and that the route answers again after it,
+/// without the route shipping a panic trigger of its own.
+pub const CHECK_PANIC_MESSAGE: &str = "1bit plugins check asked the route to panic";
 
 /// What the host lets a route do during [`DeviceRoute::forward`]: blocking calls that the
 /// host performs with its own runtime.
@@ -233,7 +262,11 @@ pub struct RouteMod {
     /// [`DeviceRoute::metrics`] → exposition text (not JSON).
     #[sabi(last_prefix_field)]
     pub metrics: extern "C" fn() -> RResult<RString, RString>,
-    /// 1.2: [`DeviceRoute::respond`]: [`ForwardRequest`] and the host's sink → `""`.
+    /// 1.2: [`DeviceRoute::respond`]: [`ForwardRequest`] and the host's sink → `""`. From
+    /// 1.5 the sink has `client_gone` (a 1.2-1.4 route is given the sink as its minor defined
+    /// it), and the input may say `"onebit_check_panic": true`, which only `1bit plugins check`
+    /// sends: the route's export layer then panics at the route's first sink call (see
+    /// [`CHECK_PANIC_MESSAGE`]).
     pub respond: extern "C" fn(RStr<'_>, SinkApi) -> RResult<RString, RString>,
 }
 

@@ -3,6 +3,9 @@
 //! Only the host enables this (feature `host`). A route library, once loaded, is never
 //! unloaded: its functions may be running on any thread until the process ends.
 
+// Unsafe is allowed here alone in this crate: the host side of the FFI boundary: loading libraries and calling through them.
+#![allow(unsafe_code)]
+
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -95,6 +98,17 @@ type JsonOp = extern "C" fn(RStr<'_>) -> RResult<RString, RString>;
 type TextOp = extern "C" fn() -> RResult<RString, RString>;
 type ForwardOp = extern "C" fn(RStr<'_>, HostApi) -> RResult<RString, RString>;
 type RespondOp = extern "C" fn(RStr<'_>, SinkApi) -> RResult<RString, RString>;
+type RespondOpV1_2 =
+    extern "C" fn(RStr<'_>, crate::legacy::v1_2::SinkApi) -> RResult<RString, RString>;
+
+/// A route's `respond`, by the sink its minor takes.
+#[derive(Clone, Copy)]
+enum Respond {
+    /// 1.2 to 1.4: the sink without `client_gone`.
+    V1_2(RespondOpV1_2),
+    /// 1.5 on.
+    Current(RespondOp),
+}
 
 /// The route's operations, whatever minor it was built against; `None` for an operation its
 /// minor did not have (the caller uses the documented default).
@@ -108,7 +122,7 @@ struct Ops {
     on_backend_line: JsonOp,
     forward: ForwardOp,
     metrics: TextOp,
-    respond: Option<RespondOp>,
+    respond: Option<Respond>,
 }
 
 impl From<RouteModRef> for Ops {
@@ -122,7 +136,23 @@ impl From<RouteModRef> for Ops {
             on_backend_line: m.on_backend_line(),
             forward: m.forward(),
             metrics: m.metrics(),
-            respond: m.respond(),
+            respond: m.respond().map(Respond::Current),
+        }
+    }
+}
+
+impl From<crate::legacy::v1_2::RouteModRef> for Ops {
+    fn from(m: crate::legacy::v1_2::RouteModRef) -> Self {
+        Ops {
+            info: m.info(),
+            claim: m.claim(),
+            plan: m.plan(),
+            start: m.start(),
+            health: m.health(),
+            on_backend_line: m.on_backend_line(),
+            forward: m.forward(),
+            metrics: m.metrics(),
+            respond: m.respond().map(Respond::V1_2),
         }
     }
 }
@@ -184,6 +214,10 @@ pub fn load(file: &Path) -> Result<LoadedRoute, LoadError> {
     let module: Ops = match Version::parse(&route_abi) {
         Ok(v) if v.major == 1 && v.minor < 2 => header
             .check_layout::<crate::legacy::v1_0::RouteModRef>()
+            .map_err(layout_error)?
+            .into(),
+        Ok(v) if v.major == 1 && v.minor < 5 => header
+            .check_layout::<crate::legacy::v1_2::RouteModRef>()
             .map_err(layout_error)?
             .into(),
         _ => header
@@ -296,15 +330,54 @@ impl LoadedRoute {
         request: &ForwardRequest,
         sink: &mut dyn ReplySink,
     ) -> Result<(), RespondError> {
+        self.call_respond(&encode(request), sink)
+    }
+
+    /// [`LoadedRoute::respond`] with `"onebit_check_panic": true` in its input: a route of 1.5
+    /// or later panics at its first sink call ([`crate::CHECK_PANIC_MESSAGE`]), inside its
+    /// own `respond`; an older one answers as usual. For `1bit plugins check` alone.
+    pub fn respond_asked_to_panic(
+        &self,
+        request: &ForwardRequest,
+        sink: &mut dyn ReplySink,
+    ) -> Result<(), RespondError> {
+        let mut input = serde_json::to_value(request).expect("ABI types always encode");
+        input["onebit_check_panic"] = true.into();
+        self.call_respond(&input.to_string(), sink)
+    }
+
+    /// Whether the route's export layer can be asked to panic (built against 1.5 or later).
+    pub fn can_be_asked_to_panic(&self) -> bool {
+        matches!(self.module.respond, Some(Respond::Current(_)))
+    }
+
+    fn call_respond(&self, input: &str, sink: &mut dyn ReplySink) -> Result<(), RespondError> {
         let respond = self.module.respond.ok_or(RespondError::Lacking)?;
         let mut held: &mut dyn ReplySink = sink;
-        let api = SinkApi {
-            handle: (&mut held as *mut &mut dyn ReplySink).cast::<c_void>(),
-            send_head: sink_send_head,
-            send: sink_send,
-            end: sink_end,
+        let handle = (&mut held as *mut &mut dyn ReplySink).cast::<c_void>();
+        let input = RStr::from_str(input);
+        let reply = match respond {
+            Respond::Current(respond) => respond(
+                input,
+                SinkApi {
+                    handle,
+                    send_head: sink_send_head,
+                    send: sink_send,
+                    end: sink_end,
+                    client_gone: sink_client_gone,
+                },
+            ),
+            Respond::V1_2(respond) => respond(
+                input,
+                crate::legacy::v1_2::SinkApi {
+                    handle,
+                    send_head: sink_send_head,
+                    send: sink_send,
+                    end: sink_end,
+                },
+            ),
         };
-        match respond(RStr::from_str(&encode(request)), api) {
+        match reply {
             ROk(_) => Ok(()),
             RErr(message) => Err(RespondError::Failed(message.into_string())),
         }
@@ -321,24 +394,43 @@ pub enum RespondError {
     Failed(String),
 }
 
-/// The sink behind a [`SinkApi`] handle.
+impl fmt::Display for RespondError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RespondError::Lacking => {
+                f.write_str("the route has no respond operation (built before route ABI 1.2)")
+            }
+            RespondError::Failed(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for RespondError {}
+
+/// Call `f` with the sink behind a [`SinkApi`] handle; `None` when `f` panicked.
 ///
-/// SAFETY (of the three functions below): `handle` is the `&mut &mut dyn ReplySink` that
-/// [`LoadedRoute::respond`] built on its own stack, and the route may call these only while
-/// that `respond` call runs (the `SinkApi` is passed by value into the call and documented as
-/// valid for it alone), on that call's thread, so the reference is live and not aliased.
-fn with_sink<T>(handle: *mut c_void, f: impl FnOnce(&mut dyn ReplySink) -> T) -> Option<T> {
-    #[allow(unsafe_code)]
+/// # Safety
+///
+/// `handle` must be the `&mut &mut dyn ReplySink` that [`LoadedRoute::call_respond`] built on
+/// its own stack, and the call must come while that `respond` call runs, on its thread (the
+/// route gets the `SinkApi` by value for that call alone, documented as valid for it only), so
+/// that the reference is live and nothing else uses it meanwhile.
+unsafe fn with_sink<T>(handle: *mut c_void, f: impl FnOnce(&mut dyn ReplySink) -> T) -> Option<T> {
+    // SAFETY: the caller guarantees `handle` is a live, unaliased `&mut &mut dyn ReplySink`.
     let sink: &mut &mut dyn ReplySink = unsafe { &mut *handle.cast::<&mut dyn ReplySink>() };
     catch_unwind(AssertUnwindSafe(|| f(&mut **sink))).ok()
 }
+
+// The four functions below are the `SinkApi` the route calls back; `with_sink`'s contract holds
+// because the route may call them only during the `respond` call that handed it the handle.
 
 extern "C" fn sink_send_head(
     handle: *mut c_void,
     status: u16,
     content_type: RStr<'_>,
 ) -> RResult<(), RString> {
-    match with_sink(handle, |s| s.send_head(status, content_type.as_str())) {
+    // SAFETY: `handle` comes from `call_respond`, during its call (see `with_sink`).
+    match unsafe { with_sink(handle, |s| s.send_head(status, content_type.as_str())) } {
         Some(Ok(())) => ROk(()),
         Some(Err(e)) => RErr(e.message.into()),
         None => RErr("the host failed to take the reply's head".into()),
@@ -346,7 +438,8 @@ extern "C" fn sink_send_head(
 }
 
 extern "C" fn sink_send(handle: *mut c_void, bytes: RSlice<'_, u8>) -> RResult<(), RString> {
-    match with_sink(handle, |s| s.send(bytes.as_slice())) {
+    // SAFETY: `handle` comes from `call_respond`, during its call (see `with_sink`).
+    match unsafe { with_sink(handle, |s| s.send(bytes.as_slice())) } {
         Some(Ok(())) => ROk(()),
         Some(Err(e)) => RErr(e.message.into()),
         None => RErr("the host failed to take the reply's bytes".into()),
@@ -354,7 +447,14 @@ extern "C" fn sink_send(handle: *mut c_void, bytes: RSlice<'_, u8>) -> RResult<(
 }
 
 extern "C" fn sink_end(handle: *mut c_void) {
-    let _ = with_sink(handle, |s| s.end());
+    // SAFETY: `handle` comes from `call_respond`, during its call (see `with_sink`).
+    let _ = unsafe { with_sink(handle, |s| s.end()) };
+}
+
+extern "C" fn sink_client_gone(handle: *mut c_void) -> bool {
+    // SAFETY: `handle` comes from `call_respond`, during its call (see `with_sink`). A host
+    // sink that panics answers "gone": the route stops rather than computing for nobody.
+    unsafe { with_sink(handle, |s| s.client_gone()) }.unwrap_or(true)
 }
 
 /// The host's side of [`crate::HostServices`]: what it does when a route asks for a backend

@@ -11,6 +11,9 @@
 //! kills it too; a program started here that starts its own children starts them here as well,
 //! so the guard reaches the whole tree.
 
+// Unsafe is allowed here alone in this crate: the spawner's pre-exec hook (setpgid, prctl) runs in the forked child.
+#![allow(unsafe_code)]
+
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus};
@@ -64,6 +67,8 @@ fn spawner() -> &'static Mutex<mpsc::Sender<SpawnJob>> {
 
 /// Spawn, retrying briefly while the program file is "busy" (ETXTBSY): a program that was just
 /// written can still be open for writing in a process another thread is forking.
+// The one place a process is spawned; everything else calls `spawn` here.
+#[allow(clippy::disallowed_methods)]
 fn spawn_retrying_busy(command: &mut Command) -> io::Result<Child> {
     const ETXTBSY: i32 = 26;
     let mut tries = 0;
@@ -81,7 +86,6 @@ fn spawn_retrying_busy(command: &mut Command) -> io::Result<Child> {
 /// Make the child die with this process, even when it is SIGKILLed, and lead its own process
 /// group (so a terminal's Ctrl-C reaches the starter alone, and a stop reaches what the child
 /// started).
-#[allow(unsafe_code)]
 fn die_with_starter(command: &mut Command) {
     let parent = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and calls only
@@ -175,7 +179,6 @@ impl Process {
     /// group may still hold what it started, so the signal is sent all the same.
     pub fn signal_group(&self, signal: i32) {
         // SAFETY: kill(2) with a negative pid (a process group) has no memory effects.
-        #[allow(unsafe_code)]
         unsafe {
             libc::kill(-(self.pid as libc::pid_t), signal);
         }

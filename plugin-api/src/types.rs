@@ -4,6 +4,8 @@
 //! readers ignore fields they do not know, so routes and hosts of different minors understand
 //! each other.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -220,6 +220,11 @@ fn metrics_are_llama_servers_501_without_the_flag_and_its_headers_with_it() {
         start.parse::<u64>().is_ok_and(|t| t > 1_600_000_000),
         "{start}"
     );
+    // In llama-server's case: llama.cpp's own tests look the name up case by case.
+    assert!(
+        first.contains("\r\nProcess-Start-Time-Unix: ") && first.contains("\r\nContent-Type: "),
+        "{first}"
+    );
     // A scrape is not in its own text: the first shows no metrics request, the second one.
     let scrapes = |text: &str| requests_total_in(text, &[("path_class", "metrics")]);
     assert_eq!(scrapes(&first), 0, "{first}");

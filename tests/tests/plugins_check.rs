@@ -36,14 +36,40 @@ fn assert_passes(file: &Path, args: &[&str]) -> Vec<String> {
 }
 
 #[test]
-fn every_route_of_this_repository_passes() {
+fn every_route_of_this_repository_passes_or_says_its_plan_needs_a_model_it_serves() {
+    // Without -m, the cpu, hrx and hybrid routes plan the fixture file (their plans run child
+    // processes, so the plan is all there is to check); the npu route refuses a file that is
+    // not an NPU model directory, and ds4 refuses without ds4-server: nothing beyond the plan
+    // was checked, exit 2.
     for name in ["cpu", "ds4", "hrx", "hybrid", "npu"] {
         let file = bin_dir().join(format!("libonebit_route_{name}.so"));
-        let lines = assert_passes(&file, &[]);
+        let (code, lines) = check(&file, &[]);
         assert!(
             lines[1].starts_with(&format!("ok   info: {name}:")),
             "{lines:#?}"
         );
+        assert!(
+            lines[..lines.len() - 1]
+                .iter()
+                .all(|l| l.starts_with("ok   ") || l.starts_with("skip ")),
+            "{lines:#?}"
+        );
+        let refused = lines.iter().any(|l| l.starts_with("ok   plan: refused "));
+        if refused {
+            assert_eq!(code, Some(2), "{name}: {lines:#?}");
+            assert_eq!(
+                lines.last().unwrap(),
+                &format!(
+                    "nothing beyond plan was checked: pass -m MODEL with a model the {name} route serves"
+                ),
+                "{lines:#?}"
+            );
+        } else {
+            assert_eq!(code, Some(0), "{name}: {lines:#?}");
+        }
+        if ["cpu", "hrx", "hybrid"].contains(&name) {
+            assert!(!refused, "{name} plans the fixture: {lines:#?}");
+        }
     }
 }
 
@@ -130,4 +156,44 @@ fn a_file_that_is_not_a_route_and_a_misbehaving_route_fail() {
         "{lines:#?}"
     );
     assert_eq!(lines.last().unwrap(), "2 checks failed", "{lines:#?}");
+}
+
+#[test]
+fn a_route_of_abi_1_4_is_checked_through_its_own_sink_and_cannot_be_asked_to_panic() {
+    // The unruly route built against the frozen 1.4 API: its sink is 1.4's (no client_gone),
+    // its stream passes, and the panic check says why it cannot run.
+    let dir = route_fixture::Fixture {
+        name: "unruly14",
+        route_source: route_fixture::root().join("tests/fixtures/unruly-route/src/lib.rs"),
+        api_source: route_fixture::root().join("tests/fixtures/plugin-api-1.4/src"),
+        api_version: "1.4.0",
+    }
+    .build();
+    let (code, lines) = check(&dir.join("libonebit_route_unruly14.so"), &[]);
+    assert_eq!(code, Some(1), "{lines:#?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("ok   streamed answer: 6 sends ending in data: [DONE]")),
+        "{lines:#?}"
+    );
+    assert!(
+        lines.iter().any(|l| l
+            == "skip panic contained: the route was built against route ABI 1.4.0; rebuild it against onebit-plugin-api 1.5 or later for this check"),
+        "{lines:#?}"
+    );
+}
+
+#[test]
+fn without_a_model_the_route_serves_the_check_exits_2_saying_to_pass_one() {
+    // The npu route refuses the fixture file (not an NPU model directory), so nothing beyond
+    // its plan is checked.
+    let file = bin_dir().join("libonebit_route_npu.so");
+    let (code, lines) = check(&file, &[]);
+    assert_eq!(code, Some(2), "{lines:#?}");
+    assert_eq!(
+        lines.last().unwrap(),
+        "nothing beyond plan was checked: pass -m MODEL with a model the npu route serves",
+        "{lines:#?}"
+    );
 }

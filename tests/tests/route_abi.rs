@@ -219,8 +219,13 @@ fn build_old_fixture(minor: &str, name: &str) -> PathBuf {
 }
 
 #[test]
-fn routes_built_against_plugin_api_1_0_1_1_and_1_3_load_and_serve() {
-    for (minor, name) in [("1.0", "v10"), ("1.1", "v11"), ("1.3", "v13")] {
+fn routes_built_against_plugin_api_1_0_1_1_1_3_and_1_4_load_and_serve() {
+    for (minor, name) in [
+        ("1.0", "v10"),
+        ("1.1", "v11"),
+        ("1.3", "v13"),
+        ("1.4", "v14"),
+    ] {
         let dir = build_old_fixture(minor, name);
         let listing = plugins(&dir);
         let line = listing
@@ -348,5 +353,82 @@ fn plugin_api_copied_out_of_the_workspace_is_a_crate_cargo_package_accepts() {
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The fenced block of `lang` that follows `heading` in docs/plugins.md.
+fn docs_block(heading: &str, lang: &str) -> String {
+    let docs = std::fs::read_to_string(route_fixture::root().join("docs/plugins.md")).unwrap();
+    let section = &docs[docs
+        .find(heading)
+        .expect("the section is in docs/plugins.md")..];
+    let open = format!("```{lang}\n");
+    let start = section.find(&open).expect("the block is in the section") + open.len();
+    section[start..start + section[start..].find("```").unwrap()].to_string()
+}
+
+#[test]
+fn the_docs_route_template_builds_inside_another_workspaces_tree_and_its_tests_link_it() {
+    // docs/plugins.md's Cargo.toml and lib.rs, as a vendor copies them, in a folder inside this
+    // workspace's tree (which needs the template's empty [workspace] table), with the
+    // dependency's path pointed at this checkout, and a test of its own in tests/ (which needs
+    // the rlib crate type).
+    let heading = "## Building and shipping a route outside this repository";
+    let manifest = docs_block(heading, "toml");
+    let abi: Vec<&str> = onebit_plugin_api::ABI_VERSION.split('.').take(2).collect();
+    let line = format!(
+        "onebit-plugin-api = {{ path = \"../1bit/plugin-api\", version = \"{}\" }}",
+        abi.join(".")
+    );
+    assert!(
+        manifest.lines().any(|l| l == line),
+        "the template's dependency line is `{line}`:\n{manifest}"
+    );
+    let api = route_fixture::root().join("plugin-api");
+    let manifest = manifest.replace("../1bit/plugin-api", api.to_str().unwrap());
+    let work = bin_dir().join("abi-fixtures/docs-template");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(work.join("src")).unwrap();
+    std::fs::create_dir_all(work.join("tests")).unwrap();
+    std::fs::write(work.join("Cargo.toml"), manifest).unwrap();
+    std::fs::write(work.join("src/lib.rs"), docs_block(heading, "rust")).unwrap();
+    std::fs::write(
+        work.join("tests/info.rs"),
+        "use onebit_plugin_api::DeviceRoute;\n\n#[test]\nfn it_names_itself() {\n    assert_eq!(onebit_route_myvendor::MyRoute.info().name, \"myvendor\");\n}\n",
+    )
+    .unwrap();
+    std::fs::copy(
+        route_fixture::root().join("Cargo.lock"),
+        work.join("Cargo.lock"),
+    )
+    .unwrap();
+    assert!(
+        work.starts_with(route_fixture::root()),
+        "inside the workspace's tree"
+    );
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let run = |what: &str| {
+        let out = Command::new(&cargo)
+            .args([what, "--offline", "--manifest-path"])
+            .arg(work.join("Cargo.toml"))
+            .env("CARGO_TARGET_DIR", bin_dir().join("abi-fixtures/target"))
+            .output()
+            .unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "cargo {what}: {said}");
+        said
+    };
+    run("build");
+    let said = run("test");
+    assert!(said.contains("test it_names_itself ... ok"), "{said}");
+    assert!(
+        bin_dir()
+            .join("abi-fixtures/target/debug/libonebit_route_myvendor.so")
+            .exists(),
+        "{said}"
     );
 }

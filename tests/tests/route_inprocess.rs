@@ -157,21 +157,132 @@ fn a_slow_client_slows_the_route_and_serve_memory_stays_flat() {
         peak = peak.max(rss_kib(serve.pid()));
         std::thread::sleep(Duration::from_millis(100));
     }
+    // Let the stall settle (the route blocked in send, every buffer full), then see where the
+    // bytes the route sent are: read by the client, in the kernel's two socket queues, or in
+    // serve.
+    std::thread::sleep(Duration::from_millis(300));
     let sent = fixture_metric(&serve, "fixture_events_total") - before;
+    let client_port = tcp.local_addr().unwrap().port();
+    let (in_kernel, kernel_max) = socket_queues(serve.port, client_port);
     drop(tcp);
+    // Each event as the fixture writes it (`data: {"model":"fixture-model","n":N,"p":"x..."}`),
+    // one send, so one chunk on the wire: its length in hex, CRLF, the event, CRLF.
+    let sent_bytes: usize = (0..sent)
+        .map(|n| {
+            let event = format!("data: {{\"model\":\"fixture-model\",\"n\":{n},\"p\":\"\"}}\n\n")
+                .len()
+                + 1000;
+            format!("{event:x}").len() + 2 + event + 2
+        })
+        .sum();
+    let in_serve = sent_bytes.saturating_sub(read + in_kernel);
     eprintln!(
-        "idle RSS {idle} KiB, peak {peak} KiB while reading {read} bytes; the route sent {sent} events"
+        "idle RSS {idle} KiB, peak {peak} KiB while reading {read} bytes; the route sent {sent} events ({sent_bytes} bytes): {in_kernel} bytes in the sockets' queues, at most {in_serve} in serve"
     );
     assert!(
         peak.saturating_sub(idle) < 5 * 1024,
         "serve's RSS rose {} KiB above idle ({idle} KiB)",
         peak - idle
     );
-    // What the route could send is what the client read plus the buffers (serve's 256 KiB
-    // and the sockets'), far from the 50 MB asked.
+    // What the route could send is what the client read, plus the kernel's socket queues
+    // (at most tcp_wmem's and tcp_rmem's maxima), plus serve's sink: serve itself holds at most
+    // SINK_BUFFER_BYTES (counted as the wire's bytes, the chunked framing included; the reply's
+    // head, in `read`, makes serve's share if anything understated by its few bytes).
     assert!(
-        sent < 10_000,
-        "the route sent {sent} events of 1 KB to a client that read {read} bytes"
+        in_kernel <= kernel_max,
+        "{in_kernel} bytes in the socket queues, above tcp_wmem's and tcp_rmem's maxima ({kernel_max})"
+    );
+    assert!(
+        in_serve <= onebit_plugin_api::SINK_BUFFER_BYTES,
+        "the route sent {sent_bytes} bytes to a client that read {read}, with {in_kernel} in the sockets' queues: serve held {in_serve}, above its {} bytes",
+        onebit_plugin_api::SINK_BUFFER_BYTES
+    );
+}
+
+/// The bytes queued in the kernel for one loopback connection (serve's socket's send queue and
+/// the client's receive queue, from /proc/net/tcp), and the most those can be: the maxima of
+/// tcp_wmem and tcp_rmem.
+fn socket_queues(serve_port: u16, client_port: u16) -> (usize, usize) {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let port =
+        |address: &str| u16::from_str_radix(address.rsplit(':').next().unwrap(), 16).unwrap();
+    let mut queued = 0;
+    for line in table.lines().skip(1) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (local, remote) = (port(fields[1]), port(fields[2]));
+        let (tx, rx) = fields[4].split_once(':').unwrap();
+        let hex = |q: &str| usize::from_str_radix(q, 16).unwrap();
+        if local == serve_port && remote == client_port {
+            queued += hex(tx);
+        } else if local == client_port && remote == serve_port {
+            queued += hex(rx);
+        }
+    }
+    let max = |file: &str| -> usize {
+        std::fs::read_to_string(file)
+            .unwrap()
+            .split_whitespace()
+            .nth(2)
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    (
+        queued,
+        max("/proc/sys/net/ipv4/tcp_wmem") + max("/proc/sys/net/ipv4/tcp_rmem"),
+    )
+}
+
+#[test]
+fn a_client_that_leaves_during_a_long_prefill_stops_it_before_the_next_send() {
+    let serve = serve_inproc("prefill.gguf", &[]);
+    serve.ready();
+    // A 20 s "prefill" in which the route sends nothing and asks its sink's client_gone every
+    // 10 ms: before its head (as the inproc add-on, whose head comes with its first text),
+    // then after it.
+    for (n, head_first) in [(1, false), (2, true)] {
+        let mut tcp = open_stream(
+            &serve,
+            &format!(
+                r#"{{"stream":true,"events":5,"prefill_ms":20000,"head_before_prefill":{head_first}}}"#
+            ),
+        );
+        if head_first {
+            let mut buf = vec![0u8; 4096];
+            let mut seen = Vec::new();
+            while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
+                let got = tcp.read(&mut buf).unwrap();
+                assert!(got > 0, "the reply ended before its head");
+                seen.extend_from_slice(&buf[..got]);
+            }
+            assert_eq!(status_of(&String::from_utf8_lossy(&seen)), 200);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let closed_at = now_ns();
+        drop(tcp);
+        assert!(
+            wait_until(Duration::from_secs(5), || fixture_metric(
+                &serve,
+                "fixture_prefills_stopped_total"
+            ) == n),
+            "head first {head_first}: the route computed on after its client left:\n{}",
+            serve.output()
+        );
+        eprintln!(
+            "head first {head_first}: the prefill stopped {:.1} ms after the client closed",
+            fixture_metric(&serve, "fixture_stopped_at_ns").saturating_sub(closed_at) as f64 / 1e6
+        );
+    }
+    assert_eq!(
+        fixture_metric(&serve, "fixture_sends_refused_total"),
+        0,
+        "it stopped before any send"
+    );
+    assert_eq!(fixture_metric(&serve, "fixture_events_total"), 0);
+    assert!(
+        !serve.output().contains("failed to answer"),
+        "a client leaving is not a failure:\n{}",
+        serve.output()
     );
 }
 

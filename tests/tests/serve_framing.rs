@@ -215,3 +215,27 @@ fn a_bare_lf_request_reaches_the_backend_as_serve_read_it_on_both_engines() {
         1
     );
 }
+
+/// A chunked body that breaks off (the client stops sending mid-chunk and shuts its side)
+/// gets a 400 that says so, not one about JSON.
+#[test]
+fn a_body_that_breaks_off_is_a_400_saying_so() {
+    let dir = temp_dir("framing-broken");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let mut tcp = TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    tcp.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n40\r\n{\"messages\":",
+    )
+    .unwrap();
+    tcp.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut reply = String::new();
+    let _ = tcp.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+    assert!(
+        reply.contains("the request body broke off before its end"),
+        "{reply}"
+    );
+}

@@ -10,6 +10,19 @@ use onebit_tests::*;
 
 const KEEPALIVE: &str = ": keep-alive\n\n";
 
+/// The engine that carried the one chat request `serve` was sent: a whole body stays on the
+/// fast engine, a chunked one goes to the general engine. Checked, so a test of one path
+/// cannot pass on the other.
+fn assert_carried_by(serve: &Serve, chunked_body: bool) {
+    let engine = if chunked_body { "general" } else { "fast" };
+    let chats = |e| requests_total(serve, &[("path_class", "chat"), ("engine", e)]);
+    assert_eq!(
+        (chats("fast"), chats("general")),
+        if chunked_body { (0, 1) } else { (1, 0) },
+        "the chat should have gone to the {engine} engine"
+    );
+}
+
 /// A streamed chat request as raw HTTP/1.1, with its body sent whole (the fast path) or in
 /// chunks (the general path).
 fn request(port: u16, content: &str, chunked_body: bool) -> Vec<u8> {
@@ -128,6 +141,7 @@ fn long_prefill_is_kept_alive(chunked_body: bool) {
     assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
     assert!(reply.complete);
     assert_eq!(keepalives_counted(&serve), comments as f64);
+    assert_carried_by(&serve, chunked_body);
 }
 
 #[test]
@@ -154,6 +168,7 @@ fn slow_tokens_are_kept_alive_between_events(chunked_body: bool) {
     let comments = assert_between_events(&reply);
     assert!(comments >= 2, "{comments} comments: {:?}", reply.chunks);
     assert!(reply.chunks.concat().ends_with("data: [DONE]\n\n"));
+    assert_carried_by(&serve, chunked_body);
 }
 
 #[test]
@@ -188,6 +203,7 @@ fn a_refusal_after_the_stream_began_is_one_error_event(chunked_body: bool) {
     );
     assert!(!body.contains("[DONE]"), "{body}");
     assert!(reply.complete);
+    assert_carried_by(&serve, chunked_body);
 }
 
 #[test]

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use onebit_tests::*;
 
-const STREAMED: &str = r#"{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}"#;
+const STREAMED: &str =
+    r#"{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}"#;
 
 /// The same streamed chat with a body too large for the fast engine.
 fn streamed_general() -> String {
@@ -54,7 +55,12 @@ fn recorded_ids(record: &Path) -> Vec<String> {
     json_lines(record)
         .iter()
         .filter(|r| r["path"] == "/v1/chat/completions")
-        .map(|r| r["headers"]["x-request-id"].as_str().unwrap_or("").to_string())
+        .map(|r| {
+            r["headers"]["x-request-id"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        })
         .collect()
 }
 
@@ -205,7 +211,9 @@ fn json_lines_parse_and_carry_the_request_id() {
 fn request_lines<'a>(output: &'a str, id: &str) -> Vec<&'a str> {
     output
         .lines()
-        .filter(|l| l.starts_with("1bit serve: request ") && l.ends_with(&format!(" request_id={id}")))
+        .filter(|l| {
+            l.starts_with("1bit serve: request ") && l.ends_with(&format!(" request_id={id}"))
+        })
         .collect()
 }
 
@@ -224,7 +232,11 @@ fn debug_gives_one_line_per_request_on_both_engines_and_the_default_none() {
         post_with_id(&serve, STREAMED, Some(&format!("fast-{n}")));
         post_with_id(&serve, &general, Some(&format!("general-{n}")));
     }
-    post_with_id(&serve, r#"{"messages":[{"role":"user","content":"hi"}]}"#, Some("whole"));
+    post_with_id(
+        &serve,
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        Some("whole"),
+    );
     assert!(wait_until(Duration::from_secs(5), || !request_lines(
         &serve.output(),
         "whole"
@@ -240,8 +252,9 @@ fn debug_gives_one_line_per_request_on_both_engines_and_the_default_none() {
             assert_eq!(found.len(), 1, "{id}:\n{output}");
             let line = found[0];
             assert!(
-                line.starts_with("1bit serve: request method=POST path=/v1/chat/completions status=200 ")
-                    && line.contains(&format!(" engine={engine} backend=0 added_us="))
+                line.starts_with(
+                    "1bit serve: request method=POST path=/v1/chat/completions status=200 "
+                ) && line.contains(&format!(" engine={engine} backend=0 added_us="))
                     && line.contains(" bytes="),
                 "{line}"
             );
@@ -272,7 +285,10 @@ fn a_filter_tracing_cannot_read_is_one_line() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(stderr.contains("ONEBIT_LOG") && stderr.contains("use a level"), "{stderr}");
+    assert!(
+        stderr.contains("ONEBIT_LOG") && stderr.contains("use a level"),
+        "{stderr}"
+    );
 }
 
 /// One histogram's `_count` and `_sum` for the labels.
@@ -298,8 +314,7 @@ fn the_histograms_time_a_streams_first_token_and_its_events_on_both_engines() {
         let (_, scraped) = get(&serve.url("/metrics"));
         let samples = parse_prometheus(&scraped);
         let labels = [("path_class", "chat"), ("engine", engine)];
-        let (first, first_sum) =
-            histogram(&samples, "onebit_time_to_first_token_seconds", &labels);
+        let (first, first_sum) = histogram(&samples, "onebit_time_to_first_token_seconds", &labels);
         assert_eq!(first, 1.0, "{engine}: one first token:\n{scraped}");
         assert!(
             first_sum < 5.0,
@@ -323,8 +338,7 @@ fn the_histograms_time_a_streams_first_token_and_its_events_on_both_engines() {
             events - slow >= 4.0,
             "{engine}: at least four gaps over 25 ms ({slow} of {events} under):\n{scraped}"
         );
-        let (whole, whole_sum) =
-            histogram(&samples, "onebit_request_duration_seconds", &labels);
+        let (whole, whole_sum) = histogram(&samples, "onebit_request_duration_seconds", &labels);
         assert_eq!(whole, 1.0, "{engine}:\n{scraped}");
         assert!(
             (0.2..10.0).contains(&whole_sum),
@@ -336,13 +350,19 @@ fn the_histograms_time_a_streams_first_token_and_its_events_on_both_engines() {
         );
         let top = samples.iter().any(|s| {
             s.name == "onebit_time_to_first_token_seconds_bucket"
-                && s.labels.get("le").is_some_and(|le| le.parse::<f64>() == Ok(120.0))
+                && s.labels
+                    .get("le")
+                    .is_some_and(|le| le.parse::<f64>() == Ok(120.0))
         });
         assert!(top, "buckets to 120 s:\n{scraped}");
     }
     let (_, scraped) = get(&serve.url("/metrics"));
     assert_eq!(
-        sample(&parse_prometheus(&scraped), "onebit_requests_in_flight", &[]),
+        sample(
+            &parse_prometheus(&scraped),
+            "onebit_requests_in_flight",
+            &[]
+        ),
         Some(0.0),
         "{scraped}"
     );

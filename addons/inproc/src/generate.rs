@@ -69,6 +69,9 @@ pub trait Client: Send {
     /// A piece of final text (never a partial UTF-8 character, never text that might still
     /// start a stop string). False once the client is gone: generation stops at that token.
     fn text(&mut self, text: &str) -> bool;
+    /// Whether the client left while no text was handed out (a prefill): asked before each
+    /// decode that carries some of its prompt, so a long prompt stops between batches.
+    fn gone(&self) -> bool;
     /// The completion ended (or could not run).
     fn done(self: Box<Self>, outcome: Result<Outcome, Failure>);
 }
@@ -402,6 +405,11 @@ impl<'a> SlotEngine<'a> {
             };
             if free == 0 {
                 break;
+            }
+            if active.client.gone() {
+                // The client left mid-prefill: stop before decoding more of its prompt.
+                self.finish(seq, Finish::Gone);
+                continue;
             }
             let (from, to) = (active.fed, active.prompt.len().min(active.fed + free));
             let mut logits = None;

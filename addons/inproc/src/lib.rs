@@ -82,6 +82,9 @@ enum Event {
 /// A request's end of the engine: text and the outcome go into a channel its thread reads.
 /// Unbounded, so a slow client never stalls the other slots' decoding; what it can hold is
 /// bounded by the slot's context (one piece per token).
+/// How often a request's thread asks the sink whether its client left while no text comes.
+const GONE_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
 struct RequestClient {
     events: mpsc::Sender<Event>,
     /// Set by the request's thread when the client left: the engine stops at the next token.
@@ -92,6 +95,10 @@ impl Client for RequestClient {
     fn text(&mut self, text: &str) -> bool {
         !self.cancelled.load(Ordering::Relaxed)
             && self.events.send(Event::Text(text.to_string())).is_ok()
+    }
+
+    fn gone(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
     }
 
     fn done(self: Box<Self>, outcome: Result<Outcome, Failure>) {
@@ -543,15 +550,22 @@ impl DeviceRoute for InprocRoute {
                 "the inproc route's engine thread has stopped".to_string(),
             ));
         }
+        // While the engine sends no text (a prefill), ask the sink whether the client left
+        // (ABI 1.5), so the engine stops before its next prompt batch.
         let outcome = loop {
-            match received.recv() {
+            match received.recv_timeout(GONE_POLL) {
                 Ok(Event::Text(text)) => {
                     if !cancelled.load(Ordering::Relaxed) && !reply.piece(&text) {
                         cancelled.store(true, Ordering::Relaxed);
                     }
                 }
                 Ok(Event::Done(outcome)) => break outcome,
-                Err(_) => {
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if reply.client_gone() {
+                        cancelled.store(true, Ordering::Relaxed);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
                     break Err(Failure::Engine(
                         "the inproc route's engine thread stopped mid-answer".to_string(),
                     ));

@@ -252,6 +252,11 @@ impl<'s> Reply<'s> {
 
     /// One piece of final text: an event when streaming, else kept for the whole reply.
     /// Returns false once the client is gone.
+    /// Whether the client left (the sink's probe; no send).
+    pub fn client_gone(&self) -> bool {
+        self.sink.client_gone()
+    }
+
     pub fn piece(&mut self, text: &str) -> bool {
         if !self.open() {
             return false;

@@ -27,8 +27,12 @@ pub async fn accept_loop(
 ) {
     let router = own::router(app.clone());
     let mut http = http1::Builder::new();
+    // Reply headers in Title-Case, as llama-server (cpp-httplib) writes them and as the fast
+    // engine relays them: a client that reads a header's exact case (llama.cpp's own server
+    // tests read `Process-Start-Time-Unix` from a dict) sees the same bytes on both engines.
     http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        .title_case_headers(true);
     let mut connections = tokio::task::JoinSet::new();
     loop {
         let tcp = tokio::select! {

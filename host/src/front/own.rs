@@ -72,8 +72,12 @@ async fn observed(
             .map(|v| v.as_bytes()),
     );
     request.extensions_mut().insert(id);
-    let logged = tracing::enabled!(target: crate::log::REQUEST, tracing::Level::DEBUG)
-        .then(|| (request.method().to_string(), request.uri().path().to_string()));
+    let logged = tracing::enabled!(target: crate::log::REQUEST, tracing::Level::DEBUG).then(|| {
+        (
+            request.method().to_string(),
+            request.uri().path().to_string(),
+        )
+    });
     let span = tracing::info_span!("request", request_id = %id);
     let mut response = next.run(request).instrument(span).await;
     let engine = response

@@ -72,7 +72,8 @@ pub fn plans(
             running.push(auto.clone());
             continue;
         }
-        let not = |why: String| tracing::info!("1bit serve: laya: {name} is not a candidate: {why}");
+        let not =
+            |why: String| tracing::info!("1bit serve: laya: {name} is not a candidate: {why}");
         let Some(route) = loaded.iter().find(|r| r.info.name == *name) else {
             not("no route of that name was found".into());
             continue;
@@ -102,7 +103,8 @@ pub fn plans(
     } else {
         tracing::info!(
             "1bit serve: laya: the default device {} does not run this model; falling back to {}",
-            policy.default, auto.0.info.name
+            policy.default,
+            auto.0.info.name
         );
         if !running.iter().any(|(r, _)| r.info.name == auto.0.info.name) {
             running.push(auto.clone());

@@ -4,6 +4,7 @@
 //! keeps serve's counters across restarts. The handler itself is the front's (`front::own`).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,6 +29,14 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 const BACKEND_TIMEOUT: Duration = Duration::from_secs(1);
 /// GTT use from which engine #315's faults were seen.
 const GTT_FAULT_ZONE_BYTES: u64 = 95 << 30;
+
+/// SSE keep-alive comments sent since serve started (`onebit_sse_keepalives`).
+static KEEPALIVES_SENT: AtomicU64 = AtomicU64::new(0);
+
+/// Count one keep-alive comment sent. Any thread.
+pub fn count_keepalive() {
+    KEEPALIVES_SENT.fetch_add(1, Ordering::Relaxed);
+}
 
 /// serve's counters that outlive one serve process (Lemonade restarts a backend by starting
 /// serve again), per model.
@@ -269,7 +278,7 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
         }
     }
     let keepalives = Counter::<u64>::default();
-    keepalives.inc_by(crate::relay::sse_keepalive::sent());
+    keepalives.inc_by(KEEPALIVES_SENT.load(Ordering::Relaxed));
     registry.register(
         "onebit_sse_keepalives",
         "SSE keep-alive comments sent on streams whose backend was silent",

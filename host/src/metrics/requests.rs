@@ -149,8 +149,7 @@ struct RouteLabels {
 
 /// Bounds for local inference, in seconds: a token in a millisecond to a reply in two minutes.
 const LATENCY_BUCKETS: [f64; 16] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    120.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
 fn latency_histogram() -> Histogram {

@@ -153,7 +153,8 @@ pub async fn delegate(
         Err(why) => {
             tracing::info!(
                 "1bit serve: pm: delegate {name} -> {} (task {task_chars} chars) {} ms failed: {why}",
-                expert.id, record.ms
+                expert.id,
+                record.ms
             );
             let result = format!(
                 "delegation to {} failed: {why}. Tell the user the expert was not available and answer yourself.",

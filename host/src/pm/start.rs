@@ -42,19 +42,58 @@ pub fn settings(args: &ServeArgs) -> Result<Option<(super::Experts, super::Lemon
 }
 
 /// The PM's rounds go to the backend the route relays chats to; a route that answers chats
-/// otherwise (in process, or through its own forward) cannot carry them. (The hybrid route
-/// refuses `--pm` itself, in its plan.)
+/// otherwise (in process, or through its own forward, as hybrid's handoff does) cannot carry
+/// them. What the route's rules say decides, not its name; the hybrid route also refuses
+/// `--pm` in its own plan.
 pub fn check_plan(plan: &Plan) -> Result<(), Fatal> {
     let relayed = plan.rules.iter().any(|r| {
         r.method.eq_ignore_ascii_case("POST")
             && r.path == super::CHAT_PATH
             && matches!(r.action, onebit_plugin_api::Action::Proxy { .. })
     });
-    if plan.device == "hybrid" || !relayed {
+    if !relayed {
         return Err(Fatal::usage(format!(
             "--pm does not run on --device {}: its chats are not relayed to a plain backend; use --device hrx or cpu",
             plan.device
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use onebit_plugin_api::{Action, Rule};
+
+    use super::*;
+
+    fn plan_whose_chats(device: &str, action: Action) -> Plan {
+        Plan {
+            device: device.to_string(),
+            rules: vec![Rule {
+                method: "POST".into(),
+                path: crate::pm::CHAT_PATH.into(),
+                action,
+                inference: true,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_pm_runs_where_the_rules_relay_chats_whatever_the_routes_name() {
+        assert!(check_plan(&plan_whose_chats("vendor", Action::Proxy { backend: 0 })).is_ok());
+        for (device, action) in [
+            ("hybrid", Action::AskRoute),
+            ("inproc", Action::InProcess),
+            ("cpu", Action::AskRoute),
+        ] {
+            let err = check_plan(&plan_whose_chats(device, action)).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains(&format!("--pm does not run on --device {device}")),
+                "{err}"
+            );
+        }
+    }
 }

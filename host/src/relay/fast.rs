@@ -14,7 +14,6 @@
 //! leaves closing the backend connection, the header timeout, and a graceful stop between
 //! requests.
 
-use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -245,15 +244,18 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
 
     let id = RequestId::for_request(head.request_ids());
     let mut upstream = Vec::with_capacity(head_len + body_len + 64);
-    plan::upstream_head(
-        &mut upstream,
+    let line = plan::UpstreamLine {
         method,
         target,
         port,
+        body_len: has_body.then_some(body_len),
+        request_id: id.as_bytes(),
+    };
+    plan::upstream_head(
+        &mut upstream,
+        &line,
         head.headers.iter().map(|h| (h.name, h.value)),
         head.connection(),
-        has_body.then_some(body_len),
-        id.as_bytes(),
     );
     upstream.extend_from_slice(body);
     Verdict::Fast(Fast {
@@ -366,11 +368,12 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                 // The client already has a 200 event stream: the failure is its last event.
                 let why = format!("the {} backend did not answer ({e})", app.device);
                 let mut out = Vec::new();
-                sse_keepalive::as_chunk(&sse_keepalive::error_event(502, why.as_bytes()), &mut out);
+                wire::append_chunk(&mut out, &sse_keepalive::error_event(502, why.as_bytes()));
                 out.extend_from_slice(b"0\r\n\r\n");
                 let _ = client.write_all(&out).await;
                 app.requests.count(fast.path, 200, Engine::Fast);
-                app.requests.lasted(fast.path, Engine::Fast, began.elapsed());
+                app.requests
+                    .lasted(fast.path, Engine::Fast, began.elapsed());
                 fast.log(200, Duration::ZERO, 0);
                 return Outcome::Close;
             }
@@ -395,7 +398,8 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             clock,
         };
         let bytes = after_early_head(app, client, backend, reply, head, early).await;
-        app.requests.lasted(fast.path, Engine::Fast, began.elapsed());
+        app.requests
+            .lasted(fast.path, Engine::Fast, began.elapsed());
         fast.log(200, Duration::ZERO, bytes);
         return Outcome::Close;
     }
@@ -455,7 +459,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             edge.feed(&reply[..take]);
         }
         if body.framing == Framing::UntilClose {
-            append_chunk(&mut out, &reply[..take]);
+            wire::append_chunk(&mut out, &reply[..take]);
         } else {
             out.extend_from_slice(&reply[..take]);
         }
@@ -483,7 +487,8 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             }
             drop(ticket);
             drop(in_flight);
-            app.requests.lasted(fast.path, Engine::Fast, began.elapsed());
+            app.requests
+                .lasted(fast.path, Engine::Fast, began.elapsed());
             fast.log(head.status, added, bytes);
             return if close {
                 Outcome::Close
@@ -722,16 +727,6 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
     })
 }
 
-/// `bytes` as one chunk of chunked coding (nothing for no bytes: an empty chunk is the end).
-fn append_chunk(out: &mut Vec<u8>, bytes: &[u8]) {
-    if bytes.is_empty() {
-        return;
-    }
-    let _ = write!(out, "{:x}\r\n", bytes.len());
-    out.extend_from_slice(bytes);
-    out.extend_from_slice(b"\r\n");
-}
-
 /// The rest of a streamed reply whose head serve already sent (`sse_keepalive::EARLY_HEAD`):
 /// the backend's events re-framed as chunks, with comments in its silences; a backend that
 /// answered other than 200 becomes one error event. A reply that breaks off leaves the
@@ -774,13 +769,13 @@ async fn after_early_head(
         }
         let mut out = Vec::new();
         if ok {
-            sse_keepalive::as_chunk(&payload, &mut out);
+            wire::append_chunk(&mut out, &payload);
         } else if kept.len() < 64 * 1024 {
             kept.extend_from_slice(&payload);
         }
         if ended {
             if !ok {
-                sse_keepalive::as_chunk(&sse_keepalive::error_event(head.status, &kept), &mut out);
+                wire::append_chunk(&mut out, &sse_keepalive::error_event(head.status, &kept));
             }
             out.extend_from_slice(b"0\r\n\r\n");
         }

@@ -14,16 +14,16 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use onebit_plugin_api::{BodyKind, Forward, ForwardRequest, ReplyShape};
+use onebit_plugin_api::{BodyKind, Forward, ForwardRequest};
 
 use crate::backends::watchdog::Ticket;
 use crate::error::{ApiError, error_chain};
+use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
-use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::plan::{self, Decided, DeviceChoice, Engine, RelayPlan, Target, Way};
 use crate::relay::request_id::RequestId;
-use crate::relay::{in_process, sse_keepalive};
+use crate::relay::{in_process, served_name, sse_keepalive};
 
 /// What the general engine tells the request's log line about a relayed request: its backend
 /// and serve's added time. Rides on the response's extensions.
@@ -191,9 +191,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             let streamed = Streamed::new(&app, &plan, began, path);
             let wrap = move |body| watched(body, ticket, on_first_byte, in_flight, streamed);
             let mut response = sse_keepalive::early_stream(pending, wrap, app.device.clone());
-            response
-                .extensions_mut()
-                .insert(Relayed { backend, added });
+            response.extensions_mut().insert(Relayed { backend, added });
             return response;
         }
     };
@@ -231,7 +229,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
                 .into_response();
             }
         };
-        let bytes = with_model_name(bytes, &app.served_name);
+        let bytes = served_name::in_reply(bytes, &app.served_name);
         reply_parts.headers.remove(header::CONTENT_LENGTH);
         reply_parts.extensions.insert(added(backend_time));
         return Response::from_parts(reply_parts, Body::from(bytes));
@@ -241,12 +239,8 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if plan.rename_stream {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes.
-        let mut events = SseRenamer::new(app.served_name.clone(), plan.reply);
         reply_parts.extensions.insert(added(backend_time));
-        let renamed = reply_body.map_frame(move |frame| match frame.into_data() {
-            Ok(data) => hyper::body::Frame::data(events.feed(&data)),
-            Err(frame) => frame,
-        });
+        let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
     reply_parts.extensions.insert(added(backend_time));
@@ -387,7 +381,7 @@ fn body_error(e: axum::Error, limit: usize) -> ApiError {
     if too_large {
         ApiError::TooLarge { limit }
     } else {
-        ApiError::BadJson(format!("the body could not be read: {e}"))
+        ApiError::BodyBroken(error_chain(&e))
     }
 }
 
@@ -408,7 +402,7 @@ fn upstream_request(
         .unwrap_or("/");
     let target: Uri = format!("http://127.0.0.1:{port}{path_and_query}")
         .parse()
-        .map_err(|e| ApiError::BadJson(format!("the request path is not valid: {e}")))?;
+        .map_err(|e: axum::http::uri::InvalidUri| ApiError::BadPath(e.to_string()))?;
     let mut request = hyper::Request::new(Full::new(body));
     *request.method_mut() = parts.method;
     *request.uri_mut() = target;
@@ -441,55 +435,7 @@ async fn ask_route(
         .map_err(|e| ApiError::BadGateway(format!("the route could not forward the request: {e}")))
 }
 
-// The rewrites only this engine makes: `--precise`, the served name in replies and events.
-
-/// Rewrites the model each SSE `data:` event names to the served name, where the reply's
-/// shape names it (OpenAI's: every event's `model`; Anthropic's: `message.model` of its
-/// `message_start`), event by event: complete lines go out as they arrive, a partial line
-/// waits for the rest of it.
-pub struct SseRenamer {
-    served: String,
-    shape: ReplyShape,
-    partial: Vec<u8>,
-}
-
-impl SseRenamer {
-    pub fn new(served: String, shape: ReplyShape) -> Self {
-        SseRenamer {
-            served,
-            shape,
-            partial: Vec::new(),
-        }
-    }
-
-    pub fn feed(&mut self, data: &[u8]) -> Bytes {
-        self.partial.extend_from_slice(data);
-        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
-            return Bytes::new();
-        };
-        let rest = self.partial.split_off(end + 1);
-        let complete = std::mem::replace(&mut self.partial, rest);
-        let mut out = Vec::with_capacity(complete.len() + 16);
-        for line in complete.split_inclusive(|b| *b == b'\n') {
-            match line.strip_prefix(b"data: ") {
-                Some(json) if json.starts_with(b"{") => {
-                    let body = json.strip_suffix(b"\n").unwrap_or(json);
-                    let body = body.strip_suffix(b"\r").unwrap_or(body);
-                    let body = Bytes::copy_from_slice(body);
-                    let renamed = match self.shape {
-                        ReplyShape::OpenAi => with_model_name(body, &self.served),
-                        ReplyShape::Anthropic => with_message_model_name(body, &self.served),
-                    };
-                    out.extend_from_slice(b"data: ");
-                    out.extend_from_slice(&renamed);
-                    out.push(b'\n');
-                }
-                _ => out.extend_from_slice(line),
-            }
-        }
-        Bytes::from(out)
-    }
-}
+// The rewrite only this engine makes: `--precise` (the served name: `served_name`).
 
 /// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
 pub fn without_prompt_cache(body: Bytes) -> Bytes {
@@ -502,90 +448,5 @@ pub fn without_prompt_cache(body: Bytes) -> Bytes {
             serde_json::to_vec(&value).map(Bytes::from).unwrap_or(body)
         }
         None => body,
-    }
-}
-
-/// Put `served` in a JSON object reply's `model` field; anything else is left as it came.
-pub fn with_model_name(bytes: Bytes, served: &str) -> Bytes {
-    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-        return bytes;
-    };
-    match value.get_mut("model") {
-        Some(serde_json::Value::String(model)) if model != served => {
-            *model = served.to_string();
-            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
-        }
-        _ => bytes,
-    }
-}
-
-/// Put `served` in the `message.model` of an Anthropic `message_start` event; any other event
-/// (no other names the model) is left as it came.
-pub fn with_message_model_name(bytes: Bytes, served: &str) -> Bytes {
-    // Most events are deltas: only one that says it starts a message is parsed.
-    if !bytes
-        .windows(b"message_start".len())
-        .any(|w| w == b"message_start")
-    {
-        return bytes;
-    }
-    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-        return bytes;
-    };
-    if value.get("type").and_then(|t| t.as_str()) != Some("message_start") {
-        return bytes;
-    }
-    match value.pointer_mut("/message/model") {
-        Some(serde_json::Value::String(model)) if model != served => {
-            *model = served.to_string();
-            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
-        }
-        _ => bytes,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_reply_model_becomes_the_served_name_and_other_bytes_pass() {
-        let out = with_model_name(Bytes::from_static(br#"{"model":"x.gguf","n":1}"#), "smol");
-        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["model"], "smol");
-        assert_eq!(v["n"], 1);
-        let same = Bytes::from_static(br#"{"model":"smol"}"#);
-        assert_eq!(with_model_name(same.clone(), "smol"), same);
-        let text = Bytes::from_static(b"not json");
-        assert_eq!(with_model_name(text.clone(), "smol"), text);
-    }
-
-    #[test]
-    fn streamed_events_get_the_served_name_even_when_split_across_frames() {
-        let mut r = SseRenamer::new("smol".into(), ReplyShape::OpenAi);
-        let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
-        assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
-        let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
-        assert_eq!(
-            &second[..],
-            b"data: {\"model\":\"smol\"}\n\ndata: [DONE]\n\n"
-        );
-    }
-
-    #[test]
-    fn an_anthropic_stream_gets_the_served_name_in_its_message_start() {
-        let mut r = SseRenamer::new("smol".into(), ReplyShape::Anthropic);
-        let start = r.feed(
-            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"model\":\"x.gguf\",\"role\":\"assistant\"}}\n\n",
-        );
-        let text = String::from_utf8(start.to_vec()).unwrap();
-        assert!(text.starts_with("event: message_start\ndata: "), "{text}");
-        let data: serde_json::Value =
-            serde_json::from_str(text.lines().nth(1).unwrap().strip_prefix("data: ").unwrap())
-                .unwrap();
-        assert_eq!(data["message"]["model"], "smol");
-        // A delta naming no model, or one whose `model` is its own field, passes as it came.
-        let delta = b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"model\"},\"model\":\"x\"}\n\n";
-        assert_eq!(&r.feed(delta)[..], &delta[..]);
     }
 }

@@ -5,11 +5,13 @@
 //! [`Target::InProcess`], after its own checks (guard, key, body limits, JSON, status), so those
 //! apply exactly as for a relayed request, and the plan's served-name rewrites with them. Backpressure: the
 //! sink holds at most [`SINK_BUFFER_BYTES`] for the client, and the route's `send` blocks on it.
-//! Cancellation: a client that leaves drops the body, which closes the channel, and the route's
-//! next (or blocked) `send` fails at once. Stop: once serve's drain window ends
-//! ([`host_stopping`]), every `send` fails with [`HOST_STOPPING`] (a zero-length one too, so a
-//! route may ask), and the client's body is cut as on the relay. A failure or panic in the
-//! route is one line on stderr, a 500 before the head, a cut-off stream after it.
+//! Cancellation: a client that leaves drops the body, which closes the channel: the route's
+//! next (or blocked) `send` fails at once, and `client_gone` (ABI 1.5) says so without a send.
+//! Stop: once serve's drain window ends ([`host_stopping`]), every `send` fails with
+//! [`HOST_STOPPING`] (a zero-length one too, so a route may ask; `client_gone` is true), and
+//! the client's body is cut as on the relay. A failure or panic in the route is one line on
+//! stderr, a 500 before the head, a cut-off stream after it. Each request's `respond` runs on
+//! its own thread of tokio's blocking pool, so a route answers requests concurrently.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -27,10 +29,9 @@ use onebit_plugin_api::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
-use crate::relay::general::{SseRenamer, with_model_name};
 use crate::relay::plan::{Engine, RelayPlan, Target};
+use crate::relay::{App, served_name};
 
 /// How long a stream's cut-off waits behind the bytes before it (see `respond`).
 const CUT_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
@@ -140,7 +141,7 @@ async fn answer(
     let mut response = if plan.name_reply && json_reply {
         // A whole JSON reply: name the model as serve serves it, as the relay does.
         match body.collect().await {
-            Ok(collected) => Response::new(Body::from(with_model_name(
+            Ok(collected) => Response::new(Body::from(served_name::in_reply(
                 collected.to_bytes(),
                 &app.served_name,
             ))),
@@ -153,12 +154,10 @@ async fn answer(
             }
         }
     } else if plan.rename_stream {
-        let mut events = SseRenamer::new(app.served_name.clone(), plan.reply);
-        Response::new(Body::new(body.map_frame(
-            move |frame| match frame.into_data() {
-                Ok(data) => hyper::body::Frame::data(events.feed(&data)),
-                Err(frame) => frame,
-            },
+        Response::new(Body::new(served_name::in_stream(
+            body,
+            app.served_name.clone(),
+            plan.reply,
         )))
     } else {
         Response::new(body)
@@ -285,5 +284,11 @@ impl ReplySink for Sink {
 
     fn end(&mut self) {
         self.body = None;
+    }
+
+    /// Gone once the client dropped the reply (hyper drops it when the client's connection
+    /// ends, even while no bytes are sent), the reply was ended, or serve is stopping.
+    fn client_gone(&self) -> bool {
+        STOPPING.load(Ordering::SeqCst) || self.body.as_ref().is_none_or(|b| b.is_closed())
     }
 }

@@ -131,6 +131,9 @@ mod tests {
         let a = RequestId::made();
         let b = RequestId::made();
         assert_ne!(a.as_str(), b.as_str());
-        assert_eq!(RequestId::for_request(std::iter::empty()).as_str().len(), 16);
+        assert_eq!(
+            RequestId::for_request(std::iter::empty()).as_str().len(),
+            16
+        );
     }
 }

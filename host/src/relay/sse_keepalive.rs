@@ -27,7 +27,6 @@ pub const COMMENT_CHUNK: &[u8] = b"e\r\n: keep-alive\n\n\r\n";
 pub const EARLY_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n";
 
 static EVERY_MS: AtomicU64 = AtomicU64::new(DEFAULT_SECS * 1000);
-static SENT: AtomicU64 = AtomicU64::new(0);
 
 /// Set the silence after which a comment is sent; 0 turns keep-alive off. Called once by serve
 /// before it accepts requests.
@@ -43,14 +42,9 @@ pub fn every() -> Option<Duration> {
     }
 }
 
-/// Comments sent since serve started, for `/metrics`.
-pub fn sent() -> u64 {
-    SENT.load(Ordering::Relaxed)
-}
-
-/// Count one comment sent. Any thread.
+/// Count one comment sent (`onebit_sse_keepalives`). Any thread.
 pub fn count() {
-    SENT.fetch_add(1, Ordering::Relaxed);
+    crate::metrics::count_keepalive();
 }
 
 /// How the bytes fed to an [`SseEdge`] are framed.
@@ -226,16 +220,6 @@ impl SseEdge {
             Framing::Chunked => COMMENT_CHUNK,
         }
     }
-}
-
-/// `bytes` as one chunk of a chunked body (nothing for no bytes: an empty chunk would end it).
-pub fn as_chunk(bytes: &[u8], out: &mut Vec<u8>) {
-    if bytes.is_empty() {
-        return;
-    }
-    out.extend_from_slice(format!("{:x}\r\n", bytes.len()).as_bytes());
-    out.extend_from_slice(bytes);
-    out.extend_from_slice(b"\r\n");
 }
 
 /// The one event a stream already answered 200 ends with when its backend then refuses it

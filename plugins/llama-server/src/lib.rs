@@ -23,6 +23,24 @@ const PINS: &str = include_str!("../../../third_party/pins.json");
 /// (`registry/architectures.json`).
 const ARCHITECTURES: &str = include_str!("../../../registry/architectures.json");
 
+/// Whether the user set `key` in serve's environment (to anything, empty included): then the
+/// user's value wins over any the plan would give the backend. The one definition of the rule,
+/// used by [`plan::Env::resolve`] and by the recipes' lines (which must not claim a variable they did
+/// not set).
+pub fn user_set(request: &PlanRequest, key: &str) -> bool {
+    request.env.contains_key(key)
+}
+
+/// The KV settings of llama-server's slots at `ctx` (0: the model's own), for the memory
+/// check of the model and of a drafter: `-np auto` (no `--parallel`) is 4 slots sharing one
+/// unified KV pool; an explicit `-np N` gives each slot its own stream.
+pub fn kv_settings(ctx: Option<u64>, parallel: Option<u32>) -> memory::KvSettings {
+    let mut settings = memory::KvSettings::new(ctx.unwrap_or(0));
+    settings.n_parallel = parallel.map_or(4, |n| n.max(1));
+    settings.unified = parallel.is_none();
+    settings
+}
+
 /// Refuse an H32 file (a Hadamard-rotated Q4_0 stamped `onebit.hadamard_q4_0`, a dropped
 /// format) on every route: each route's `plan` calls this first (exit 2).
 pub fn refuse_h32(request: &PlanRequest) -> Result<(), Refusal> {
@@ -298,19 +316,7 @@ pub fn memory_need(
         Ok(h) => h,
         Err(e) => return unknown(format!("its GGUF header cannot be read: {e}")),
     };
-    let mut settings = memory::KvSettings::new(ctx.unwrap_or(0));
-    // llama-server's -np auto is 4 slots sharing one unified KV pool; an explicit -np N gives
-    // each slot its own stream.
-    match request.options.parallel {
-        Some(n) => {
-            settings.n_parallel = n.max(1);
-            settings.unified = false;
-        }
-        None => {
-            settings.n_parallel = 4;
-            settings.unified = true;
-        }
-    }
+    let settings = kv_settings(ctx, request.options.parallel);
     match memory::kv_estimate(&header, &settings) {
         Ok(estimate) => Memory {
             need: Some(MemoryNeed {

@@ -224,9 +224,7 @@ fn drafter_kv(path: &str, request: &PlanRequest, ctx: Option<u64>) -> u64 {
     let Ok(header) = gguf::read_header_lean(Path::new(path)) else {
         return 0;
     };
-    let mut settings = memory::KvSettings::new(ctx.unwrap_or(0));
-    settings.n_parallel = request.options.parallel.unwrap_or(4).max(1);
-    settings.unified = request.options.parallel.is_none();
+    let settings = crate::kv_settings(ctx, request.options.parallel);
     memory::kv_estimate(&header, &settings)
         .map(|e| e.total_bytes())
         .unwrap_or(0)

@@ -1,22 +1,14 @@
 //! The one plan builder of the llama-server routes: cpu, hrx and hybrid's decoder describe where
 //! their llama-server runs ([`Main`]), and [`build`] makes the backend, its environment, the
 //! memory facts, the notes and the side servers the same way for all three. "A variable the user
-//! set wins over the plan's" is decided here, by [`user_set`], and applied once, by
+//! set wins over the plan's" is decided by [`crate::user_set`] and applied once, by
 //! [`Env::resolve`].
 
 use std::collections::BTreeMap;
 
 use onebit_plugin_api::{BackendSpec, PlanRequest, Refusal, Rule, SideModel};
 
-use crate::{Memory, options, rag, recipes};
-
-/// Whether the user set `key` in serve's environment (to anything, empty included): then the
-/// user's value wins over any the plan would give the backend. The one definition of the rule,
-/// used by [`Env::resolve`] and by the recipes' lines (which must not claim a variable they did
-/// not set).
-pub fn user_set(request: &PlanRequest, key: &str) -> bool {
-    request.env.contains_key(key)
-}
+use crate::{Memory, options, rag, recipes, user_set};
 
 /// What a plan puts in a backend's environment, before the user's own is considered.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -8,8 +8,9 @@
 //!              "why":"...","measured":"...","source":"..."}]}
 //! ```
 //!
-//! A missing match key matches anything. `drafter` is `none`, `mtp` or `dflash` (this version has
-//! no drafter, so only `none` matches). A flag group (a flag and the non-flag tokens after it) is
+//! A missing match key matches anything. `drafter` is the drafter serve runs: `mtp` (`--mtp`),
+//! `dflash` (`--dflash`), else `none`. A top-level `"about"` string says what the file is (the
+//! original's own file has one). A flag group (a flag and the non-flag tokens after it) is
 //! skipped when its flag is already on the command line, so serve's own settings and the first
 //! recipe to set a flag win; an env entry is added only when neither the user nor the plan set it.
 
@@ -44,8 +45,11 @@ pub fn parse(file: &str, text: &str) -> Result<Vec<Recipe>, String> {
     let top = doc
         .as_object()
         .ok_or_else(|| format!("{file}: not a JSON object with a \"recipes\" list"))?;
-    if let Some(key) = top.keys().find(|k| *k != "recipes") {
+    if let Some(key) = top.keys().find(|k| *k != "recipes" && *k != "about") {
         return Err(format!("{file}: unknown key \"{key}\""));
+    }
+    if top.get("about").is_some_and(|a| !a.is_string()) {
+        return Err(format!("{file}: \"about\" must be a string"));
     }
     let list = top
         .get("recipes")
@@ -181,6 +185,18 @@ pub fn selected(request: &PlanRequest) -> Result<Vec<Recipe>, Refusal> {
     }
 }
 
+/// The drafter serve runs beside the model, in a recipe's `match.drafter` words.
+fn drafter(request: &PlanRequest) -> &'static str {
+    let o = &request.options;
+    if o.mtp.is_some() {
+        "mtp"
+    } else if o.dflash.is_some() {
+        "dflash"
+    } else {
+        "none"
+    }
+}
+
 fn matches(recipe: &Recipe, request: &PlanRequest, device: &str) -> bool {
     let has = |list: &Option<Vec<String>>, value: Option<&str>| {
         list.as_ref()
@@ -189,7 +205,7 @@ fn matches(recipe: &Recipe, request: &PlanRequest, device: &str) -> bool {
     let moe = request.model.expert_count.is_some_and(|n| n > 1);
     has(&recipe.devices, Some(device))
         && has(&recipe.architectures, request.model.architecture.as_deref())
-        && has(&recipe.drafters, Some("none"))
+        && has(&recipe.drafters, Some(drafter(request)))
         && recipe.moe.is_none_or(|m| m == moe)
 }
 
@@ -223,7 +239,7 @@ pub fn apply(
             argv.extend(group);
         }
         for (k, v) in &recipe.env {
-            if crate::plan::user_set(request, k) || env.contains_key(k) {
+            if crate::user_set(request, k) || env.contains_key(k) {
                 continue;
             }
             added.push(format!("{k}={v}"));
@@ -295,6 +311,31 @@ mod tests {
     }
 
     #[test]
+    fn a_recipe_matches_the_drafter_serve_runs() {
+        let text = r#"{"about":"what this file is","recipes":[
+            {"id":"plain","match":{"drafter":["none"]},"args":["--plain"],"measured":"m"},
+            {"id":"mtp","match":{"drafter":["mtp"]},"args":["--for-mtp"],"measured":"m"},
+            {"id":"dflash","match":{"drafter":["dflash"]},"args":["--for-dflash"],"measured":"m"}
+        ]}"#;
+        let dir = std::env::temp_dir().join(format!("onebit-drafters-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("r.json");
+        std::fs::write(&file, text).unwrap();
+        let applied = |mtp: Option<&str>, dflash: Option<&str>| {
+            let mut r = request(Some(file.to_str().unwrap()));
+            r.options.mtp = mtp.map(str::to_string);
+            r.options.dflash = dflash.map(str::to_string);
+            let mut argv = Vec::new();
+            apply(&r, "hrx", &mut argv, &mut BTreeMap::new()).unwrap();
+            argv.join(" ")
+        };
+        assert_eq!(applied(None, None), "--plain");
+        assert_eq!(applied(Some("mtp.gguf"), None), "--for-mtp");
+        assert_eq!(applied(None, Some("dflash.gguf")), "--for-dflash");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_malformed_file_is_refused_naming_the_file_the_recipe_and_the_key() {
         let cases = [
             (
@@ -318,6 +359,10 @@ mod tests {
                 "bad.json: recipe bad: the id is listed twice",
             ),
             (r#"{"recipe":[]}"#, r#"bad.json: unknown key "recipe""#),
+            (
+                r#"{"about":1,"recipes":[]}"#,
+                r#"bad.json: "about" must be a string"#,
+            ),
             (r#"{}"#, r#"bad.json: no "recipes" list"#),
             (
                 r#"{"recipes":[{"id":"bad","args":["1024","-ub"],"measured":"m"}]}"#,

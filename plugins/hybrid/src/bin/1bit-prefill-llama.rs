@@ -25,12 +25,16 @@ const LOAD_LIMIT: Duration = Duration::from_secs(300);
 /// How long the started llama-server has to exit after SIGTERM (it is idle by then).
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
-fn main() {
+fn main() -> std::process::ExitCode {
+    // `run`'s values are dropped before main returns: the llama-server it started is stopped.
     match run() {
-        Ok(report) => println!("{report}"),
+        Ok(report) => {
+            println!("{report}");
+            std::process::ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("1bit-prefill-llama: {e}");
-            std::process::exit(1);
+            std::process::ExitCode::FAILURE
         }
     }
 }

@@ -1,0 +1,159 @@
+//! The served-name rewrite: a reply or a stream names the model as serve serves it (`--alias`,
+//! `served_name`), not as the backend loaded it, in the shape the route's rule says
+//! (OpenAI's `model`, Anthropic's `message.model` of its `message_start`). The one renamer of
+//! both places that rewrite: the general engine's relay and the in-process path.
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Body as HttpBody;
+use onebit_plugin_api::ReplyShape;
+
+/// `body`, an SSE stream, with every event naming `served` where `shape` names the model.
+pub fn in_stream<B>(
+    body: B,
+    served: String,
+    shape: ReplyShape,
+) -> impl HttpBody<Data = Bytes, Error = B::Error> + Unpin + Send + 'static
+where
+    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
+{
+    let mut events = SseRenamer::new(served, shape);
+    body.map_frame(move |frame| match frame.into_data() {
+        Ok(data) => hyper::body::Frame::data(events.feed(&data)),
+        Err(frame) => frame,
+    })
+}
+
+/// Rewrites the model each SSE `data:` event names to the served name, where the reply's
+/// shape names it (OpenAI's: every event's `model`; Anthropic's: `message.model` of its
+/// `message_start`), event by event: complete lines go out as they arrive, a partial line
+/// waits for the rest of it.
+struct SseRenamer {
+    served: String,
+    shape: ReplyShape,
+    partial: Vec<u8>,
+}
+
+impl SseRenamer {
+    fn new(served: String, shape: ReplyShape) -> Self {
+        SseRenamer {
+            served,
+            shape,
+            partial: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, data: &[u8]) -> Bytes {
+        self.partial.extend_from_slice(data);
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
+            return Bytes::new();
+        };
+        let rest = self.partial.split_off(end + 1);
+        let complete = std::mem::replace(&mut self.partial, rest);
+        let mut out = Vec::with_capacity(complete.len() + 16);
+        for line in complete.split_inclusive(|b| *b == b'\n') {
+            match line.strip_prefix(b"data: ") {
+                Some(json) if json.starts_with(b"{") => {
+                    let body = json.strip_suffix(b"\n").unwrap_or(json);
+                    let body = body.strip_suffix(b"\r").unwrap_or(body);
+                    let body = Bytes::copy_from_slice(body);
+                    let renamed = match self.shape {
+                        ReplyShape::OpenAi => in_reply(body, &self.served),
+                        ReplyShape::Anthropic => with_message_model_name(body, &self.served),
+                    };
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(&renamed);
+                    out.push(b'\n');
+                }
+                _ => out.extend_from_slice(line),
+            }
+        }
+        Bytes::from(out)
+    }
+}
+
+/// A whole JSON reply with `served` in its `model` field (OpenAI's shape, and Anthropic's
+/// whole message); anything else as it came.
+pub fn in_reply(bytes: Bytes, served: &str) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return bytes;
+    };
+    match value.get_mut("model") {
+        Some(serde_json::Value::String(model)) if model != served => {
+            *model = served.to_string();
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
+        }
+        _ => bytes,
+    }
+}
+
+/// Put `served` in the `message.model` of an Anthropic `message_start` event; any other event
+/// (no other names the model) is left as it came.
+fn with_message_model_name(bytes: Bytes, served: &str) -> Bytes {
+    // Most events are deltas: only one that says it starts a message is parsed.
+    if !bytes
+        .windows(b"message_start".len())
+        .any(|w| w == b"message_start")
+    {
+        return bytes;
+    }
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return bytes;
+    };
+    if value.get("type").and_then(|t| t.as_str()) != Some("message_start") {
+        return bytes;
+    }
+    match value.pointer_mut("/message/model") {
+        Some(serde_json::Value::String(model)) if model != served => {
+            *model = served.to_string();
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(bytes)
+        }
+        _ => bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reply_model_becomes_the_served_name_and_other_bytes_pass() {
+        let out = in_reply(Bytes::from_static(br#"{"model":"x.gguf","n":1}"#), "smol");
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["model"], "smol");
+        assert_eq!(v["n"], 1);
+        let same = Bytes::from_static(br#"{"model":"smol"}"#);
+        assert_eq!(in_reply(same.clone(), "smol"), same);
+        let text = Bytes::from_static(b"not json");
+        assert_eq!(in_reply(text.clone(), "smol"), text);
+    }
+
+    #[test]
+    fn streamed_events_get_the_served_name_even_when_split_across_frames() {
+        let mut r = SseRenamer::new("smol".into(), ReplyShape::OpenAi);
+        let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
+        assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
+        let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            &second[..],
+            b"data: {\"model\":\"smol\"}\n\ndata: [DONE]\n\n"
+        );
+    }
+
+    #[test]
+    fn an_anthropic_stream_gets_the_served_name_in_its_message_start() {
+        let mut r = SseRenamer::new("smol".into(), ReplyShape::Anthropic);
+        let start = r.feed(
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"model\":\"x.gguf\",\"role\":\"assistant\"}}\n\n",
+        );
+        let text = String::from_utf8(start.to_vec()).unwrap();
+        assert!(text.starts_with("event: message_start\ndata: "), "{text}");
+        let data: serde_json::Value =
+            serde_json::from_str(text.lines().nth(1).unwrap().strip_prefix("data: ").unwrap())
+                .unwrap();
+        assert_eq!(data["message"]["model"], "smol");
+        // A delta naming no model, or one whose `model` is its own field, passes as it came.
+        let delta = b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"model\"},\"model\":\"x\"}\n\n";
+        assert_eq!(&r.feed(delta)[..], &delta[..]);
+    }
+}
