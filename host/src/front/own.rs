@@ -19,7 +19,6 @@ use crate::metrics::requests::{Engine, PathClass};
 use crate::relay::App;
 use crate::relay::general::{Relayed, relay};
 use crate::relay::request_id::{self, RequestId};
-use http_body_util::BodyExt as _;
 use tracing::Instrument as _;
 
 /// The router, apart from `main` so tests and benchmarks can build it.
@@ -90,7 +89,7 @@ async fn observed(
     if let Ok(value) = HeaderValue::from_bytes(id.as_bytes()) {
         response.headers_mut().insert(request_id::HEADER, value);
     }
-    let mut ended = Ended {
+    let ended = Ended {
         app,
         began,
         path,
@@ -101,16 +100,41 @@ async fn observed(
         relayed: response.extensions().get::<Relayed>().copied(),
         bytes: 0,
     };
-    response.map(|body| {
-        axum::body::Body::new(body.map_frame(move |frame| {
-            // The whole of `ended` rides in the body, to be dropped with it.
-            let ended = &mut ended;
-            if let Some(data) = frame.data_ref() {
-                ended.bytes += data.len() as u64;
-            }
-            frame
-        }))
-    })
+    response.map(|body| axum::body::Body::new(EndedBody { inner: body, ended }))
+}
+
+/// A reply body that counts its bytes and carries its [`Ended`], dropped with it. Its length
+/// and end are the inner body's, so hyper frames the reply as before (a whole reply keeps its
+/// Content-Length).
+struct EndedBody {
+    inner: axum::body::Body,
+    ended: Ended,
+}
+
+impl hyper::body::Body for EndedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            self.ended.bytes += data.len() as u64;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// A reply body's end (finished, or dropped when the client left): the request's duration
