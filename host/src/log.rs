@@ -30,9 +30,12 @@ pub const BACKEND: &str = "onebit::backend";
 /// The target of the one line per request (`ONEBIT_LOG=debug`).
 pub const REQUEST: &str = "onebit::request";
 
+/// The libraries whose events a bare level does not raise above warn.
+const QUIET_LIBRARIES: [&str; 4] = ["hyper", "hyper_util", "axum", "tower"];
+
 /// Set up the process's subscriber. A filter `tracing` cannot read is the one-line error.
 pub fn init(args: &LogArgs) -> Result<(), String> {
-    let filter = EnvFilter::builder()
+    let mut filter = EnvFilter::builder()
         .parse(&args.filter)
         .map_err(|e| {
             format!(
@@ -40,6 +43,16 @@ pub fn init(args: &LogArgs) -> Result<(), String> {
                 args.filter
             )
         })?;
+    // A level names serve's lines: the libraries' own events (hyper-util's pool, axum's
+    // rejections) stay at warn unless the filter names them, so `debug` adds the request line
+    // and not theirs.
+    for library in QUIET_LIBRARIES {
+        if !args.filter.contains(library)
+            && let Ok(directive) = format!("{library}=warn").parse()
+        {
+            filter = filter.add_directive(directive);
+        }
+    }
     let lines = Lines {
         json: args.log_format == LogFormat::Json,
     };

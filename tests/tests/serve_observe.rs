@@ -205,6 +205,17 @@ fn json_lines_parse_and_carry_the_request_id() {
         assert!(fields["bytes"].as_u64().unwrap_or(0) > 100, "{fields}");
     }
     assert!(!said(""), "no empty message");
+    // `debug` is serve's request line, not the libraries' chatter (hyper-util's pool).
+    let libraries: Vec<_> = lines
+        .iter()
+        .filter(|l| {
+            let target = l["target"].as_str().unwrap_or("");
+            ["hyper", "axum", "tower"]
+                .iter()
+                .any(|library| target.starts_with(library))
+        })
+        .collect();
+    assert!(libraries.is_empty(), "{libraries:?}");
 }
 
 /// Lines of `output` that are the request line of the request with `id`.
