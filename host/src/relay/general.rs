@@ -138,7 +138,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             }
         }
         Target::InProcess => {
-            return in_process::respond(&app, &plan, &parts, body, in_flight).await;
+            return in_process::respond(&app, &plan, &parts, body, in_flight, began).await;
         }
         Target::Answer { .. } => unreachable!("answered above"),
         Target::ToolLoop(backend) => {
