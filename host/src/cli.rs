@@ -110,6 +110,50 @@ pub enum PluginAction {
     },
 }
 
+/// serve's settings that come from the environment alone (docs/serve.md, Environment), read
+/// here by clap with the flags and not by hand. Each is the text given (empty is unset) and is
+/// judged where it is used, as it always was: a value that is not a number leaves the default.
+/// The flags are hidden; the variables are the interface.
+#[derive(Args, Debug, Default, Clone)]
+pub struct EnvSettings {
+    /// The largest request body, in bytes.
+    #[arg(long, hide = true, env = "ONEBIT_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<String>,
+    /// Seconds a client has to send a request's body.
+    #[arg(long, hide = true, env = "ONEBIT_BODY_READ_TIMEOUT_S")]
+    pub body_read_timeout_s: Option<String>,
+    /// Seconds a client has to send a request's headers.
+    #[arg(long, hide = true, env = "ONEBIT_HEADER_READ_TIMEOUT_S")]
+    pub header_read_timeout_s: Option<String>,
+    /// Seconds a backend gets after SIGTERM.
+    #[arg(long, hide = true, env = "ONEBIT_BACKEND_STOP_GRACE_S")]
+    pub backend_stop_grace_s: Option<String>,
+    /// Microseconds a socket owed an answer asks for it before the thread sleeps.
+    #[arg(long, hide = true, env = "ONEBIT_BUSY_POLL_US")]
+    pub busy_poll_us: Option<String>,
+    /// `--watchdog`'s default.
+    #[arg(long, hide = true, env = "ONEBIT_WATCHDOG_SECS")]
+    pub watchdog_secs: Option<String>,
+    /// `1`: as `--precise`.
+    #[arg(long, hide = true, env = "ONEBIT_PRECISE")]
+    pub precise_env: Option<String>,
+    /// `0`: as `--no-mem-check`.
+    #[arg(long, hide = true, env = "ONEBIT_MEM_CHECK")]
+    pub mem_check_env: Option<String>,
+}
+
+impl EnvSettings {
+    /// `ONEBIT_PRECISE=1`.
+    pub fn precise(&self) -> bool {
+        self.precise_env.as_deref().is_some_and(|v| v.trim() == "1")
+    }
+
+    /// `ONEBIT_MEM_CHECK=0`.
+    pub fn no_mem_check(&self) -> bool {
+        self.mem_check_env.as_deref().is_some_and(|v| v.trim() == "0")
+    }
+}
+
 #[derive(Args, Debug, Default, Clone)]
 pub struct ServeArgs {
     /// The model: a .gguf file (the first shard of a sharded one) or an NPU model directory.
@@ -259,6 +303,8 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
+    #[command(flatten)]
+    pub env: EnvSettings,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(
         long,
@@ -473,4 +519,40 @@ pub struct WorkerArgs {
     /// the installed one, PATH).
     #[arg(long, value_name = "PATH")]
     pub rpc_server: Option<PathBuf>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // clap's own checks (unique ids, conflicts that name real arguments), which it runs
+        // only when a debug build parses: a clash would panic every `1bit` command.
+        Cli::command().debug_assert();
+        LogFromEnv::command().debug_assert();
+    }
+
+    #[test]
+    fn env_settings_are_judged_as_before() {
+        let cli = Cli::try_parse_from([
+            "1bit",
+            "serve",
+            "-m",
+            "m.gguf",
+            "--precise-env",
+            " 1",
+            "--mem-check-env",
+            "1",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("serve");
+        };
+        assert!(args.env.precise());
+        assert!(!args.env.no_mem_check());
+        assert_eq!(cli.log.filter, "info");
+        assert_eq!(cli.log.log_format, LogFormat::Text);
+    }
 }

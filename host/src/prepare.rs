@@ -236,7 +236,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &checked)?));
     }
-    if workers.is_empty() && !admission::skipped(args.no_mem_check) {
+    if workers.is_empty() && !admission::skipped(args.no_mem_check, args.env.no_mem_check()) {
         admit(args, &served_name, &checked)?;
     }
     if let Some((_, more)) = &laya {

@@ -66,27 +66,28 @@ fn say_fatal(fatal: &Fatal) -> i32 {
     fatal.code
 }
 
-/// How long to wait for a backend to stop after SIGTERM.
-fn stop_grace() -> Duration {
-    let secs = std::env::var("ONEBIT_BACKEND_STOP_GRACE_S")
-        .ok()
+/// How long to wait for a backend to stop after SIGTERM: `ONEBIT_BACKEND_STOP_GRACE_S`, else 30 s.
+fn stop_grace(args: &ServeArgs) -> Duration {
+    let secs = args
+        .env
+        .backend_stop_grace_s
+        .as_deref()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|s| s.is_finite() && *s >= 0.0)
         .unwrap_or(30.0);
     Duration::from_secs_f64(secs)
 }
 
-/// A number from the environment; None when unset or not a finite number.
-fn env_number(name: &str) -> Option<f64> {
-    std::env::var(name)
-        .ok()
+/// A number from an environment setting's text; None when unset or not a finite number.
+fn env_number(value: Option<&str>) -> Option<f64> {
+    value
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|n| n.is_finite())
 }
 
 /// A positive number of seconds from the environment.
-fn env_secs(name: &str) -> Option<Duration> {
-    env_number(name)
+fn env_secs(value: Option<&str>) -> Option<Duration> {
+    env_number(value)
         .filter(|s| *s > 0.0 && *s < 1e9)
         .map(Duration::from_secs_f64)
 }
@@ -103,6 +104,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         api_key,
     } = p;
     crate::relay::sse_keepalive::configure(args.sse_keepalive_s);
+    crate::relay::busy_poll::configure(args.env.busy_poll_us.as_deref());
     let (policy, more) = match laya {
         Some((policy, more)) => (Some(policy), more),
         None => (None, Vec::new()),
@@ -192,18 +194,18 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(0),
         rules: plan.rules.clone(),
         ports: all_backends.iter().map(|b| b.port).collect(),
-        body_limit: env_number("ONEBIT_MAX_BODY_BYTES")
+        body_limit: env_number(args.env.max_body_bytes.as_deref())
             .filter(|n| *n >= 1.0)
             .map(|n| n as usize)
             .unwrap_or(settings::DEFAULT_BODY_LIMIT),
-        body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S")
+        body_timeout: env_secs(args.env.body_read_timeout_s.as_deref())
             .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
         guard,
         api_key,
         metrics_off: args.no_metrics,
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
-        precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
+        precise: args.precise || args.env.precise(),
         serialize_forwards: plan.serialize_forwards,
     };
     let app = Arc::new(App {
@@ -246,7 +248,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     let server = tokio::spawn(accept_loop(
         listeners,
         app.clone(),
-        env_secs("ONEBIT_HEADER_READ_TIMEOUT_S").unwrap_or(HEADER_READ_TIMEOUT),
+        env_secs(args.env.header_read_timeout_s.as_deref()).unwrap_or(HEADER_READ_TIMEOUT),
         shutdown_rx,
     ));
 
@@ -296,7 +298,7 @@ async fn supervise(
             Ok(b) => backends.push(b),
             Err(e) => {
                 let program = spec.argv.first().map(String::as_str).unwrap_or("");
-                supervisor::stop_all(&backends, stop_grace()).await;
+                supervisor::stop_all(&backends, stop_grace(args)).await;
                 return say_fatal(&Fatal::backend(format!(
                     "could not start {} ({program}): {e}",
                     spec.engine
@@ -304,11 +306,8 @@ async fn supervise(
             }
         }
     }
-    let grace = stop_grace();
-    let limit = watchdog::limit_secs(
-        args.watchdog,
-        std::env::var("ONEBIT_WATCHDOG_SECS").ok().as_deref(),
-    );
+    let grace = stop_grace(args);
+    let limit = watchdog::limit_secs(args.watchdog, args.env.watchdog_secs.as_deref());
     if limit > 0 {
         let dog = Watchdog::new(
             Duration::from_secs(limit),
