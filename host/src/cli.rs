@@ -150,7 +150,9 @@ impl EnvSettings {
 
     /// `ONEBIT_MEM_CHECK=0`.
     pub fn no_mem_check(&self) -> bool {
-        self.mem_check_env.as_deref().is_some_and(|v| v.trim() == "0")
+        self.mem_check_env
+            .as_deref()
+            .is_some_and(|v| v.trim() == "0")
     }
 }
 
