@@ -314,7 +314,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         let (mut conn, reused) = match taken {
             Ok(c) => c,
-            Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
+            Err(e) => return bad_gateway(app, client, &fast, &e.to_string(), began).await,
         };
         let sent = async {
             conn.write_all(&fast.upstream).await?;
@@ -377,7 +377,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                 fast.log(200, Duration::ZERO, 0);
                 return Outcome::Close;
             }
-            Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
+            Err(e) => return bad_gateway(app, client, &fast, &e.to_string(), began).await,
         }
     };
     let backend_time = sent_at.elapsed();
@@ -855,8 +855,16 @@ fn append_date(out: &mut Vec<u8>) {
 }
 
 /// Answer 502 as the general engine would, after the request was committed to a backend.
-async fn bad_gateway(app: &App, client: &mut BusyPollStream, fast: &Fast, why: &str) -> Outcome {
+async fn bad_gateway(
+    app: &App,
+    client: &mut BusyPollStream,
+    fast: &Fast,
+    why: &str,
+    began: Instant,
+) -> Outcome {
     app.requests.count(fast.path, 502, Engine::Fast);
+    app.requests
+        .lasted(fast.path, Engine::Fast, began.elapsed());
     fast.log(502, Duration::ZERO, 0);
     let close = fast.close;
     let error = ApiError::no_answer(&app.device, why);
