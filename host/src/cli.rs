@@ -159,8 +159,18 @@ impl EnvSettings {
 #[derive(Args, Debug, Default, Clone)]
 pub struct ServeArgs {
     /// The model: a .gguf file (the first shard of a sharded one) or an NPU model directory.
-    #[arg(short = 'm', long, value_name = "MODEL")]
-    pub model: PathBuf,
+    #[arg(
+        short = 'm',
+        long,
+        value_name = "MODEL",
+        required_unless_present = "llama_router"
+    )]
+    pub model: Option<PathBuf>,
+    /// llama-server's router mode, which the drop-in asks for when its command line names no
+    /// model: the real llama-server picks and loads models itself (`--models-dir`, `/models`),
+    /// behind serve's guard, key, supervision and health (docs/lemonade.md).
+    #[arg(long, hide = true, conflicts_with = "model")]
+    pub llama_router: bool,
     /// serve's own port.
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
@@ -396,6 +406,11 @@ const REMOVED_DEVICES: [(&str, &str); 4] = [
 ];
 
 impl ServeArgs {
+    /// The model's path: empty in router mode, the one case without `-m`.
+    pub fn model(&self) -> &std::path::Path {
+        self.model.as_deref().unwrap_or(std::path::Path::new(""))
+    }
+
     /// Flags this build parses but whose behaviour is not here yet, by the name a user typed.
     /// Each is refused with one line (exit 2) rather than silently ignored.
     pub fn not_yet_available(&self) -> Vec<&'static str> {

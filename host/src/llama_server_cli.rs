@@ -251,10 +251,7 @@ pub fn translate_in(
     while i < args.len() {
         let arg = &args[i];
         i += 1;
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
+        let (flag, inline) = flag_and_inline_value(arg);
         let mut value = |what: &str| -> Result<String, String> {
             if let Some(v) = inline.clone() {
                 return Ok(v);
@@ -323,18 +320,7 @@ pub fn translate_in(
                     "{f}: 1bit downloads nothing; download the GGUF yourself and pass -m FILE.gguf"
                 ));
             }
-            _ => {
-                pass.push(arg.clone());
-                let takes_value = inline.is_none()
-                    && arg.starts_with('-')
-                    && !NO_VALUE.contains(&flag)
-                    && (WITH_VALUE.contains(&flag)
-                        || args.get(i).is_some_and(|next| looks_like_value(next)));
-                if takes_value && let Some(next) = args.get(i) {
-                    pass.push(next.clone());
-                    i += 1;
-                }
-            }
+            _ => pass_through(args, &mut i, flag, inline.is_some(), &mut pass),
         }
     }
     // A drafter becomes serve's own flag when the speculative type says which kind it is, so
@@ -356,11 +342,73 @@ pub fn translate_in(
         }
     }
     if !serve.iter().any(|a| a == "-m") {
-        return Err(
-            "no model: pass -m MODEL.gguf (llama-server's -m/--model; 1bit downloads nothing)"
-                .to_string(),
-        );
+        return Ok(router(args, env));
     }
+    Ok(serve_policy(serve, pass, key, port, metrics, env))
+}
+
+/// Serve's own flags in router mode, as in [`translate_in`]: its address, its key and the
+/// user's CORS policy.
+const ROUTER_OWN: &[&str] = &[
+    "--port",
+    "--host",
+    "--api-key",
+    "--api-key-file",
+    "--cors-origins",
+    "--cors-methods",
+    "--cors-headers",
+];
+
+/// llama-server's router mode (a command line with no `-m`): serve keeps its address, its
+/// key and the CORS policy, and every other argument reaches the real llama-server as it came,
+/// since there the model flags (`-c`, `-np`, `-dev`, drafting) are the defaults of the models
+/// the router loads, not of one serve checks.
+fn router(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
+    let mut serve = vec!["--llama-router".to_string()];
+    let mut pass = Vec::new();
+    let (mut key, mut port, mut metrics) = (false, false, false);
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        i += 1;
+        let (flag, inline) = flag_and_inline_value(arg);
+        key |= flag.starts_with("--api-key");
+        port |= flag == "--port";
+        metrics |= flag == "--metrics";
+        if ROUTER_OWN.contains(&flag) {
+            serve.push(flag.to_string());
+            match inline {
+                Some(v) => serve.push(v),
+                None => {
+                    // A missing value is serve's own flag's error, said by clap.
+                    if let Some(v) = args.get(i) {
+                        serve.push(v.clone());
+                        i += 1;
+                    }
+                }
+            }
+            continue;
+        }
+        if matches!(flag, "--cors-credentials" | "--no-cors-credentials") {
+            serve.push(flag.to_string());
+            continue;
+        }
+        pass_through(args, &mut i, flag, inline.is_some(), &mut pass);
+    }
+    serve_policy(serve, pass, key, port, metrics, env)
+}
+
+/// The settings both modes share: `LLAMA_API_KEY` as serve's key, the port (Google's AIP mode
+/// or llama-server's default), serve's `/metrics` off without `--metrics`, and what follows
+/// `--` for the real llama-server.
+fn serve_policy(
+    mut serve: Vec<String>,
+    pass: Vec<String>,
+    key: bool,
+    port: bool,
+    metrics: bool,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Vec<String> {
     if !key && let Some(k) = env("LLAMA_API_KEY").filter(|k| !k.trim().is_empty()) {
         serve.extend(["--api-key".to_string(), k]);
     }
@@ -382,7 +430,30 @@ pub fn translate_in(
         serve.push("--".to_string());
         serve.extend(pass);
     }
-    Ok(serve)
+    serve
+}
+
+/// `--flag=value` as (`--flag`, the value); any other token as itself, with no value.
+fn flag_and_inline_value(arg: &str) -> (&str, Option<String>) {
+    match arg.split_once('=') {
+        Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+        _ => (arg, None),
+    }
+}
+
+/// `args[*i - 1]` (read as `flag`, its value inline or not) for the real llama-server, with the
+/// token after it when that is the flag's value; `*i` moves past what was taken.
+fn pass_through(args: &[String], i: &mut usize, flag: &str, inline: bool, pass: &mut Vec<String>) {
+    let arg = &args[*i - 1];
+    pass.push(arg.clone());
+    let takes_value = !inline
+        && arg.starts_with('-')
+        && !NO_VALUE.contains(&flag)
+        && (WITH_VALUE.contains(&flag) || args.get(*i).is_some_and(|next| looks_like_value(next)));
+    if takes_value && let Some(next) = args.get(*i) {
+        pass.push(next.clone());
+        *i += 1;
+    }
 }
 
 /// A token after a flag of unknown arity is its value unless it is itself a flag; `-1` is a

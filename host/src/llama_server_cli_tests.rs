@@ -98,10 +98,38 @@ fn the_name_llama_server_is_recognised_from_any_directory() {
     assert!(!invoked_as_llama_server("/usr/bin/1bit"));
 }
 
+/// No `-m`: llama-server's router mode. serve keeps its address, key and CORS policy; the
+/// model flags, which there are the defaults of the models the router loads, reach the real
+/// llama-server as they came (`-c` and `-np` are not serve's), `--metrics` included.
 #[test]
-fn a_command_line_without_a_model_is_refused_saying_what_to_pass() {
-    let err = translate(&words("--port 8003 --jinja")).unwrap_err();
-    assert!(err.starts_with("no model: pass -m MODEL.gguf"), "{err}");
+fn a_command_line_without_a_model_runs_llama_servers_router_mode() {
+    let none = |_: &str| None;
+    let serve = translate_in(
+        &words(
+            "--models-dir /m --models-max 2 -c 512 -np 2 --jinja --metrics --port 8003 --host 127.0.0.1 --api-key k --cors-origins=* --cors-credentials --no-models-autoload",
+        ),
+        &none,
+    )
+    .unwrap();
+    assert_eq!(
+        serve,
+        words(
+            "--llama-router --port 8003 --host 127.0.0.1 --api-key k --cors-origins * --cors-credentials -- --models-dir /m --models-max 2 -c 512 -np 2 --jinja --metrics --no-models-autoload"
+        )
+    );
+    // The port is llama-server's default, /metrics is 501 without --metrics, and the key in
+    // the environment is serve's, as with a model.
+    let key = |name: &str| (name == "LLAMA_API_KEY").then(|| "secret".to_string());
+    let serve = translate_in(&words("--models-dir /m"), &key).unwrap();
+    assert_eq!(
+        serve,
+        words("--llama-router --api-key secret --port 8080 --no-metrics -- --models-dir /m")
+    );
+    // Nothing at all is router mode too, over llama.cpp's own model cache.
+    assert_eq!(
+        translate_in(&[], &none).unwrap(),
+        words("--llama-router --port 8080 --no-metrics")
+    );
 }
 
 #[test]

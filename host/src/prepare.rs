@@ -15,6 +15,10 @@ use crate::guard::key::ApiKey;
 use crate::laya::start::Placed;
 use crate::{admission, llama_server_cli, model, routes};
 
+/// What serve calls the served model in router mode, where llama-server names each model itself
+/// (systemd's status line, the backend's lines).
+pub const ROUTER_NAME: &str = "llama-server's router";
+
 /// Ports Lemonade scans for its own servers; backends never take one.
 const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
 
@@ -72,14 +76,25 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let pm = crate::pm::start::settings(args)?;
     let policy = crate::laya::start::settings(args)?;
     let route_options = route_options(args)?;
-    let facts = model::facts(&args.model)?;
+    if args.llama_router && printing {
+        return Err(needs_serve("router mode (no -m)".to_string()));
+    }
+    let facts = if args.llama_router {
+        onebit_plugin_api::ModelFacts::default()
+    } else {
+        model::facts(args.model())?
+    };
     if printing && facts.is_dir {
         return Err(needs_serve(format!(
             "the model directory {}",
-            args.model.display()
+            args.model().display()
         )));
     }
-    let served_name = model::served_name(&args.model, args.alias.as_deref());
+    let served_name = if args.llama_router {
+        ROUTER_NAME.to_string()
+    } else {
+        model::served_name(args.model(), args.alias.as_deref())
+    };
 
     let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
     let mut loaded = Vec::new();
@@ -105,7 +120,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             Purpose::Serve
         },
         options: ServeOptions {
-            model: args.model.to_string_lossy().into_owned(),
+            model: args.model().to_string_lossy().into_owned(),
             served_name: served_name.clone(),
             host: args.host.clone(),
             port: args.port,
@@ -151,7 +166,18 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     };
 
     let refused_flag = refused_flag(args);
-    let (route, claim) = routes::choose(&args.device, &loaded, &request)?;
+    if args.llama_router && !matches!(args.device.as_str(), "auto" | "cpu") {
+        return Err(Fatal::usage(format!(
+            "--device {}: llama-server's router mode (no -m) runs on the cpu route; pass -m MODEL.gguf to serve one model there",
+            args.device
+        )));
+    }
+    let device = if args.llama_router {
+        "cpu"
+    } else {
+        args.device.as_str()
+    };
+    let (route, claim) = routes::choose(device, &loaded, &request)?;
     if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
         tracing::info!(
             "1bit serve: --device auto chose {} ({})",
@@ -202,7 +228,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     // host to, and the drop-in's llama-server arguments passed to its llama-server.
     let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
     for each in std::iter::once(&mut plan).chain(more.map(|(_, p)| p)) {
-        admission::llama_kv::size(each, &args.model);
+        admission::llama_kv::size(each, args.model());
         llama_server_cli::pass_to_backend(each, &args.backend_args)?;
         llama_server_cli::refuse_self(each)?;
         let env = |name: &str| std::env::var(name).ok();
@@ -236,7 +262,11 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if args.mem_check {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &checked)?));
     }
-    if workers.is_empty() && !admission::skipped(args.no_mem_check, args.env.no_mem_check()) {
+    if args.llama_router {
+        tracing::info!(
+            "1bit serve: router mode (no -m): llama-server loads the models it is asked for itself; serve's memory check, progress watchdog and backend metrics do not apply"
+        );
+    } else if workers.is_empty() && !admission::skipped(args.no_mem_check, args.env.no_mem_check()) {
         admit(args, &served_name, &checked)?;
     }
     if let Some((_, more)) = &laya {
@@ -318,13 +348,13 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
         println!(
             "{name}: nothing to check: the {} route gave no memory estimate for {}",
             plan.device,
-            args.model.display()
+            args.model().display()
         );
         return Ok(exit::OK);
     };
     let free =
         admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
-    let verdict = admission::judge(name, &args.model, need, &free);
+    let verdict = admission::judge(name, args.model(), need, &free);
     println!("{}", verdict.line);
     for warning in &verdict.warnings {
         println!("warning: {warning}");
@@ -346,7 +376,7 @@ fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
     };
     let free =
         admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
-    let verdict = admission::judge(name, &args.model, need, &free);
+    let verdict = admission::judge(name, args.model(), need, &free);
     if !verdict.fits {
         return Err(Fatal {
             code: exit::NO_FIT,

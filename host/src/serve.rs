@@ -205,6 +205,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         metrics_off: args.no_metrics,
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
+        names_model: !args.llama_router,
         precise: args.precise || args.env.precise(),
         serialize_forwards: plan.serialize_forwards,
     };

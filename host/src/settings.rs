@@ -32,6 +32,9 @@ pub struct Settings {
     pub side_models: Vec<onebit_plugin_api::SideModel>,
     /// The plan asked that streamed events carry the served name (`Plan::rename_in_streams`).
     pub rename_in_streams: bool,
+    /// serve names the model in whole inference replies (its served name); false in
+    /// llama-server's router mode, where the backend names each model it loads.
+    pub names_model: bool,
     /// `--precise` (or `ONEBIT_PRECISE=1`): chats and completions go with `cache_prompt` false.
     pub precise: bool,
     /// The route asked that its forwards take turns (`Plan::serialize_forwards`).

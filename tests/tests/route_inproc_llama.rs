@@ -126,6 +126,16 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
     assert_eq!(decodes, Some(1.0), "{metrics}");
     let (kv, metrics) = metric(&serve, "onebit_inproc_model_buffer_bytes{buffer=\"kv\"}");
     assert_eq!(kv, Some((30 * 3 * 64 * 2 * 2 * 2048) as f64), "{metrics}");
+    // The compute graph is sized for one output per slot, as llama-server's (the library's
+    // default, n_batch outputs, reserves 2048 x 49152 vocabulary logits: about 400 MB).
+    let (compute, metrics) = metric(
+        &serve,
+        "onebit_inproc_model_buffer_bytes{buffer=\"compute\"}",
+    );
+    assert!(
+        compute.is_some_and(|b| b < 64.0 * 1024.0 * 1024.0),
+        "{metrics}"
+    );
     let file = std::fs::metadata(smollm2()).unwrap().len() as f64;
     let (resident, metrics) = metric(&serve, "onebit_inproc_model_resident_bytes");
     assert!(resident.is_some_and(|b| b > file / 2.0), "{metrics}");
@@ -191,9 +201,8 @@ fn greedy_completions_and_chats_equal_llama_servers_streamed_and_not() {
 }
 
 #[test]
-#[ignore = "issue 23 item 4: on some CPUs (AVX-512 Xeon, and this AMD EPYC AVX2) Gemma 3 flips a greedy near-tie between the add-on and llama-server; the setting that differs is not yet found"]
-fn greedy_completions_of_gemma3_equal_llama_servers() {
-    if !libraries_installed("greedy_completions_of_gemma3_equal_llama_servers") {
+fn greedy_completions_and_chats_of_gemma3_equal_llama_servers() {
+    if !libraries_installed("greedy_completions_and_chats_of_gemma3_equal_llama_servers") {
         return;
     }
     let model = installed_model("gemma-3-270m-Q4_K_M.gguf");
@@ -209,7 +218,34 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
             })
             .collect()
     };
+    // A chat's prompt is decoded in as many batches as llama-server decodes it in: on a
+    // windowed model it also ends one where the user message starts.
+    let one_token_chat = serde_json::json!({
+        "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        "max_tokens": 1,
+        "cache_prompt": false,
+    })
+    .to_string();
+    let decodes_for_a_chat = |serve: &Serve, series: &str| {
+        let before = metric(serve, series).0.unwrap_or(0.0);
+        let (status, reply) = post(&serve.url("/v1/chat/completions"), &one_token_chat);
+        assert_eq!(status, 200, "{reply}");
+        let (after, metrics) = metric(serve, series);
+        after
+            .map(|n| n - before)
+            .unwrap_or_else(|| panic!("{series}:\n{metrics}"))
+    };
+    let (expected_chats, expected_decodes) = {
+        let cpu = serve_cpu(&model, &["--ctx-size", "2048"]);
+        let chats: Vec<String> = QUESTIONS.iter().map(|q| chat(&cpu, q)).collect();
+        (chats, decodes_for_a_chat(&cpu, "llamacpp:n_decode_total"))
+    };
     let serve = serve_inproc_model(&model, &[], &[]);
+    assert_eq!(
+        decodes_for_a_chat(&serve, "onebit_inproc_decodes_total"),
+        expected_decodes,
+        "prompt decodes of one chat"
+    );
     for (prompt, expected) in PROMPTS.iter().zip(&expected) {
         let reply = completion(&serve, greedy(prompt));
         assert_eq!(
@@ -217,6 +253,9 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
             expected,
             "{prompt:?}: {reply}"
         );
+    }
+    for (question, expected) in QUESTIONS.iter().zip(&expected_chats) {
+        assert_eq!(&chat(&serve, question), expected, "{question:?}");
     }
 }
 
@@ -226,7 +265,6 @@ fn greedy_completions_of_gemma3_equal_llama_servers() {
 /// prompt that continues the long one reuses it, as llama-server does, with llama-server's
 /// answer.
 #[test]
-#[ignore = "issue 23 item 4: on some CPUs (AVX-512 Xeon, and this AMD EPYC AVX2) Gemma 3 flips a greedy near-tie between the add-on and llama-server; the setting that differs is not yet found"]
 fn windowed_layers_reuse_a_prefix_only_while_its_window_is_held() {
     if !libraries_installed("windowed_layers_reuse_a_prefix_only_while_its_window_is_held") {
         return;

@@ -160,6 +160,7 @@ struct Functions {
     init_from_model: unsafe extern "C" fn(*mut Model, ContextParams) -> *mut Context,
     free: unsafe extern "C" fn(*mut Context),
     n_batch: unsafe extern "C" fn(*const Context) -> u32,
+    n_ubatch: unsafe extern "C" fn(*const Context) -> u32,
     n_ctx_seq: unsafe extern "C" fn(*const Context) -> u32,
     batch_init: unsafe extern "C" fn(i32, i32, i32) -> Batch,
     model_get_vocab: unsafe extern "C" fn(*const Model) -> *const Vocab,
@@ -247,6 +248,7 @@ impl Llama {
             init_from_model: symbol!(llama, "llama_init_from_model"),
             free: symbol!(llama, "llama_free"),
             n_batch: symbol!(llama, "llama_n_batch"),
+            n_ubatch: symbol!(llama, "llama_n_ubatch"),
             n_ctx_seq: symbol!(llama, "llama_n_ctx_seq"),
             batch_init: symbol!(llama, "llama_batch_init"),
             model_get_vocab: symbol!(llama, "llama_model_get_vocab"),
@@ -323,6 +325,12 @@ impl Llama {
         // One sequence per slot; each gets n_ctx / slots cells (llama.cpp's split, as
         // llama-server's -np gives each slot its share).
         context_params.n_seq_max = slots.max(1);
+        // At most one output (the next token's logits) per slot in a decode, as llama-server
+        // asks without a drafter (its `server_output_limits`); the library's default, 0, is
+        // n_batch outputs, which sizes the compute graph for whole-prompt logits and, on some
+        // CPUs, takes another matmul path whose rounding flips greedy near-ties.
+        context_params.n_outputs_max = slots.max(1);
+        context_params.n_outputs_max_per_seq = 1;
         context_params.kv_unified = false;
         // Sliding-window layers keep their window, not the whole context, as llama-server's
         // do (llama.cpp's library default keeps the whole context: 6x Gemma 3's KV).
@@ -384,6 +392,12 @@ impl Session<'_> {
     pub fn n_batch(&self) -> usize {
         // SAFETY: the context is live.
         unsafe { (self.f().n_batch)(self.context.as_ptr()) }.max(1) as usize
+    }
+
+    /// The most tokens one graph computes at once (a decode of more is split into these).
+    pub fn n_ubatch(&self) -> usize {
+        // SAFETY: the context is live.
+        unsafe { (self.f().n_ubatch)(self.context.as_ptr()) }.max(1) as usize
     }
 
     /// A batch of up to `capacity` tokens (one sequence id each), for [`Session::decode_batch`].
@@ -587,6 +601,12 @@ impl Session<'_> {
     /// Tokenize `text` as llama-server does a prompt: special tokens added (BOS where the
     /// vocabulary wants it) and parsed.
     pub fn tokenize(&self, text: &str) -> Result<Vec<Token>, String> {
+        self.tokenize_with(text, true)
+    }
+
+    /// Tokenize `text` with special tokens parsed, and added only when `add_special` (a piece
+    /// of a prompt, such as a message delimiter, gets none).
+    pub fn tokenize_with(&self, text: &str, add_special: bool) -> Result<Vec<Token>, String> {
         let len = i32::try_from(text.len()).map_err(|_| "the prompt is too long".to_string())?;
         let mut tokens = vec![0; text.len() + 2];
         loop {
@@ -599,7 +619,7 @@ impl Session<'_> {
                     len,
                     tokens.as_mut_ptr(),
                     tokens.len() as i32,
-                    true,
+                    add_special,
                     true,
                 )
             };

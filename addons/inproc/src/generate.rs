@@ -79,6 +79,9 @@ pub trait Client: Send {
 /// One completion to run.
 pub struct Job {
     pub prompt: String,
+    /// A chat's prompt (the template's rendering): its batches also end where user messages
+    /// start, as llama-server's do.
+    pub chat: bool,
     pub settings: Settings,
     pub client: Box<dyn Client>,
 }
@@ -166,6 +169,8 @@ struct Active {
     /// The whole prompt; `fed` of its tokens are in the slot's cache (the reused prefix
     /// first), the rest wait for the next decodes.
     prompt: Vec<Token>,
+    /// Where this prompt's decodes end, as llama-server's batches do ([`prompt_breaks`]).
+    breaks: Vec<usize>,
     fed: usize,
     reused: usize,
     generated: usize,
@@ -206,6 +211,10 @@ pub struct SlotEngine<'a> {
     batch: TokenBatch,
     counters: std::sync::Arc<Counters>,
     cache: PromptCache,
+    /// [`SlotEngine::checkpoint_ends_for`] the model.
+    checkpoint_ends: Vec<usize>,
+    /// The tokens that start a user message in the chat template's prompts (empty: none).
+    user_start: Vec<Token>,
 }
 
 impl<'a> SlotEngine<'a> {
@@ -214,9 +223,12 @@ impl<'a> SlotEngine<'a> {
         slots: usize,
         cache: PromptCache,
         counters: std::sync::Arc<Counters>,
+        user_start: Vec<Token>,
     ) -> Self {
         let batch = session.batch(session.n_batch().max(slots));
         SlotEngine {
+            user_start,
+            checkpoint_ends: Self::checkpoint_ends_for(&session),
             cache,
             counters,
             session,
@@ -322,9 +334,16 @@ impl<'a> SlotEngine<'a> {
         let sampler = self
             .session
             .sampler(settings.temperature, settings.top_p, settings.seed);
+        let user_starts = if job.chat && !self.checkpoint_ends.is_empty() {
+            user_starts(&tokens, &self.user_start)
+        } else {
+            Vec::new()
+        };
+        let breaks = prompt_breaks(tokens.len(), &self.checkpoint_ends, &user_starts);
         let slot = &mut self.slots[seq];
         slot.cached.truncate(reused);
         slot.active = Some(Active {
+            breaks,
             sampler,
             scan: StopScan::new(settings.stop.clone()),
             client: job.client,
@@ -372,6 +391,20 @@ impl<'a> SlotEngine<'a> {
             .store(self.cache.bytes() as u64, Ordering::Relaxed);
     }
 
+    /// How many tokens before a prompt's end llama-server ends a prompt decode, on a model
+    /// whose memory it checkpoints (windowed attention): `4 + n_ubatch` and 4, each at most
+    /// n_batch (its `checkpoint_offsets`, llama.cpp PR 20288). Empty for other models. The
+    /// add-on keeps no checkpoints, but splits the prompt where llama-server does: a batch's
+    /// size picks the matmul path (repacked weights take a batched kernel for several rows,
+    /// another for one), whose rounding can flip a greedy near-tie (issue 23: Gemma 3).
+    fn checkpoint_ends_for(session: &Session<'_>) -> Vec<usize> {
+        if session.n_swa() == 0 {
+            return Vec::new();
+        }
+        let n_batch = session.n_batch();
+        vec![(4 + session.n_ubatch()).min(n_batch), 4.min(n_batch)]
+    }
+
     /// The most tokens a prompt decode takes at once (the batch's capacity, at most n_batch).
     fn batch_room(&self) -> usize {
         self.session.n_batch().max(1)
@@ -411,7 +444,8 @@ impl<'a> SlotEngine<'a> {
                 self.finish(seq, Finish::Gone);
                 continue;
             }
-            let (from, to) = (active.fed, active.prompt.len().min(active.fed + free));
+            let from = active.fed;
+            let to = prompt_chunk_end(from, active.prompt.len().min(from + free), &active.breaks);
             let mut logits = None;
             for pos in from..to {
                 let last = pos == active.prompt.len() - 1;
@@ -597,9 +631,78 @@ fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// Where a decode of the prompt's tokens `from..to` ends: at the first of `breaks` inside it
+/// (a decode that starts at a break goes past it), else at `to`.
+fn prompt_chunk_end(from: usize, to: usize, breaks: &[usize]) -> usize {
+    breaks
+        .iter()
+        .copied()
+        .filter(|point| from < *point && *point < to)
+        .min()
+        .unwrap_or(to)
+}
+
+/// Where llama-server ends the batches of a `len`-token prompt on a model it checkpoints
+/// (windowed attention): `n` tokens before the end for each `n` of `ends` (4 + n_ubatch and
+/// 4), and before the user messages starting at `user_starts` (of a chat): the last one, and
+/// the first; another only when it is more than [`CHECKPOINT_MIN_STEP`] past the previous
+/// break (the spacing of its checkpoints). Sorted.
+fn prompt_breaks(len: usize, ends: &[usize], user_starts: &[usize]) -> Vec<usize> {
+    let mut breaks: Vec<usize> = ends.iter().filter_map(|n| len.checked_sub(*n)).collect();
+    let last = user_starts.iter().copied().filter(|&u| u > 0).max();
+    let mut previous: Option<usize> = None;
+    for &start in user_starts.iter().filter(|&&u| u > 0) {
+        if Some(start) == last || previous.is_none_or(|p| start > p + CHECKPOINT_MIN_STEP) {
+            breaks.push(start);
+            previous = Some(start);
+        }
+    }
+    breaks.sort_unstable();
+    breaks.dedup();
+    breaks
+}
+
+/// llama-server's least spacing of context checkpoints (`checkpoint_min_step`).
+const CHECKPOINT_MIN_STEP: usize = 8192;
+
+/// The positions in `tokens` where `marker` starts (none when it is empty), as llama-server
+/// finds a chat prompt's messages.
+fn user_starts(tokens: &[Token], marker: &[Token]) -> Vec<usize> {
+    if marker.is_empty() {
+        return Vec::new();
+    }
+    let mut starts = Vec::new();
+    let mut at = 0;
+    while at + marker.len() <= tokens.len() {
+        if tokens[at..at + marker.len()] == *marker {
+            starts.push(at);
+        }
+        at += 1;
+    }
+    starts
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{PromptCache, StopScan};
+    use super::{PromptCache, StopScan, prompt_breaks, prompt_chunk_end, user_starts};
+
+    #[test]
+    fn a_chats_batches_also_end_where_user_messages_start() {
+        let ends = [516, 4];
+        // One user message at 1 (after BOS) of 20 tokens: [0, 1), [1, 16), [16, 20).
+        assert_eq!(prompt_breaks(20, &ends, &[1]), [1, 16]);
+        // Three: the first and the last; the middle one is within the checkpoints' spacing.
+        assert_eq!(prompt_breaks(100, &ends, &[1, 30, 60]), [1, 60, 96]);
+        // One more than 8192 past the first gets a break of its own.
+        assert_eq!(
+            prompt_breaks(20_000, &ends, &[1, 9000, 9100, 15_000]),
+            [1, 9000, 15_000, 19_484, 19_996]
+        );
+        // A message at the prompt's start is not a break (nothing comes before it).
+        assert_eq!(prompt_breaks(20, &ends, &[0]), [16]);
+        assert_eq!(user_starts(&[7, 1, 2, 9, 1, 2, 1], &[1, 2]), [1, 4]);
+        assert_eq!(user_starts(&[1, 2], &[]), Vec::<usize>::new());
+    }
 
     #[test]
     fn the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_match() {
@@ -648,5 +751,24 @@ mod tests {
         assert_eq!(scan.push(&e[1..]), ("é".to_string(), false));
         assert_eq!(scan.push(&e[..1]), (String::new(), false));
         assert_eq!(scan.finish(), "", "an unfinished last character is dropped");
+    }
+
+    /// llama-server's batch ends on a windowed model: 4 + n_ubatch and 4 tokens before the
+    /// prompt's end, only inside a decode; a decode starting at such a point goes on.
+    #[test]
+    fn a_prompt_decode_ends_where_llama_servers_does() {
+        let ends = [516, 4];
+        let at = |from, to, len| prompt_chunk_end(from, to, &prompt_breaks(len, &ends, &[]));
+        // 9 tokens: 5, then the last 4.
+        assert_eq!(at(0, 9, 9), 5);
+        assert_eq!(at(5, 9, 9), 9);
+        // 1,000 tokens in a 2,048 batch: 484, then 512, then 4.
+        assert_eq!(at(0, 1000, 1000), 484);
+        assert_eq!(at(484, 1000, 1000), 996);
+        assert_eq!(at(996, 1000, 1000), 1000);
+        // A batch that ends before the points, a prompt of 4 or fewer, a model without them.
+        assert_eq!(at(0, 300, 1000), 300);
+        assert_eq!(at(0, 3, 3), 3);
+        assert_eq!(prompt_chunk_end(0, 9, &prompt_breaks(9, &[], &[])), 9);
     }
 }

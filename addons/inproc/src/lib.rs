@@ -539,6 +539,7 @@ impl DeviceRoute for InprocRoute {
         let cancelled = Arc::new(AtomicBool::new(false));
         let job = Job {
             prompt,
+            chat: kind == Kind::Chat,
             settings,
             client: Box::new(RequestClient {
                 events,
@@ -618,11 +619,8 @@ fn chat_prompt(engine: &Engine, ask: &Ask) -> Result<String, String> {
         .as_deref()
         .filter(|m| !m.is_empty())
         .ok_or_else(|| "the request has no messages; send {\"messages\": [...]}".to_string())?;
-    let template = engine.model.template.as_deref().ok_or_else(|| {
-        "the model has no tokenizer.chat_template; use /v1/completions with a prompt".to_string()
-    })?;
     chat::render(
-        template,
+        &engine.model.template,
         messages,
         ask.chat_template_kwargs.as_ref(),
         &engine.model.bos,
@@ -653,8 +651,9 @@ fn load(state: &State, counters: Arc<Counters>) -> Result<Engine, String> {
 
 /// What the engine thread hands back once the model is loaded.
 struct Model {
-    /// `tokenizer.chat_template`, and the texts of its begin and end tokens.
-    template: Option<String>,
+    /// `tokenizer.chat_template` (ChatML when the GGUF has none, as llama-server falls back),
+    /// and the texts of its begin and end tokens.
+    template: String,
     bos: String,
     eos: String,
     /// What llama.cpp said it allocated for the model and its context, by kind.
@@ -753,10 +752,14 @@ fn engine_thread(
     let (bos, eos) = session.bos_eos();
     let template = session
         .chat_template()
-        .or_else(|| session.meta("tokenizer.chat_template"));
+        .or_else(|| session.meta("tokenizer.chat_template"))
+        .unwrap_or_else(|| chat::CHATML.to_string());
+    let user_start = chat::user_start_marker(&template, &bos, &eos)
+        .and_then(|marker| session.tokenize_with(&marker, false).ok())
+        .unwrap_or_default();
     let buffers = session.buffers.clone();
     let cache = PromptCache::new((state.cache_ram_mib << 20) as usize);
-    let mut engine = SlotEngine::new(session, state.slots as usize, cache, counters);
+    let mut engine = SlotEngine::new(session, state.slots as usize, cache, counters, user_start);
     let loaded = Model {
         template,
         bos,

@@ -26,11 +26,19 @@ pub fn router(app: Arc<App>) -> Router {
     let guard = app.guard;
     let mut router = Router::new()
         .route("/health", get(health))
-        .route("/v1/health", get(health))
-        .route("/v1/models", get(models))
-        // llama-server's own name for the same list; its router mode's `POST /models` and
-        // `DELETE /models` go to the relay, which knows what the route does with them.
-        .route("/models", get(models).fallback(relay));
+        .route("/v1/health", get(health));
+    // A plan that relays the model list (llama-server's router mode, whose backend loads the
+    // models it lists) gets its backend's; otherwise serve lists what it serves.
+    let relayed = app
+        .rule_for("GET", "/v1/models")
+        .is_some_and(|r| matches!(r.action, Action::Proxy { .. }));
+    if !relayed {
+        router = router
+            .route("/v1/models", get(models))
+            // llama-server's own name for the same list; `POST /models` and `DELETE /models`
+            // go to the relay, which knows what the route does with them.
+            .route("/models", get(models).fallback(relay));
+    }
     if !app.metrics.backends.is_empty() || app.rules.iter().any(|r| r.action == Action::InProcess) {
         // On every route that runs a child or answers in process.
         router = router.route("/metrics", get(scrape));

@@ -160,17 +160,17 @@ impl RelayPlan {
             watched: false,
             engine: Engine::General,
         }
-        .settle(app.precise, app.rename_in_streams)
+        .settle(app.precise, app.rename_in_streams, app.names_model)
     }
 
     /// The plan once the body's `stream` flag is known (false without a JSON body).
     pub fn with_body(mut self, app: &App, streamed: bool) -> RelayPlan {
         self.streamed = streamed;
-        self.settle(app.precise, app.rename_in_streams)
+        self.settle(app.precise, app.rename_in_streams, app.names_model)
     }
 
     /// Work out the rewrites, the watch and the engine from the target and the flags.
-    fn settle(mut self, precise: bool, rename_in_streams: bool) -> RelayPlan {
+    fn settle(mut self, precise: bool, rename_in_streams: bool, names_model: bool) -> RelayPlan {
         // The served-name rules hold for an in-process answer as for a relayed one; the
         // watchdog covers only a backend's progress (an in-process route has no child to kill).
         // The PM's tool loop writes its own reply (the served name in it) from whole rounds,
@@ -182,7 +182,7 @@ impl RelayPlan {
         // --precise sets a JSON field: a body of another kind goes as it came.
         let json = self.body == BodyKind::Json;
         self.precise = (inference || tool_loop && self.inference) && json && precise;
-        self.name_reply = inference && !self.streamed;
+        self.name_reply = inference && !self.streamed && names_model;
         self.rename_stream = inference && self.streamed && rename_in_streams;
         self.watched = relayed && self.inference;
         // A choice made from the body (--laya) is the general engine's to make and carry.
@@ -494,23 +494,23 @@ mod tests {
     #[test]
     fn the_fast_engine_carries_what_needs_no_rewrite() {
         // A streamed inference request, plainly proxied: fast, watched.
-        let p = plan(Target::Backend(0), true, true).settle(false, false);
+        let p = plan(Target::Backend(0), true, true).settle(false, false, true);
         assert_eq!((p.engine, p.watched), (Engine::Fast, true));
         // Not inference (tokenize, embeddings): fast, not watched.
-        let p = plan(Target::Backend(0), false, false).settle(true, true);
+        let p = plan(Target::Backend(0), false, false).settle(true, true, true);
         assert_eq!((p.engine, p.watched), (Engine::Fast, false));
         // A non-streamed inference reply gets the served name: general.
-        let p = plan(Target::Backend(0), true, false).settle(false, false);
+        let p = plan(Target::Backend(0), true, false).settle(false, false, true);
         assert_eq!((p.engine, p.name_reply), (Engine::General, true));
         // --precise rewrites the body; renaming streams rewrites the events.
-        let p = plan(Target::Backend(0), true, true).settle(true, false);
+        let p = plan(Target::Backend(0), true, true).settle(true, false, true);
         assert_eq!((p.engine, p.precise), (Engine::General, true));
-        let p = plan(Target::Backend(0), true, true).settle(false, true);
+        let p = plan(Target::Backend(0), true, true).settle(false, true, true);
         assert_eq!((p.engine, p.rename_stream), (Engine::General, true));
         // The route asked, or the table's answer: general; in process: its own engine.
         assert_eq!(
             plan(Target::AskRoute, true, true)
-                .settle(false, false)
+                .settle(false, false, true)
                 .engine,
             Engine::General
         );
@@ -519,14 +519,14 @@ mod tests {
             content_type: "application/json".into(),
             body: "{}".into(),
         };
-        let p = plan(answer, true, false).settle(true, true);
+        let p = plan(answer, true, false).settle(true, true, true);
         assert_eq!(
             (p.engine, p.watched, p.precise),
             (Engine::General, false, false)
         );
         assert_eq!(
             plan(Target::InProcess, false, false)
-                .settle(false, false)
+                .settle(false, false, true)
                 .engine,
             Engine::InProcess
         );
@@ -537,14 +537,14 @@ mod tests {
         // --pm: the tool loop, streamed or not, is general; --precise reaches its rounds; it
         // names the model itself and holds no ticket of its own.
         for streamed in [false, true] {
-            let p = plan(Target::ToolLoop(0), true, streamed).settle(true, true);
+            let p = plan(Target::ToolLoop(0), true, streamed).settle(true, true, true);
             assert_eq!(p.engine, Engine::General);
             assert!(p.precise && !p.name_reply && !p.rename_stream && !p.watched);
         }
         // --laya: a streamed inference request that would go fast waits for Laya's choice.
         let mut by_conversation = plan(Target::Backend(0), true, true);
         by_conversation.device_choice = DeviceChoice::ByConversation;
-        let p = by_conversation.settle(false, false);
+        let p = by_conversation.settle(false, false, true);
         assert_eq!((p.engine, p.watched), (Engine::General, true));
         // Laya's pick becomes the target, and the header rides on the plan.
         let header = HeaderValue::from_static("code 0.90 hrx");
@@ -562,7 +562,7 @@ mod tests {
             (Target::Backend(0), DeviceChoice::Rule)
         );
         // A plan Laya does not decide is left alone.
-        let plain = plan(Target::Backend(1), false, false).settle(false, false);
+        let plain = plan(Target::Backend(1), false, false).settle(false, false, true);
         let routed = Routed {
             backend: 3,
             header: HeaderValue::from_static("x"),
@@ -716,9 +716,9 @@ mod tests {
     fn precise_rewrites_only_a_json_body() {
         let mut upload = plan(Target::Backend(0), true, false);
         upload.body = BodyKind::Multipart;
-        let p = upload.settle(true, false);
+        let p = upload.settle(true, false, true);
         assert!(!p.precise && p.watched && p.name_reply);
-        let p = plan(Target::Backend(0), true, false).settle(true, false);
+        let p = plan(Target::Backend(0), true, false).settle(true, false, true);
         assert!(p.precise);
     }
 

@@ -329,7 +329,7 @@ pub fn admit(
     };
     let free =
         admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
-    let n_layer = gguf::read_header_lean(&args.model)
+    let n_layer = gguf::read_header_lean(args.model())
         .ok()
         .and_then(|h| h.get_u64(&h.arch_key("block_count")?))
         .unwrap_or(1)
@@ -340,7 +340,7 @@ pub fn admit(
         .map(|b| b.argv.as_slice())
         .unwrap_or_default();
     let parts = parts(
-        &args.model,
+        args.model(),
         n_layer,
         gpu_layers(argv, n_layer),
         need,

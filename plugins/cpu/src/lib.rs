@@ -39,6 +39,16 @@ impl DeviceRoute for CpuRoute {
 
     fn plan(&self, request: &PlanRequest) -> Result<Plan, Refusal> {
         request.options.checked_route_options("cpu", &[])?;
+        if request.options.model.is_empty() {
+            // The drop-in's router mode: llama-server loads the models itself.
+            let built = plan::router(request, &["-ngl", "0"])?;
+            return Ok(Plan {
+                device: "cpu".to_string(),
+                backends: built.backends,
+                rules: built.rules,
+                ..Default::default()
+            });
+        }
         llama_server::refuse_h32(request)?;
         if request.model.is_dir {
             return Err(Refusal::usage(format!(

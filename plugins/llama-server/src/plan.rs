@@ -159,6 +159,41 @@ pub fn build(request: &PlanRequest, main: Main) -> Result<Built, Refusal> {
     })
 }
 
+/// llama-server's router mode (a drop-in command line with no model, `options.model` empty):
+/// the real llama-server with no `-m` on the backend's port, `device_argv` for the models it
+/// loads, every route relayed to it (its own `/v1/models` and `/models` list the models it can
+/// load), and no progress or metrics source, since those need a model named. The host adds the
+/// user's arguments after `--`. Called by the cpu route's `plan`.
+pub fn router(request: &PlanRequest, device_argv: &[&str]) -> Result<Built, Refusal> {
+    let server = crate::server_binary(request)?;
+    let port = *request
+        .ports
+        .first()
+        .ok_or_else(|| Refusal::usage("the host reserved no port for the backend"))?;
+    let mut argv: Vec<String> = [server.as_str(), "--host", "127.0.0.1", "--port"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    argv.push(port.to_string());
+    argv.extend(device_argv.iter().map(|s| s.to_string()));
+    let mut backend = crate::backend(argv, port);
+    backend.progress_path = None;
+    backend.metrics_path = None;
+    let get = |path: &str| Rule {
+        method: "GET".to_string(),
+        path: path.to_string(),
+        body: onebit_plugin_api::BodyKind::None,
+        ..Default::default()
+    };
+    let mut rules = vec![get("/v1/models"), get("/models")];
+    rules.extend(onebit_plugin_api::llama_server_rules(0));
+    Ok(Built {
+        backends: vec![backend],
+        rules,
+        ..Default::default()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
