@@ -266,7 +266,8 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         tracing::info!(
             "1bit serve: router mode (no -m): llama-server loads the models it is asked for itself; serve's memory check, progress watchdog and backend metrics do not apply"
         );
-    } else if workers.is_empty() && !admission::skipped(args.no_mem_check, args.env.no_mem_check()) {
+    } else if workers.is_empty() && !admission::skipped(args.no_mem_check, args.env.no_mem_check())
+    {
         admit(args, &served_name, &checked)?;
     }
     if let Some((_, more)) = &laya {

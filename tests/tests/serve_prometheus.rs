@@ -36,7 +36,10 @@ impl Prometheus {
         let log = dir.join("prometheus.log");
         let child = Command::new(binary)
             .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
