@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// `1bit rpc-worker --port`'s default: ggml-rpc-server's own.
 pub const RPC_WORKER_DEFAULT_PORT: u16 = 50052;
@@ -22,8 +22,52 @@ pub const CORS_HEADERS_DEFAULT: &str = "*";
     about = "Serve one local model behind an OpenAI-compatible API"
 )]
 pub struct Cli {
+    #[command(flatten)]
+    pub log: LogArgs,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How serve's lines are written (`log` sets it up before anything is said). Global: before
+/// or after the subcommand; the drop-in (`1bit llama-server`) takes them from the environment.
+#[derive(Args, Debug, Clone)]
+pub struct LogArgs {
+    /// Which lines are written: a `tracing` filter (`info`; `debug` adds one line per request;
+    /// `warn`; `info,onebit::request=debug`).
+    #[arg(
+        long = "log",
+        value_name = "FILTER",
+        env = "ONEBIT_LOG",
+        default_value = "info",
+        global = true
+    )]
+    pub filter: String,
+    /// `text`: each line as it always was; `json`: one JSON object per line (time, level,
+    /// target, message, fields), the backends' lines too.
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        env = "ONEBIT_LOG_FORMAT",
+        default_value = "text",
+        global = true
+    )]
+    pub log_format: LogFormat,
+}
+
+/// `--log-format`'s values.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The log settings from the environment alone (`ONEBIT_LOG`, `ONEBIT_LOG_FORMAT`), for a
+/// command line that is not serve's own (the drop-in's). A value clap refuses is the error.
+#[derive(Parser, Debug)]
+#[command(name = "1bit")]
+pub struct LogFromEnv {
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -64,6 +108,52 @@ pub enum PluginAction {
         #[arg(short = 'm', long, value_name = "MODEL")]
         model: Option<PathBuf>,
     },
+}
+
+/// serve's settings that come from the environment alone (docs/serve.md, Environment), read
+/// here by clap with the flags and not by hand. Each is the text given (empty is unset) and is
+/// judged where it is used, as it always was: a value that is not a number leaves the default.
+/// The flags are hidden; the variables are the interface.
+#[derive(Args, Debug, Default, Clone)]
+pub struct EnvSettings {
+    /// The largest request body, in bytes.
+    #[arg(long, hide = true, env = "ONEBIT_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<String>,
+    /// Seconds a client has to send a request's body.
+    #[arg(long, hide = true, env = "ONEBIT_BODY_READ_TIMEOUT_S")]
+    pub body_read_timeout_s: Option<String>,
+    /// Seconds a client has to send a request's headers.
+    #[arg(long, hide = true, env = "ONEBIT_HEADER_READ_TIMEOUT_S")]
+    pub header_read_timeout_s: Option<String>,
+    /// Seconds a backend gets after SIGTERM.
+    #[arg(long, hide = true, env = "ONEBIT_BACKEND_STOP_GRACE_S")]
+    pub backend_stop_grace_s: Option<String>,
+    /// Microseconds a socket owed an answer asks for it before the thread sleeps.
+    #[arg(long, hide = true, env = "ONEBIT_BUSY_POLL_US")]
+    pub busy_poll_us: Option<String>,
+    /// `--watchdog`'s default.
+    #[arg(long, hide = true, env = "ONEBIT_WATCHDOG_SECS")]
+    pub watchdog_secs: Option<String>,
+    /// `1`: as `--precise`.
+    #[arg(long, hide = true, env = "ONEBIT_PRECISE")]
+    pub precise_env: Option<String>,
+    /// `0`: as `--no-mem-check`.
+    #[arg(long, hide = true, env = "ONEBIT_MEM_CHECK")]
+    pub mem_check_env: Option<String>,
+}
+
+impl EnvSettings {
+    /// `ONEBIT_PRECISE=1`.
+    pub fn precise(&self) -> bool {
+        self.precise_env.as_deref().is_some_and(|v| v.trim() == "1")
+    }
+
+    /// `ONEBIT_MEM_CHECK=0`.
+    pub fn no_mem_check(&self) -> bool {
+        self.mem_check_env
+            .as_deref()
+            .is_some_and(|v| v.trim() == "0")
+    }
 }
 
 #[derive(Args, Debug, Default, Clone)]
@@ -225,6 +315,8 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
+    #[command(flatten)]
+    pub env: EnvSettings,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(
         long,
@@ -444,4 +536,40 @@ pub struct WorkerArgs {
     /// the installed one, PATH).
     #[arg(long, value_name = "PATH")]
     pub rpc_server: Option<PathBuf>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // clap's own checks (unique ids, conflicts that name real arguments), which it runs
+        // only when a debug build parses: a clash would panic every `1bit` command.
+        Cli::command().debug_assert();
+        LogFromEnv::command().debug_assert();
+    }
+
+    #[test]
+    fn env_settings_are_judged_as_before() {
+        let cli = Cli::try_parse_from([
+            "1bit",
+            "serve",
+            "-m",
+            "m.gguf",
+            "--precise-env",
+            " 1",
+            "--mem-check-env",
+            "1",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("serve");
+        };
+        assert!(args.env.precise());
+        assert!(!args.env.no_mem_check());
+        assert_eq!(cli.log.filter, "info");
+        assert_eq!(cli.log.log_format, LogFormat::Text);
+    }
 }

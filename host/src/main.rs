@@ -18,6 +18,7 @@ mod front;
 mod guard;
 mod laya;
 mod llama_server_cli;
+mod log;
 mod metrics;
 mod model;
 mod notify;
@@ -34,6 +35,15 @@ mod settings;
 use clap::Parser;
 
 fn main() {
+    let code = run();
+    // The one place serve exits, with the code each command decided after stopping what it
+    // started; threads still parked on a blocking read are not waited for.
+    #[allow(clippy::disallowed_methods)]
+    std::process::exit(code);
+}
+
+/// The command `argv` names, run: its exit code.
+fn run() -> i32 {
     let argv: Vec<String> = std::env::args().collect();
     let cli = if argv
         .first()
@@ -43,9 +53,14 @@ fn main() {
             args: argv[1..].to_vec(),
         }
     } else {
-        cli::Cli::parse().command
+        let cli = cli::Cli::parse();
+        // Before the subscriber is set up, the error that stopped it is written directly.
+        if let Err(line) = log::init(&cli.log) {
+            return usage_line(&line);
+        }
+        cli.command
     };
-    let code = match cli {
+    match cli {
         cli::Command::Serve(mut args) => {
             args.command_line = argv.iter().skip(2).cloned().collect();
             serve::run(*args)
@@ -65,23 +80,39 @@ fn main() {
             error::exit::OK
         }
         cli::Command::RpcWorker(args) => rpc::worker::run(args),
-    };
-    // The one place serve exits, with the code each command decided after stopping what it
-    // started; threads still parked on a blocking read are not waited for.
-    #[allow(clippy::disallowed_methods)]
-    std::process::exit(code);
+    }
+}
+
+/// A line said before the subscriber is set up (it could not be): written directly, exit 2.
+fn usage_line(line: &str) -> i32 {
+    let first = line
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim_start_matches("error: ");
+    eprintln!("1bit: {first}");
+    error::exit::USAGE
 }
 
 /// `1bit llama-server ARGS…`: llama-server's arguments, translated, then `1bit serve`.
 fn drop_in(args: &[String]) -> i32 {
+    // llama-server's command line has no words for serve's lines: the environment says.
+    let log = match cli::LogFromEnv::try_parse_from(["1bit"]) {
+        Ok(from_env) => from_env.log,
+        Err(e) => return usage_line(&e.to_string()),
+    };
+    if let Err(line) = log::init(&log) {
+        return usage_line(&line);
+    }
     let translated = match llama_server_cli::translate(args) {
         Ok(t) => t,
         Err(line) => {
-            eprintln!("1bit llama-server: {line}");
+            tracing::info!("1bit llama-server: {line}");
             return error::exit::USAGE;
         }
     };
     if translated == ["--version"] {
+        // The answer to --version (Lemonade reads it), not a log line: always written.
         eprintln!(
             "version: 1bit {} (llama-server drop-in)",
             env!("CARGO_PKG_VERSION")
@@ -92,6 +123,7 @@ fn drop_in(args: &[String]) -> i32 {
     match cli::Cli::try_parse_from(words.chain(translated.iter().cloned())) {
         Ok(cli::Cli {
             command: cli::Command::Serve(mut serve_args),
+            ..
         }) => {
             serve_args.command_line = translated;
             metrics::text::set_under_lemonade();
@@ -106,7 +138,7 @@ fn drop_in(args: &[String]) -> i32 {
                 .next()
                 .unwrap_or("")
                 .trim_start_matches("error: ");
-            eprintln!("1bit llama-server: {first}");
+            tracing::info!("1bit llama-server: {first}");
             error::exit::USAGE
         }
     }

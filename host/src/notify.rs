@@ -59,7 +59,7 @@ fn notifier() -> Option<&'static Notifier> {
             match Notifier::open(&named, watchdog) {
                 Ok(n) => Some(n),
                 Err(why) => {
-                    eprintln!(
+                    tracing::warn!(
                         "1bit serve: warning: NOTIFY_SOCKET={named}: {why}; serve will not tell the service manager when it is ready"
                     );
                     None
@@ -89,7 +89,7 @@ impl Notifier {
         if let Err(e) = self.socket.send_to_addr(message.as_bytes(), &self.to)
             && !self.warned.swap(true, Ordering::Relaxed)
         {
-            eprintln!(
+            tracing::warn!(
                 "1bit serve: warning: cannot notify the service manager at {} ({e}); serve goes on without it",
                 self.named
             );

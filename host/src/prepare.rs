@@ -101,7 +101,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     for f in found {
         match f.outcome {
             Ok(route) => loaded.push(route),
-            Err(e) => eprintln!("1bit serve: skipping a route: {e}"),
+            Err(e) => tracing::info!("1bit serve: skipping a route: {e}"),
         }
     }
 
@@ -179,9 +179,10 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     };
     let (route, claim) = routes::choose(device, &loaded, &request)?;
     if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
-        eprintln!(
+        tracing::info!(
             "1bit serve: --device auto chose {} ({})",
-            route.info.name, claim.reason
+            route.info.name,
+            claim.reason
         );
     }
     if !request.options.route_options.is_empty() && !takes_route_options(route) {
@@ -262,10 +263,11 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         return Ok(Prepared::Exit(mem_check(args, &served_name, &checked)?));
     }
     if args.llama_router {
-        eprintln!(
+        tracing::info!(
             "1bit serve: router mode (no -m): llama-server loads the models it is asked for itself; serve's memory check, progress watchdog and backend metrics do not apply"
         );
-    } else if workers.is_empty() && !admission::skipped(args.no_mem_check) {
+    } else if workers.is_empty() && !admission::skipped(args.no_mem_check, args.env.no_mem_check())
+    {
         admit(args, &served_name, &checked)?;
     }
     if let Some((_, more)) = &laya {
@@ -274,7 +276,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
     }
     for note in &plan.notes {
-        eprintln!("1bit serve: {note}");
+        tracing::info!("1bit serve: {note}");
     }
     if printing {
         return print_backend(args, &plan).map(Prepared::Exit);
@@ -364,7 +366,7 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
 /// The check before a load: say the estimate, refuse with exit 3 when it does not fit.
 fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
     if let Some(why) = &plan.memory_unknown {
-        eprintln!(
+        tracing::warn!(
             "1bit serve: warning: {}",
             admission::unknown_line(name, why)
         );
@@ -382,9 +384,9 @@ fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
             message: verdict.line,
         });
     }
-    eprintln!("1bit serve: {}", verdict.line);
+    tracing::info!("1bit serve: {}", verdict.line);
     for warning in &verdict.warnings {
-        eprintln!("1bit serve: warning: {warning}");
+        tracing::warn!("1bit serve: warning: {warning}");
     }
     Ok(())
 }

@@ -206,7 +206,7 @@ pub fn choose<'a>(
         let claim = match route.claim(request) {
             Ok(claim) => claim,
             Err(e) => {
-                eprintln!(
+                tracing::info!(
                     "1bit serve: route {} failed to claim the model: {e}",
                     route.info.name
                 );

@@ -61,32 +61,33 @@ pub fn run(args: ServeArgs) -> i32 {
 }
 
 fn say_fatal(fatal: &Fatal) -> i32 {
-    eprintln!("1bit serve: {}", fatal.message);
+    tracing::error!("1bit serve: {}", fatal.message);
     notify::exiting(&fatal.message);
     fatal.code
 }
 
-/// How long to wait for a backend to stop after SIGTERM.
-fn stop_grace() -> Duration {
-    let secs = std::env::var("ONEBIT_BACKEND_STOP_GRACE_S")
-        .ok()
+/// How long to wait for a backend to stop after SIGTERM: `ONEBIT_BACKEND_STOP_GRACE_S`, else 30 s.
+fn stop_grace(args: &ServeArgs) -> Duration {
+    let secs = args
+        .env
+        .backend_stop_grace_s
+        .as_deref()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|s| s.is_finite() && *s >= 0.0)
         .unwrap_or(30.0);
     Duration::from_secs_f64(secs)
 }
 
-/// A number from the environment; None when unset or not a finite number.
-fn env_number(name: &str) -> Option<f64> {
-    std::env::var(name)
-        .ok()
+/// A number from an environment setting's text; None when unset or not a finite number.
+fn env_number(value: Option<&str>) -> Option<f64> {
+    value
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|n| n.is_finite())
 }
 
 /// A positive number of seconds from the environment.
-fn env_secs(name: &str) -> Option<Duration> {
-    env_number(name)
+fn env_secs(value: Option<&str>) -> Option<Duration> {
+    env_number(value)
         .filter(|s| *s > 0.0 && *s < 1e9)
         .map(Duration::from_secs_f64)
 }
@@ -103,6 +104,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         api_key,
     } = p;
     crate::relay::sse_keepalive::configure(args.sse_keepalive_s);
+    crate::relay::busy_poll::configure(args.env.busy_poll_us.as_deref());
     let (policy, more) = match laya {
         Some((policy, more)) => (Some(policy), more),
         None => (None, Vec::new()),
@@ -143,7 +145,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     notify::loading(&served_name, &plan.device);
     let guard = Guard::for_bind(&args.host);
     if !guard.loopback_bind && api_key.is_none() {
-        eprintln!(
+        tracing::warn!(
             "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
         );
     }
@@ -154,7 +156,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
                 .await
                 .unwrap_or_default();
         for dir in removed {
-            eprintln!(
+            tracing::info!(
                 "1bit serve: removed {}, left by a serve that is gone",
                 dir.display()
             );
@@ -192,11 +194,11 @@ async fn serve_plan(p: ServePlan) -> i32 {
             .unwrap_or(0),
         rules: plan.rules.clone(),
         ports: all_backends.iter().map(|b| b.port).collect(),
-        body_limit: env_number("ONEBIT_MAX_BODY_BYTES")
+        body_limit: env_number(args.env.max_body_bytes.as_deref())
             .filter(|n| *n >= 1.0)
             .map(|n| n as usize)
             .unwrap_or(settings::DEFAULT_BODY_LIMIT),
-        body_timeout: env_secs("ONEBIT_BODY_READ_TIMEOUT_S")
+        body_timeout: env_secs(args.env.body_read_timeout_s.as_deref())
             .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
         guard,
         api_key,
@@ -204,7 +206,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         side_models: plan.side_models.clone(),
         rename_in_streams: plan.rename_in_streams,
         names_model: !args.llama_router,
-        precise: args.precise || std::env::var("ONEBIT_PRECISE").is_ok_and(|v| v.trim() == "1"),
+        precise: args.precise || args.env.precise(),
         serialize_forwards: plan.serialize_forwards,
     };
     let app = Arc::new(App {
@@ -229,7 +231,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         requests: Default::default(),
         pm: pm.map(|(experts, url)| {
             let pm = crate::pm::Pm::new(experts, url, served_name.clone(), client.clone());
-            eprintln!("1bit serve: {}", pm.summary());
+            tracing::info!("1bit serve: {}", pm.summary());
             Arc::new(pm)
         }),
         laya: policy.map(|policy| {
@@ -247,7 +249,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     let server = tokio::spawn(accept_loop(
         listeners,
         app.clone(),
-        env_secs("ONEBIT_HEADER_READ_TIMEOUT_S").unwrap_or(HEADER_READ_TIMEOUT),
+        env_secs(args.env.header_read_timeout_s.as_deref()).unwrap_or(HEADER_READ_TIMEOUT),
         shutdown_rx,
     ));
 
@@ -286,7 +288,7 @@ async fn supervise(
         .iter()
         .flat_map(|(route, plan)| plan.backends.iter().map(move |spec| (route, spec)));
     for (index, (route, spec)) in specs.enumerate() {
-        eprintln!(
+        tracing::info!(
             "1bit serve: starting {} on the {} route (port {}): {}",
             spec.engine,
             devices[index],
@@ -297,7 +299,7 @@ async fn supervise(
             Ok(b) => backends.push(b),
             Err(e) => {
                 let program = spec.argv.first().map(String::as_str).unwrap_or("");
-                supervisor::stop_all(&backends, stop_grace()).await;
+                supervisor::stop_all(&backends, stop_grace(args)).await;
                 return say_fatal(&Fatal::backend(format!(
                     "could not start {} ({program}): {e}",
                     spec.engine
@@ -305,11 +307,8 @@ async fn supervise(
             }
         }
     }
-    let grace = stop_grace();
-    let limit = watchdog::limit_secs(
-        args.watchdog,
-        std::env::var("ONEBIT_WATCHDOG_SECS").ok().as_deref(),
-    );
+    let grace = stop_grace(args);
+    let limit = watchdog::limit_secs(args.watchdog, args.env.watchdog_secs.as_deref());
     if limit > 0 {
         let dog = Watchdog::new(
             Duration::from_secs(limit),
@@ -374,7 +373,7 @@ async fn supervise(
         }
         for warmup in &plan.warmups {
             if let Err(e) = backend_post(client, &mine[0], &warmup.path, &warmup.body).await {
-                eprintln!("1bit serve: warm-up {} failed: {e}", warmup.path);
+                tracing::info!("1bit serve: warm-up {} failed: {e}", warmup.path);
             }
         }
         first += plan.backends.len();
@@ -385,7 +384,7 @@ async fn supervise(
         display_host(first_host(&args.host)),
         args.port
     );
-    eprintln!("1bit serve: ready on {url}");
+    tracing::info!("1bit serve: ready on {url}");
     notify::ready(&app.settings.served_name, &url, &plan.device);
     let pings = notify::spawn_watchdog(app.status.clone());
 
@@ -521,10 +520,10 @@ async fn port_taken(backends: &[Backend]) -> String {
 
 /// A signal: stop the backends in order and exit cleanly.
 async fn stop(backends: &[Backend], grace: Duration, what: &str) -> i32 {
-    eprintln!("1bit serve: {what}: stopping");
+    tracing::info!("1bit serve: {what}: stopping");
     notify::exiting(&format!("{what}: stopping the backends"));
     for line in supervisor::stop_all(backends, grace).await {
-        eprintln!("1bit serve: {line}");
+        tracing::info!("1bit serve: {line}");
     }
     exit::OK
 }
@@ -606,13 +605,13 @@ async fn fail(
         _ => message,
     };
     app.set_status(Status::Failed(message.clone()));
-    eprintln!("1bit serve: {message}");
+    tracing::error!("1bit serve: {message}");
     if let Some(hint) = hint {
-        eprintln!("1bit serve: {hint}");
+        tracing::info!("1bit serve: {hint}");
     }
     notify::exiting(&message);
     for line in supervisor::stop_all(backends, grace).await {
-        eprintln!("1bit serve: {line}");
+        tracing::info!("1bit serve: {line}");
     }
     exit::BACKEND
 }
@@ -627,31 +626,32 @@ async fn hung(
     grace: Duration,
 ) -> i32 {
     app.set_status(Status::Failed(format!("the watchdog fired: {line}")));
-    eprintln!("1bit serve: watchdog: {line}");
+    tracing::error!("1bit serve: watchdog: {line}");
     notify::exiting(&format!("the watchdog fired: {line}"));
     let root = app.metrics.sysfs_root.clone();
     if let Ok(Some(t)) = tokio::task::spawn_blocking(move || metrics::tctl_celsius(&root)).await {
-        eprintln!("1bit serve: watchdog: Tctl {t:.1} C");
+        tracing::info!("1bit serve: watchdog: Tctl {t:.1} C");
     }
     if let Some(b) = backends.get(index) {
         let tail = b.tail();
         if !tail.is_empty() {
-            eprintln!("1bit serve: watchdog: the backend's last lines:");
+            tracing::info!("1bit serve: watchdog: the backend's last lines:");
             for l in tail {
-                eprintln!("1bit serve: watchdog: | {l}");
+                tracing::info!("1bit serve: watchdog: | {l}");
             }
         }
         b.signal(Signal::SIGKILL);
         if !supervisor::wait_exited(std::slice::from_ref(b), Duration::from_secs(5)).await {
-            eprintln!(
+            tracing::info!(
                 "1bit serve: watchdog: the {} backend (pid {}) did not die after SIGKILL (stuck in the kernel?); exiting anyway",
-                b.spec.engine, b.pid
+                b.spec.engine,
+                b.pid
             );
         }
     }
     metrics::bump(&app.metrics.state, |c| c.watchdog_kills += 1).await;
     for said in supervisor::stop_all(backends, grace).await {
-        eprintln!("1bit serve: {said}");
+        tracing::info!("1bit serve: {said}");
     }
     exit::BACKEND
 }

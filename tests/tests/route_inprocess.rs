@@ -390,3 +390,87 @@ fn print_backend_names_what_the_plan_says_needs_serve_and_exits_5() {
         "1bit serve: --print-backend: the inproc route (it answers in process) needs 1bit serve in the request path; run 1bit serve itself\n"
     );
 }
+
+/// The X-Request-Id of a reply read whole by [`raw`].
+fn reply_id(reply: &str) -> String {
+    reply
+        .lines()
+        .take_while(|l| !l.is_empty())
+        .find_map(|l| {
+            l.split_once(':')
+                .filter(|(name, _)| name.eq_ignore_ascii_case("x-request-id"))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn an_in_process_answer_has_its_id_its_request_line_and_its_stream_timed() {
+    let serve = serve_inproc("observed.gguf", &[("ONEBIT_LOG", "debug")]);
+    serve.ready();
+    let body = r#"{"stream":true,"events":5,"event_bytes":3}"#;
+    let request = |id: &[u8]| {
+        let mut request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nConnection: close\r\nX-Request-Id: ".to_vec();
+        request.extend_from_slice(id);
+        request.extend_from_slice(
+            format!("\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes(),
+        );
+        raw(serve.port, &request, Duration::from_secs(10))
+    };
+    let (status, reply) = request(b"inproc-1");
+    assert_eq!(status, 200, "{reply}");
+    assert!(reply.contains("[DONE]"), "{reply}");
+    assert_eq!(
+        reply_id(&reply),
+        "inproc-1",
+        "the client's id comes back:\n{reply}"
+    );
+    let (status, reply) = request(b"bad\tid");
+    assert_eq!(status, 200, "{reply}");
+    let made = reply_id(&reply);
+    assert!(
+        made.len() == 16 && made.bytes().all(|b| b.is_ascii_hexdigit()),
+        "a control character is replaced, not {made:?}"
+    );
+    let line_of = |id: &str| {
+        let output = serve.output();
+        output
+            .lines()
+            .filter(|l| {
+                l.starts_with("1bit serve: request ") && l.ends_with(&format!(" request_id={id}"))
+            })
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert!(wait_until(Duration::from_secs(5), || line_of(&made).len() == 1));
+    let lines = line_of("inproc-1");
+    assert_eq!(lines.len(), 1, "{}", serve.output());
+    assert!(
+        lines[0].starts_with("1bit serve: request method=POST path=/v1/chat/completions status=200 engine=in_process "),
+        "{}",
+        lines[0]
+    );
+    // Both streams timed: a first token each, and the events between.
+    let (_, scraped) = get(&serve.url("/metrics"));
+    let samples = parse_prometheus(&scraped);
+    let labels = [("path_class", "chat"), ("engine", "in_process")];
+    assert_eq!(
+        sample(
+            &samples,
+            "onebit_time_to_first_token_seconds_count",
+            &labels
+        ),
+        Some(2.0),
+        "{scraped}"
+    );
+    let events = sample(&samples, "onebit_inter_token_seconds_count", &labels).unwrap_or(0.0);
+    assert!(
+        events >= 8.0,
+        "five events and [DONE] a stream: {events}\n{scraped}"
+    );
+    assert_eq!(
+        sample(&samples, "onebit_request_duration_seconds_count", &labels),
+        Some(2.0),
+        "{scraped}"
+    );
+}

@@ -176,9 +176,10 @@ pub fn unknown_line(name: &str, why: &str) -> String {
     )
 }
 
-/// Whether the check is skipped: `--no-mem-check`, or `ONEBIT_MEM_CHECK=0`.
-pub fn skipped(no_mem_check: bool) -> bool {
-    no_mem_check || std::env::var("ONEBIT_MEM_CHECK").is_ok_and(|v| v.trim() == "0")
+/// Whether the check is skipped: `--no-mem-check`, or `ONEBIT_MEM_CHECK=0` (`env_says_skip`,
+/// read by clap).
+pub fn skipped(no_mem_check: bool, env_says_skip: bool) -> bool {
+    no_mem_check || env_says_skip
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! when they exit, and stopping them with its one stop sequence.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -142,22 +142,22 @@ fn pump_stderr(
 ) {
     let mut reader = BufReader::new(stderr);
     let mut raw = Vec::with_capacity(256);
+    // The backend's lines name their source (in JSON; text writes the line alone).
+    let source = tracing::info_span!(
+        "backend",
+        source = "backend",
+        route = %route.info.name,
+        backend = index
+    );
     loop {
         raw.clear();
         match reader.read_until(b'\n', &mut raw) {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
-        {
-            let mut out = std::io::stderr().lock();
-            let _ = out.write_all(&raw);
-            if raw.last() != Some(&b'\n') {
-                let _ = out.write_all(b"\n");
-            }
-        }
-        let line = String::from_utf8_lossy(&raw)
-            .trim_end_matches(['\n', '\r'])
-            .to_string();
+        let passed = String::from_utf8_lossy(raw.strip_suffix(b"\n").unwrap_or(&raw));
+        source.in_scope(|| tracing::info!(target: crate::log::BACKEND, "{passed}"));
+        let line = passed.trim_end_matches('\r').to_string();
         if let Ok(mut tail) = tail.lock() {
             if tail.len() == TAIL_LINES {
                 tail.pop_front();
@@ -170,13 +170,13 @@ fn pump_stderr(
         }) {
             Ok(verdict) => {
                 for said in verdict.say {
-                    eprintln!("1bit serve: {said}");
+                    tracing::info!("1bit serve: {said}");
                 }
                 if let Some(reason) = verdict.stop {
                     let _ = events.send(Event::RouteStop { index, reason });
                 }
             }
-            Err(e) => eprintln!("1bit serve: route {}: {e}", route.info.name),
+            Err(e) => tracing::info!("1bit serve: route {}: {e}", route.info.name),
         }
     }
 }

@@ -40,7 +40,7 @@ pub async fn accept_loop(
                 Ok((tcp, _)) => tcp,
                 Err(e) => {
                     // Out of descriptors and the like: say so, and do not spin.
-                    eprintln!("1bit serve: accept failed: {e}");
+                    tracing::info!("1bit serve: accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }

@@ -36,7 +36,7 @@ impl Drain {
         };
         let busy = crate::relay::busy_poll::in_flight();
         if busy > 0 && !self.window.is_zero() {
-            eprintln!(
+            tracing::info!(
                 "1bit serve: {what}: no new connections; letting {busy} request(s) in flight finish for up to {:.1} s",
                 self.window.as_secs_f64()
             );
@@ -45,7 +45,7 @@ impl Drain {
             self.server = None;
         } else {
             let left = crate::relay::busy_poll::in_flight();
-            eprintln!(
+            tracing::info!(
                 "1bit serve: {what}: the drain window ended with {left} request(s) in flight; cutting them"
             );
             self.cut();

@@ -17,7 +17,9 @@ use crate::guard;
 use crate::metrics;
 use crate::metrics::requests::{Engine, PathClass};
 use crate::relay::App;
-use crate::relay::general::relay;
+use crate::relay::general::{Relayed, relay};
+use crate::relay::request_id::{self, RequestId};
+use tracing::Instrument as _;
 
 /// The router, apart from `main` so tests and benchmarks can build it.
 pub fn router(app: Arc<App>) -> Router {
@@ -53,26 +55,131 @@ pub fn router(app: Arc<App>) -> Router {
         .layer(middleware::from_fn(guard::cors_policy))
         // Every route, the fallback and 404s see the guard first,
         .layer(middleware::from_fn_with_state(guard, guard::guard))
-        // and every answer, refusals included, is counted.
-        .layer(middleware::from_fn_with_state(app, counted))
+        // and every answer, refusals included, has its id and is counted and timed.
+        .layer(middleware::from_fn_with_state(app, observed))
 }
 
-/// Count each answer of the general engine in `onebit_requests_total` when its head is
-/// ready, under the engine the response names (an in-process answer does) or `general`.
-async fn counted(
+/// Each request of the general engine: its id (`relay::request_id`: in the request's
+/// extensions for the relay, on its log lines through its span, on the reply), its count in
+/// `onebit_requests_total` when its head is ready, under the engine the response names (an
+/// in-process answer does) or `general`, and, when its reply body ends,
+/// `onebit_request_duration_seconds` and its line (`ONEBIT_LOG=debug`).
+async fn observed(
     State(app): State<Arc<App>>,
-    request: axum::extract::Request,
+    mut request: axum::extract::Request,
     next: middleware::Next,
 ) -> Response {
+    let began = std::time::Instant::now();
     let path = PathClass::of(request.uri().path());
-    let response = next.run(request).await;
+    let id = RequestId::for_request(
+        request
+            .headers()
+            .get_all(request_id::HEADER)
+            .iter()
+            .map(|v| v.as_bytes()),
+    );
+    request.extensions_mut().insert(id);
+    let logged = tracing::enabled!(target: crate::log::REQUEST, tracing::Level::DEBUG).then(|| {
+        (
+            request.method().to_string(),
+            request.uri().path().to_string(),
+        )
+    });
+    let span = tracing::info_span!("request", request_id = %id);
+    let mut response = next.run(request).instrument(span).await;
     let engine = response
         .extensions()
         .get::<Engine>()
         .copied()
         .unwrap_or(Engine::General);
-    app.requests.count(path, response.status().as_u16(), engine);
-    response
+    let status = response.status().as_u16();
+    app.requests.count(path, status, engine);
+    if let Ok(value) = HeaderValue::from_bytes(id.as_bytes()) {
+        response.headers_mut().insert(request_id::HEADER, value);
+    }
+    let ended = Ended {
+        app,
+        began,
+        path,
+        engine,
+        status,
+        id,
+        logged,
+        relayed: response.extensions().get::<Relayed>().copied(),
+        bytes: 0,
+    };
+    response.map(|body| axum::body::Body::new(EndedBody { inner: body, ended }))
+}
+
+/// A reply body that counts its bytes and carries its [`Ended`], dropped with it. Its length
+/// and end are the inner body's, so hyper frames the reply as before (a whole reply keeps its
+/// Content-Length).
+struct EndedBody {
+    inner: axum::body::Body,
+    ended: Ended,
+}
+
+impl hyper::body::Body for EndedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            self.ended.bytes += data.len() as u64;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A reply body's end (finished, or dropped when the client left): the request's duration
+/// and its line.
+struct Ended {
+    app: Arc<App>,
+    began: std::time::Instant,
+    path: PathClass,
+    engine: Engine,
+    status: u16,
+    id: RequestId,
+    logged: Option<(String, String)>,
+    relayed: Option<Relayed>,
+    bytes: u64,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.app
+            .requests
+            .lasted(self.path, self.engine, self.began.elapsed());
+        if let Some((method, path)) = &self.logged {
+            let backend = self.relayed.map(|r| r.backend.to_string());
+            tracing::debug!(
+                target: crate::log::REQUEST,
+                method = %method,
+                path = %path,
+                status = self.status,
+                engine = self.engine.as_str(),
+                backend = backend.as_deref().unwrap_or("none"),
+                added_us = self.relayed.map_or(0, |r| r.added.as_micros() as u64),
+                bytes = self.bytes,
+                request_id = %self.id,
+                "1bit serve: request"
+            );
+        }
+    }
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -168,7 +275,10 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         counts.as_ref(),
         &machine,
     );
-    metrics::append(&mut body, &app.requests.render());
+    metrics::append(
+        &mut body,
+        &app.requests.render(crate::relay::busy_poll::in_flight()),
+    );
     match route_text.await {
         Ok(Ok(text)) => metrics::append(&mut body, &text),
         Ok(Err(e)) => {

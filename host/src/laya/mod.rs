@@ -73,7 +73,7 @@ impl Laya {
                 let device = self.policy.pick(&decision, &self.running)?;
                 let index = self.running.iter().position(|d| d == device)?;
                 self.lock().insert(key, (decision, index));
-                eprintln!("1bit serve: laya: {}", header_text(&decision, device));
+                tracing::info!("1bit serve: laya: {}", header_text(&decision, device));
                 (decision, index)
             }
         };

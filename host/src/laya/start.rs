@@ -72,7 +72,8 @@ pub fn plans(
             running.push(auto.clone());
             continue;
         }
-        let not = |why: String| eprintln!("1bit serve: laya: {name} is not a candidate: {why}");
+        let not =
+            |why: String| tracing::info!("1bit serve: laya: {name} is not a candidate: {why}");
         let Some(route) = loaded.iter().find(|r| r.info.name == *name) else {
             not("no route of that name was found".into());
             continue;
@@ -100,9 +101,10 @@ pub fn plans(
     let first_name = if default_runs {
         policy.default.clone()
     } else {
-        eprintln!(
+        tracing::info!(
             "1bit serve: laya: the default device {} does not run this model; falling back to {}",
-            policy.default, auto.0.info.name
+            policy.default,
+            auto.0.info.name
         );
         if !running.iter().any(|(r, _)| r.info.name == auto.0.info.name) {
             running.push(auto.clone());
@@ -146,7 +148,7 @@ pub fn router(policy: super::Policy, placed: &[Placed], policy_file: Option<&str
         index += plan.backends.len();
     }
     let names: Vec<&str> = devices.iter().map(|(d, _)| d.as_str()).collect();
-    eprintln!(
+    tracing::info!(
         "1bit serve: laya: {}, policy {}, devices {} (default first)",
         super::CLASSIFIER,
         policy_file.unwrap_or("built in"),

@@ -94,7 +94,7 @@ impl StateFile {
                     ..c
                 },
                 Err(e) => {
-                    eprintln!(
+                    tracing::warn!(
                         "1bit serve: warning: the state file {} is not valid ({e}); starting its counters again",
                         path.display()
                     );
@@ -124,7 +124,7 @@ impl StateFile {
             Err(_) => return,
         };
         if let Err(e) = self.write(&counts) {
-            eprintln!(
+            tracing::warn!(
                 "1bit serve: warning: cannot write the state file {} ({e})",
                 self.path.display()
             );

@@ -1,6 +1,10 @@
 //! serve's request series: `onebit_requests_total` by route path class, status class and the
-//! relay engine that carried the request, and `onebit_request_added_seconds`, the time serve
-//! itself adds to a relayed request.
+//! relay engine that carried the request, `onebit_request_added_seconds`, the time serve
+//! itself adds to a relayed request, and the per-request timing only serve sees, by path class
+//! and engine: `onebit_request_duration_seconds` (the request in hand to its reply's end),
+//! `onebit_time_to_first_token_seconds` (a streamed inference request in hand to the first
+//! body bytes written to the client) and `onebit_inter_token_seconds` (between the writes of
+//! one stream's events); `onebit_requests_in_flight` is the relay's gauge.
 //!
 //! The added time is serve's own handling on either side of the backend: from the request's
 //! head in serve's hands to the request written to the backend, plus from the backend's reply
@@ -11,11 +15,12 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -136,14 +141,77 @@ fn added_histogram() -> Histogram {
     Histogram::new(ADDED_BUCKETS)
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    path_class: PathClass,
+    engine: Engine,
+}
+
+/// Bounds for local inference, in seconds: a token in a millisecond to a reply in two minutes.
+const LATENCY_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+type Latency = Family<RouteLabels, Histogram, fn() -> Histogram>;
+
+/// One stream's clock: the first write of body bytes is its first token, each later write
+/// the time since the one before.
+pub struct StreamClock {
+    began: Instant,
+    last: Option<Instant>,
+    labels: RouteLabels,
+}
+
+impl StreamClock {
+    /// A stream of a request that was in hand at `began`.
+    pub fn new(began: Instant, path: PathClass, engine: Engine) -> StreamClock {
+        StreamClock {
+            began,
+            last: None,
+            labels: RouteLabels {
+                path_class: path,
+                engine,
+            },
+        }
+    }
+
+    /// Body bytes of the stream were just written to the client.
+    pub fn wrote(&mut self, series: &RequestSeries) {
+        let now = Instant::now();
+        match self.last {
+            None => series
+                .first_token
+                .get_or_create(&self.labels)
+                .observe(now.duration_since(self.began).as_secs_f64()),
+            Some(last) => series
+                .inter_token
+                .get_or_create(&self.labels)
+                .observe(now.duration_since(last).as_secs_f64()),
+        }
+        self.last = Some(now);
+        if !series.streamed.load(Ordering::Relaxed) {
+            series.streamed.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 /// The request series, kept in `App` for serve's life. Both engines record into it on the
 /// connection's task: a few atomic adds, no lock after a label set's first use.
 pub struct RequestSeries {
     requests: Family<RequestLabels, Counter>,
     added: Family<EngineLabels, Histogram, fn() -> Histogram>,
+    duration: Latency,
+    first_token: Latency,
+    inter_token: Latency,
     /// Whether each has a sample yet: a series without one is left out, not shown empty.
     counted: AtomicBool,
     timed: AtomicBool,
+    lasted: AtomicBool,
+    streamed: AtomicBool,
 }
 
 impl Default for RequestSeries {
@@ -151,8 +219,13 @@ impl Default for RequestSeries {
         RequestSeries {
             requests: Family::default(),
             added: Family::new_with_constructor(added_histogram),
+            duration: Family::new_with_constructor(latency_histogram),
+            first_token: Family::new_with_constructor(latency_histogram),
+            inter_token: Family::new_with_constructor(latency_histogram),
             counted: AtomicBool::new(false),
             timed: AtomicBool::new(false),
+            lasted: AtomicBool::new(false),
+            streamed: AtomicBool::new(false),
         }
     }
 }
@@ -182,9 +255,49 @@ impl RequestSeries {
         }
     }
 
-    /// The series as Prometheus text; each is left out until it has a sample.
-    pub fn render(&self) -> String {
+    /// One request's whole time, from in hand to its reply's end (or the client's leaving).
+    pub fn lasted(&self, path: PathClass, engine: Engine, lasted: Duration) {
+        self.duration
+            .get_or_create(&RouteLabels {
+                path_class: path,
+                engine,
+            })
+            .observe(lasted.as_secs_f64());
+        if !self.lasted.load(Ordering::Relaxed) {
+            self.lasted.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The series as Prometheus text, with the relay's requests in flight now; each histogram
+    /// is left out until it has a sample.
+    pub fn render(&self, in_flight: usize) -> String {
         let mut registry = Registry::default();
+        let gauge = Gauge::<i64>::default();
+        gauge.set(i64::try_from(in_flight).unwrap_or(i64::MAX));
+        registry.register(
+            "onebit_requests_in_flight",
+            "Relayed requests in flight: read, and their reply not yet ended",
+            gauge,
+        );
+        if self.lasted.load(Ordering::Relaxed) {
+            registry.register(
+                "onebit_request_duration_seconds",
+                "Requests from in hand to their reply's end, by route path class and engine",
+                self.duration.clone(),
+            );
+        }
+        if self.streamed.load(Ordering::Relaxed) {
+            registry.register(
+                "onebit_time_to_first_token_seconds",
+                "Streamed inference requests from in hand to their first body bytes written to the client",
+                self.first_token.clone(),
+            );
+            registry.register(
+                "onebit_inter_token_seconds",
+                "Time between the writes of one stream's events to the client",
+                self.inter_token.clone(),
+            );
+        }
         if self.counted.load(Ordering::Relaxed) {
             registry.register(
                 "onebit_requests",
@@ -213,7 +326,7 @@ mod tests {
     fn the_request_counter_is_typed_under_its_sample_name() {
         let requests = RequestSeries::default();
         requests.count(PathClass::Chat, 200, Engine::Fast);
-        let text = requests.render();
+        let text = requests.render(0);
         assert!(
             text.contains("# TYPE onebit_requests_total counter"),
             "{text}"
@@ -235,12 +348,16 @@ mod tests {
     #[test]
     fn the_series_render_with_typed_labels() {
         let series = RequestSeries::default();
-        assert_eq!(series.render(), "", "no sample, no series");
+        assert!(
+            !series.render(0).contains("_seconds"),
+            "no sample, no histogram"
+        );
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Other, 404, Engine::General);
         series.added(Engine::Fast, Duration::from_micros(30));
-        let text = series.render();
+        let text = series.render(3);
+        assert!(text.contains("onebit_requests_in_flight 3"), "{text}");
         assert!(
             text.contains(
                 r#"onebit_requests_total{path_class="chat",status_class="2xx",engine="fast"} 2"#

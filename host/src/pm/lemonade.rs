@@ -68,7 +68,7 @@ pub async fn delegate(
     };
     let (name, task, context) = (text("expert"), text("task"), text("context"));
     let Some(expert) = experts.find(&name) else {
-        eprintln!(
+        tracing::info!(
             "1bit serve: pm: delegate {name}: unknown expert (task {} chars)",
             task.chars().count()
         );
@@ -91,7 +91,7 @@ pub async fn delegate(
         ok: false,
     };
     if task.trim().is_empty() {
-        eprintln!(
+        tracing::info!(
             "1bit serve: pm: delegate {name} -> {}: no task given",
             expert.id
         );
@@ -135,7 +135,7 @@ pub async fn delegate(
         Ok(answer) => {
             record.ok = true;
             let (mut answer, cut) = cut_utf8(answer, experts.max_result_bytes);
-            eprintln!(
+            tracing::info!(
                 "1bit serve: pm: delegate {name} -> {} (task {task_chars} chars) {} ms ok, {} bytes{}",
                 expert.id,
                 record.ms,
@@ -151,9 +151,10 @@ pub async fn delegate(
             (answer, record)
         }
         Err(why) => {
-            eprintln!(
+            tracing::info!(
                 "1bit serve: pm: delegate {name} -> {} (task {task_chars} chars) {} ms failed: {why}",
-                expert.id, record.ms
+                expert.id,
+                record.ms
             );
             let result = format!(
                 "delegation to {} failed: {why}. Tell the user the expert was not available and answer yourself.",

@@ -49,9 +49,15 @@ static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 static SPINNING: AtomicBool = AtomicBool::new(false);
 static BUDGET: OnceLock<Duration> = OnceLock::new();
 
-/// The spin budget: `ONEBIT_BUSY_POLL_US`, read once.
+/// The spin budget: `ONEBIT_BUSY_POLL_US` as [`configure`] set it, else the default.
 pub fn budget() -> Duration {
-    *BUDGET.get_or_init(|| parse_budget(std::env::var("ONEBIT_BUSY_POLL_US").ok().as_deref()))
+    *BUDGET.get_or_init(|| DEFAULT_BUDGET)
+}
+
+/// Set the spin budget from `ONEBIT_BUSY_POLL_US`'s text (clap reads it). Called once by
+/// serve's start, before the first connection; a later call changes nothing.
+pub fn configure(value: Option<&str>) {
+    let _ = BUDGET.set(parse_budget(value));
 }
 
 /// Whole microseconds, at most 10 ms; unset or not a whole number: the default (as serve's

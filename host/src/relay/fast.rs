@@ -23,10 +23,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use crate::error::ApiError;
 use crate::guard::{self, Seen};
-use crate::metrics::requests::PathClass;
+use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::App;
 use crate::relay::busy_poll::{BusyPollStream, InFlight};
 use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
+use crate::relay::request_id::RequestId;
 use crate::relay::sse_keepalive::{self, SseEdge};
 use crate::relay::wire::{self, Body, Framing, Head, MAX_CONNECTION, MAX_HEAD, MAX_HEADERS};
 
@@ -144,6 +145,37 @@ struct Fast {
     watched: Option<(String, String, usize)>,
     /// For `onebit_requests_total`.
     path: PathClass,
+    /// Sent to the backend, and on the reply.
+    id: RequestId,
+    /// The method and path for the request's log line, kept only when that line is on.
+    logged: Option<Box<(String, String)>>,
+}
+
+impl Fast {
+    /// The request's one line (`ONEBIT_LOG=debug`); nothing when it is off.
+    fn log(&self, status: u16, added: Duration, bytes: u64) {
+        if let Some(seen) = &self.logged {
+            tracing::debug!(
+                target: crate::log::REQUEST,
+                method = %seen.0,
+                path = %seen.1,
+                status,
+                engine = "fast",
+                backend = self.backend,
+                added_us = added.as_micros() as u64,
+                bytes,
+                request_id = %self.id,
+                "1bit serve: request"
+            );
+        }
+    }
+}
+
+/// `X-Request-Id: <id>` for a reply's head.
+fn append_id(out: &mut Vec<u8>, id: &RequestId) {
+    out.extend_from_slice(b"X-Request-Id: ");
+    out.extend_from_slice(id.as_bytes());
+    out.extend_from_slice(b"\r\n");
 }
 
 /// Read the request at the start of `buf` and decide it: the transport conditions the fast
@@ -210,15 +242,20 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
         return decided(plan, has_body);
     };
 
-    let mut upstream = Vec::with_capacity(head_len + body_len + 32);
-    plan::upstream_head(
-        &mut upstream,
+    let id = RequestId::for_request(head.request_ids());
+    let mut upstream = Vec::with_capacity(head_len + body_len + 64);
+    let line = plan::UpstreamLine {
         method,
         target,
         port,
+        body_len: has_body.then_some(body_len),
+        request_id: id.as_bytes(),
+    };
+    plan::upstream_head(
+        &mut upstream,
+        &line,
         head.headers.iter().map(|h| (h.name, h.value)),
         head.connection(),
-        has_body.then_some(body_len),
     );
     upstream.extend_from_slice(body);
     Verdict::Fast(Fast {
@@ -231,6 +268,9 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
             .watched
             .then(|| (method.to_string(), path.to_string(), body_len)),
         path: PathClass::of(path),
+        id,
+        logged: tracing::enabled!(target: crate::log::REQUEST, tracing::Level::DEBUG)
+            .then(|| Box::new((method.to_string(), path.to_string()))),
     })
 }
 
@@ -274,7 +314,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         let (mut conn, reused) = match taken {
             Ok(c) => c,
-            Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
+            Err(e) => return bad_gateway(app, client, &fast, &e.to_string(), began).await,
         };
         let sent = async {
             conn.write_all(&fast.upstream).await?;
@@ -296,6 +336,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                                 if !early {
                                     out.extend_from_slice(sse_keepalive::EARLY_HEAD);
                                     append_date(&mut out);
+                                    append_id(&mut out, &fast.id);
                                     out.extend_from_slice(b"connection: close\r\n\r\n");
                                     early = true;
                                 }
@@ -331,18 +372,36 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                 out.extend_from_slice(b"0\r\n\r\n");
                 let _ = client.write_all(&out).await;
                 app.requests.count(fast.path, 200, Engine::Fast);
+                app.requests
+                    .lasted(fast.path, Engine::Fast, began.elapsed());
+                fast.log(200, Duration::ZERO, 0);
                 return Outcome::Close;
             }
-            Err(e) => return bad_gateway(app, client, &fast, &e.to_string()).await,
+            Err(e) => return bad_gateway(app, client, &fast, &e.to_string(), began).await,
         }
     };
     let backend_time = sent_at.elapsed();
     if let Some(ticket) = &ticket {
         ticket.progress(0);
     }
+    // A streamed inference request's events are timed as they are written.
+    let mut clock = fast
+        .watched
+        .is_some()
+        .then(|| StreamClock::new(began, fast.path, Engine::Fast));
     if early {
         app.requests.count(fast.path, 200, Engine::Fast);
-        return after_early_head(client, backend, reply, head, keepalive, ticket, in_flight).await;
+        let early = Early {
+            keepalive,
+            ticket,
+            in_flight,
+            clock,
+        };
+        let bytes = after_early_head(app, client, backend, reply, head, early).await;
+        app.requests
+            .lasted(fast.path, Engine::Fast, began.elapsed());
+        fast.log(200, Duration::ZERO, bytes);
+        return Outcome::Close;
     }
     app.requests.count(fast.path, head.status, Engine::Fast);
     let mut head_written = false;
@@ -366,7 +425,10 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     if close {
         out.extend_from_slice(b"Connection: close\r\n");
     }
+    append_id(&mut out, &fast.id);
     out.extend_from_slice(b"\r\n");
+    let mut added = Duration::ZERO;
+    let mut bytes: u64 = 0;
 
     // The body: what came with the head, then as it arrives, each read written at once.
     let mut body = Body::new(head.framing);
@@ -409,8 +471,14 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             }
             out.clear();
             if !std::mem::replace(&mut head_written, true) {
-                let added = began.elapsed().saturating_sub(backend_time);
+                added = began.elapsed().saturating_sub(backend_time);
                 app.requests.added(Engine::Fast, added);
+            }
+            if take > 0 {
+                bytes += take as u64;
+                if let Some(clock) = &mut clock {
+                    clock.wrote(&app.requests);
+                }
             }
         }
         if done {
@@ -419,6 +487,9 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             }
             drop(ticket);
             drop(in_flight);
+            app.requests
+                .lasted(fast.path, Engine::Fast, began.elapsed());
+            fast.log(head.status, added, bytes);
             return if close {
                 Outcome::Close
             } else {
@@ -460,6 +531,8 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                         // The backend's close ends the body: so does the last chunk.
                         drop(ticket);
                         drop(in_flight);
+                        app.requests.lasted(fast.path, Engine::Fast, began.elapsed());
+                        fast.log(head.status, added, bytes);
                         if client.write_all(b"0\r\n\r\n").await.is_err() || close {
                             return Outcome::Close;
                         }
@@ -657,16 +730,23 @@ fn reply_head(response: &httparse::Response<'_, '_>) -> Result<ReplyHead, ReplyE
 /// The rest of a streamed reply whose head serve already sent (`sse_keepalive::EARLY_HEAD`):
 /// the backend's events re-framed as chunks, with comments in its silences; a backend that
 /// answered other than 200 becomes one error event. A reply that breaks off leaves the
-/// client's reply without its last chunk, and the connection closes.
+/// client's reply without its last chunk; the connection closes either way. Returns the body
+/// bytes passed on.
 async fn after_early_head(
+    app: &App,
     client: &mut BusyPollStream,
     mut backend: BusyPollStream,
     mut reply: BytesMut,
     head: ReplyHead,
-    keepalive: Option<Duration>,
-    ticket: Option<crate::backends::watchdog::Ticket>,
-    in_flight: InFlight,
-) -> Outcome {
+    early: Early,
+) -> u64 {
+    let Early {
+        keepalive,
+        ticket,
+        in_flight,
+        mut clock,
+    } = early;
+    let mut bytes = 0;
     let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
     let mut body = Body::new(head.framing);
     let mut edge = SseEdge::new(if head.framing == Framing::Chunked {
@@ -681,7 +761,7 @@ async fn after_early_head(
         let mut payload = Vec::new();
         if !ended {
             let Some(end) = body.feed(&reply) else {
-                return Outcome::Close;
+                return bytes;
             };
             ended = end.is_some();
             edge.feed_payload(&reply[..end.unwrap_or(reply.len())], &mut payload);
@@ -700,12 +780,18 @@ async fn after_early_head(
             out.extend_from_slice(b"0\r\n\r\n");
         }
         if !out.is_empty() && client.write_all(&out).await.is_err() {
-            return Outcome::Close;
+            return bytes;
+        }
+        if ok && !payload.is_empty() {
+            bytes += payload.len() as u64;
+            if let Some(clock) = &mut clock {
+                clock.wrote(&app.requests);
+            }
         }
         if ended {
             drop(ticket);
             drop(in_flight);
-            return Outcome::Close;
+            return bytes;
         }
         let silence = tokio::time::sleep(every);
         tokio::pin!(silence);
@@ -716,7 +802,7 @@ async fn after_early_head(
                         ended = true;
                         break;
                     }
-                    Ok(0) | Err(_) => return Outcome::Close,
+                    Ok(0) | Err(_) => return bytes,
                     Ok(n) => {
                         if let Some(ticket) = &ticket {
                             ticket.progress(n);
@@ -729,13 +815,21 @@ async fn after_early_head(
                     if ok && edge.at_boundary() {
                         sse_keepalive::count();
                         if client.write_all(sse_keepalive::COMMENT_CHUNK).await.is_err() {
-                            return Outcome::Close;
+                            return bytes;
                         }
                     }
                 },
             }
         }
     }
+}
+
+/// What a stream whose head serve sent early carries on with.
+struct Early {
+    keepalive: Option<Duration>,
+    ticket: Option<crate::backends::watchdog::Ticket>,
+    in_flight: InFlight,
+    clock: Option<StreamClock>,
 }
 
 /// `Date: <now>`, formatted once a second.
@@ -761,15 +855,25 @@ fn append_date(out: &mut Vec<u8>) {
 }
 
 /// Answer 502 as the general engine would, after the request was committed to a backend.
-async fn bad_gateway(app: &App, client: &mut BusyPollStream, fast: &Fast, why: &str) -> Outcome {
+async fn bad_gateway(
+    app: &App,
+    client: &mut BusyPollStream,
+    fast: &Fast,
+    why: &str,
+    began: Instant,
+) -> Outcome {
     app.requests.count(fast.path, 502, Engine::Fast);
+    app.requests
+        .lasted(fast.path, Engine::Fast, began.elapsed());
+    fast.log(502, Duration::ZERO, 0);
     let close = fast.close;
     let error = ApiError::no_answer(&app.device, why);
     let body =
         crate::error::openai_error_body(error.status(), error.error_type(), &error.message());
     let head = format!(
-        "HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n",
+        "HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\nX-Request-Id: {}\r\n{}\r\n",
         body.len(),
+        fast.id,
         if close { "Connection: close\r\n" } else { "" }
     );
     let mut out = head.into_bytes();

@@ -18,10 +18,20 @@ use onebit_plugin_api::{BodyKind, Forward, ForwardRequest};
 
 use crate::backends::watchdog::Ticket;
 use crate::error::{ApiError, error_chain};
+use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::App;
 use crate::relay::busy_poll::InFlight;
 use crate::relay::plan::{self, Decided, DeviceChoice, Engine, RelayPlan, Target, Way};
+use crate::relay::request_id::RequestId;
 use crate::relay::{in_process, served_name, sse_keepalive};
+
+/// What the general engine tells the request's log line about a relayed request: its backend
+/// and serve's added time. Rides on the response's extensions.
+#[derive(Clone, Copy, Debug)]
+pub struct Relayed {
+    pub backend: usize,
+    pub added: Duration,
+}
 
 /// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
 /// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
@@ -32,6 +42,12 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     let began = Instant::now();
     let in_flight = InFlight::begin();
     let decided = request.extensions_mut().remove::<Decided>();
+    let id = request
+        .extensions()
+        .get::<RequestId>()
+        .copied()
+        .unwrap_or_else(RequestId::made);
+    let path = PathClass::of(request.uri().path());
     let (parts, body) = request.into_parts();
     let (plan, body_checked) = match decided {
         Some(decided) => (decided.plan, decided.body_checked),
@@ -109,6 +125,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
                         asked_at,
                         line: first_byte_line,
                         _turn: turn,
+                        span: tracing::Span::current(),
                     });
                     (backend, rewritten.map(Bytes::from).unwrap_or(body))
                 }
@@ -121,7 +138,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             }
         }
         Target::InProcess => {
-            return in_process::respond(&app, &plan, &parts, body, in_flight).await;
+            return in_process::respond(&app, &plan, &parts, body, in_flight, began).await;
         }
         Target::Answer { .. } => unreachable!("answered above"),
         Target::ToolLoop(backend) => {
@@ -155,7 +172,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         )),
         _ => None,
     };
-    let upstream = match upstream_request(parts, port, body) {
+    let upstream = match upstream_request(parts, port, body, &id) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -169,25 +186,28 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             return ApiError::no_answer(&app.device, &error_chain(&e)).into_response();
         }
         sse_keepalive::Waited::Silent(pending) => {
-            app.requests.added(
-                Engine::General,
-                began.elapsed().saturating_sub(sent_at.elapsed()),
-            );
-            let wrap = move |body| watched(body, ticket, on_first_byte, in_flight);
-            return sse_keepalive::early_stream(pending, wrap, app.device.clone());
+            let added = began.elapsed().saturating_sub(sent_at.elapsed());
+            app.requests.added(Engine::General, added);
+            let streamed = Streamed::new(&app, &plan, began, path);
+            let wrap = move |body| watched(body, ticket, on_first_byte, in_flight, streamed);
+            let mut response = sse_keepalive::early_stream(pending, wrap, app.device.clone());
+            response.extensions_mut().insert(Relayed { backend, added });
+            return response;
         }
     };
     let mut backend_time = sent_at.elapsed();
     let added = |backend_time: Duration| {
         let added = began.elapsed().saturating_sub(backend_time);
         app.requests.added(Engine::General, added);
+        Relayed { backend, added }
     };
     let (mut reply_parts, reply_body) = reply.into_parts();
     plan::filter(Way::Reply, &mut reply_parts.headers);
     if let DeviceChoice::Chosen(why) = &plan.device_choice {
         reply_parts.headers.insert("x-1bit-route", why.clone());
     }
-    let reply_body = watched(reply_body, ticket, on_first_byte, in_flight);
+    let streamed = Streamed::new(&app, &plan, began, path);
+    let reply_body = watched(reply_body, ticket, on_first_byte, in_flight, streamed);
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -211,7 +231,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         };
         let bytes = served_name::in_reply(bytes, &app.served_name);
         reply_parts.headers.remove(header::CONTENT_LENGTH);
-        added(backend_time);
+        reply_parts.extensions.insert(added(backend_time));
         return Response::from_parts(reply_parts, Body::from(bytes));
     }
     // Streamed as it arrives: dropping this response (a client that went away) drops the
@@ -219,11 +239,11 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if plan.rename_stream {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes.
-        added(backend_time);
+        reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
-    added(backend_time);
+    reply_parts.extensions.insert(added(backend_time));
     // Comments go only into an event stream (a streamed request's error reply is JSON).
     let event_stream = reply_parts
         .headers
@@ -241,14 +261,32 @@ struct FirstByte {
     asked_at: std::time::Instant,
     line: Option<String>,
     _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+    /// The request's span: the line is said when hyper polls the body, outside it.
+    span: tracing::Span,
 }
 
 impl FirstByte {
     fn arrived(self) {
         if let Some(line) = self.line {
             let ms = format!("{:.1}", self.asked_at.elapsed().as_secs_f64() * 1000.0);
-            eprintln!("{}", line.replace("{first_byte_ms}", &ms));
+            self.span
+                .in_scope(|| tracing::info!("{}", line.replace("{first_byte_ms}", &ms)));
         }
+    }
+}
+
+/// A streamed inference reply's clock and the series it records into.
+struct Streamed {
+    app: Arc<App>,
+    clock: StreamClock,
+}
+
+impl Streamed {
+    fn new(app: &Arc<App>, plan: &RelayPlan, began: Instant, path: PathClass) -> Option<Self> {
+        (plan.inference && plan.streamed).then(|| Streamed {
+            app: app.clone(),
+            clock: StreamClock::new(began, path, Engine::General),
+        })
     }
 }
 
@@ -261,6 +299,7 @@ fn watched(
     ticket: Option<Ticket>,
     first_byte: Option<FirstByte>,
     in_flight: InFlight,
+    mut streamed: Option<Streamed>,
 ) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
     if let Some(ticket) = &ticket {
         ticket.progress(0);
@@ -274,6 +313,12 @@ fn watched(
             }
             if let Some(first) = first_byte.take() {
                 first.arrived();
+            }
+            // Handed to hyper, which writes it at once: the stream's event is out.
+            if let Some(Streamed { app, clock }) = &mut streamed
+                && !data.is_empty()
+            {
+                clock.wrote(&app.requests);
             }
         }
         frame
@@ -348,6 +393,7 @@ fn upstream_request(
     parts: axum::http::request::Parts,
     port: u16,
     body: Bytes,
+    id: &RequestId,
 ) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
     let path_and_query = parts
         .uri
@@ -363,6 +409,9 @@ fn upstream_request(
     let headers = request.headers_mut();
     *headers = parts.headers;
     plan::filter(Way::Upstream, headers);
+    if let Ok(value) = HeaderValue::from_bytes(id.as_bytes()) {
+        headers.insert(crate::relay::request_id::HEADER, value);
+    }
     Ok(request)
 }
 

@@ -29,6 +29,7 @@ use onebit_plugin_api::{
 };
 use tokio::sync::{mpsc, oneshot};
 
+use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::busy_poll::InFlight;
 use crate::relay::plan::{Engine, RelayPlan, Target};
 use crate::relay::{App, served_name};
@@ -59,16 +60,20 @@ fn stopping_error() -> SinkError {
 /// runtime thread with the request's plan, its head and its body (already read and checked);
 /// the route runs on a blocking thread, and this returns once the route sent its head (the
 /// body streams on) or finished without one. The reply is marked [`Engine::InProcess`] for
-/// `onebit_requests_total`.
+/// `onebit_requests_total`; a streamed inference reply's chunks are timed from `began` (the
+/// request in hand) into the first-token and inter-token histograms.
 pub async fn respond(
     app: &Arc<App>,
     plan: &RelayPlan,
     parts: &axum::http::request::Parts,
     body: Bytes,
     in_flight: InFlight,
+    began: std::time::Instant,
 ) -> Response {
     debug_assert_eq!(plan.target, Target::InProcess);
-    let mut response = answer(app, plan, parts, body, in_flight).await;
+    let clock = (plan.inference && plan.streamed)
+        .then(|| StreamClock::new(began, PathClass::of(parts.uri.path()), Engine::InProcess));
+    let mut response = answer(app, plan, parts, body, in_flight, clock).await;
     response.extensions_mut().insert(Engine::InProcess);
     response
 }
@@ -79,6 +84,7 @@ async fn answer(
     parts: &axum::http::request::Parts,
     body: Bytes,
     in_flight: InFlight,
+    mut clock: Option<StreamClock>,
 ) -> Response {
     let request = ForwardRequest {
         method: parts.method.to_string(),
@@ -91,8 +97,10 @@ async fn answer(
     let (body_tx, body_rx) = mpsc::channel::<Chunk>(SINK_BUFFER_BYTES / SINK_CHUNK_BYTES);
     let route = app.route.route.clone();
     let device = app.device.clone();
+    // The route's thread says its lines in the request's span (its id).
+    let span = tracing::Span::current();
     let running = tokio::task::spawn_blocking(move || {
-        run_route(&route, &device, &what, &request, head_tx, body_tx)
+        span.in_scope(|| run_route(&route, &device, &what, &request, head_tx, body_tx))
     });
 
     let Ok(head) = head_rx.await else {
@@ -115,6 +123,7 @@ async fn answer(
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let json_reply = head.content_type.starts_with("application/json");
     let mut body_rx = body_rx;
+    let timed = app.clone();
     let mut cut: Option<(std::io::Error, std::pin::Pin<Box<tokio::time::Sleep>>)> = None;
     let stream = futures_util::stream::poll_fn(move |cx| {
         let _counted = &in_flight;
@@ -132,7 +141,15 @@ async fn answer(
                 cut = Some((e, delay));
                 std::task::Poll::Pending
             }
-            other => other,
+            other => {
+                // Handed to hyper, which writes it at once: the stream's event is out.
+                if let (std::task::Poll::Ready(Some(Ok(data))), Some(clock)) = (&other, &mut clock)
+                    && !data.is_empty()
+                {
+                    clock.wrote(&timed.requests);
+                }
+                other
+            }
         }
     });
     let body = Body::from_stream(stream);
@@ -211,7 +228,7 @@ fn run_route(
         }
         Err(RespondError::Failed(why)) => {
             let line = format!("the {device} route failed to answer {what}: {why}");
-            eprintln!("1bit serve: {line}");
+            tracing::info!("1bit serve: {line}");
             if let Some(body) = sink.body.take() {
                 let _ = body.blocking_send(Err(std::io::Error::other(line.clone())));
             }

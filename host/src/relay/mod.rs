@@ -17,6 +17,7 @@ pub mod general;
 pub mod in_process;
 pub mod plan;
 pub mod pool;
+pub mod request_id;
 pub mod served_name;
 pub mod sse_keepalive;
 pub mod wire;

@@ -283,6 +283,11 @@ pub fn passes(way: Way, name: &str, connection: &[&[u8]]) -> bool {
     if is_hop_header(name) || named_by_connection(name, connection) {
         return false;
     }
+    // The request's id is serve's to send and to answer with (`relay::request_id`): a
+    // client's or backend's own goes no further.
+    if name.eq_ignore_ascii_case(crate::relay::request_id::HEADER) {
+        return false;
+    }
     match way {
         // Authorization is serve's (its API key) or nothing the backend asked for: serve's
         // backends take no key, and a client's key must not reach them.
@@ -324,20 +329,37 @@ pub fn filter(way: Way, headers: &mut HeaderMap) {
     }
 }
 
-/// The request head the backend on `port` gets, appended to `out`: the client's method and
-/// target, `Host` naming the backend, the client's headers that pass [`Way::Upstream`] (given
-/// its `Connection` header values), and `Content-Length` when the request has a body. The
-/// fast engine writes it as is; the general engine's hyper client writes the same head from
-/// the map [`filter`] leaves.
+/// What serve itself puts in a backend's request head, beside the client's headers.
+#[derive(Clone, Copy)]
+pub struct UpstreamLine<'a> {
+    pub method: &'a str,
+    pub target: &'a str,
+    /// The backend's port, for `Host`.
+    pub port: u16,
+    /// The body's length, when the request has one.
+    pub body_len: Option<usize>,
+    /// The request's id (`relay::request_id`), sent as `X-Request-Id`.
+    pub request_id: &'a [u8],
+}
+
+/// The request head the backend gets, appended to `out`: the client's method and target,
+/// `Host` naming the backend, the client's headers that pass [`Way::Upstream`] (given its
+/// `Connection` header values), the request's `X-Request-Id`, and `Content-Length` when the
+/// request has a body. The fast engine writes it as is; the general engine's hyper client
+/// writes the same head from the map [`filter`] leaves.
 pub fn upstream_head<'h>(
     out: &mut Vec<u8>,
-    method: &str,
-    target: &str,
-    port: u16,
+    line: &UpstreamLine<'_>,
     headers: impl Iterator<Item = (&'h str, &'h [u8])>,
     connection: &[&[u8]],
-    body_len: Option<usize>,
 ) {
+    let UpstreamLine {
+        method,
+        target,
+        port,
+        body_len,
+        request_id,
+    } = *line;
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
@@ -353,6 +375,9 @@ pub fn upstream_head<'h>(
         out.extend_from_slice(value);
         out.extend_from_slice(b"\r\n");
     }
+    out.extend_from_slice(b"X-Request-Id: ");
+    out.extend_from_slice(request_id);
+    out.extend_from_slice(b"\r\n");
     if let Some(len) = body_len {
         out.extend_from_slice(b"Content-Length: ");
         out.extend_from_slice(len.to_string().as_bytes());
@@ -568,27 +593,33 @@ mod tests {
 
     #[test]
     fn the_upstream_head_names_the_backend_and_its_own_length() {
-        let headers: [(&str, &[u8]); 5] = [
+        let headers: [(&str, &[u8]); 6] = [
             ("Host", b"localhost:8080"),
+            ("x-request-id", b"the client's"),
             ("Connection", b"close, X-Drop"),
             ("X-Drop", b"1"),
             ("Content-Length", b"7"),
             ("Content-Type", b"application/json"),
         ];
         let mut out = Vec::new();
+        let line = UpstreamLine {
+            method: "POST",
+            target: "/v1/x?a=1",
+            port: 9000,
+            body_len: Some(2),
+            request_id: b"0123456789abcdef",
+        };
         upstream_head(
             &mut out,
-            "POST",
-            "/v1/x?a=1",
-            9000,
+            &line,
             headers.iter().copied(),
             &[b"close, X-Drop"],
-            Some(2),
         );
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:9000\r\n\
-             Content-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+             Content-Type: application/json\r\nX-Request-Id: 0123456789abcdef\r\n\
+             Content-Length: 2\r\n\r\n"
         );
     }
 

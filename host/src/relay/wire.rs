@@ -72,6 +72,14 @@ impl<'b> RequestHead<'_, 'b> {
         self.one_value("x-api-key")
     }
 
+    /// Its `X-Request-Id` header values, every one (`relay::request_id` judges them).
+    pub fn request_ids(&self) -> impl Iterator<Item = &'b [u8]> + '_ {
+        self.headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("x-request-id"))
+            .map(|h| h.value)
+    }
+
     fn one_value(&self, name: &str) -> Option<&'b [u8]> {
         let mut values = self
             .headers

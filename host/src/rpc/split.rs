@@ -319,7 +319,9 @@ pub fn admit(
     plan: &Plan,
     offers: &[Offer],
 ) -> Result<Option<i32>, Fatal> {
-    if offers.is_empty() || (!args.mem_check && admission::skipped(args.no_mem_check)) {
+    if offers.is_empty()
+        || (!args.mem_check && admission::skipped(args.no_mem_check, args.env.no_mem_check()))
+    {
         return Ok(None);
     }
     let Some(need) = &plan.memory else {
@@ -356,7 +358,7 @@ pub fn admit(
             message: line,
         });
     }
-    eprintln!("1bit serve: {line}");
+    tracing::info!("1bit serve: {line}");
     Ok(None)
 }
 

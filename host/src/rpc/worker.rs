@@ -34,7 +34,7 @@ pub fn run(args: WorkerArgs) -> i32 {
     match start(&args) {
         Ok(code) => code,
         Err((code, message)) => {
-            eprintln!("1bit rpc-worker: {message}");
+            tracing::info!("1bit rpc-worker: {message}");
             code
         }
     }
@@ -96,7 +96,7 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
     };
     let endpoint = format!("{host}:{port}");
     if !host.is_loopback() {
-        eprintln!("1bit rpc-worker: {}", exposure_warning(&endpoint));
+        tracing::warn!("1bit rpc-worker: {}", exposure_warning(&endpoint));
     }
 
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -196,7 +196,7 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
                     let status = done
                         .map_err(|e| (exit::BACKEND, e.to_string()))?
                         .map_err(|e| (exit::BACKEND, e.to_string()))?;
-                    eprintln!(
+                    tracing::info!(
                         "1bit rpc-worker: the worker on {endpoint} (pid {pid}) {}",
                         describe_exit(status)
                     );
@@ -206,9 +206,9 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
                 _ = int.recv() => "SIGINT",
             },
         };
-        eprintln!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
+        tracing::info!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
         if stop(&child, STOP_GRACE).await != process::Stopped::Exited {
-            eprintln!(
+            tracing::info!(
                 "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
                 STOP_GRACE.as_secs()
             );

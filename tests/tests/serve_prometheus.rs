@@ -1,0 +1,203 @@
+//! The Grafana dashboard (docs/grafana/1bit-serve.json) against a real Prometheus: Debian's
+//! `prometheus` scrapes serve (the cpu route, the pinned llama-server and the default model) on
+//! loopback while streamed chats go through, and every expression of every panel, asked of
+//! Prometheus's HTTP API, returns data.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use onebit_tests::*;
+
+/// Debian's Prometheus server, stopped (and reaped) when dropped.
+struct Prometheus {
+    child: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Prometheus {
+    /// Scraping `target` (host:port) every second; ready when its `/-/ready` answers 200.
+    fn start(dir: &Path, target: &str) -> Prometheus {
+        let binary = ["/usr/bin/prometheus", "/usr/sbin/prometheus"]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.is_file())
+            .expect("Debian's prometheus server: apt-get install -y prometheus");
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: 1bit-serve\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let log = dir.join("prometheus.log");
+        let child = Command::new(binary)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("prometheus starts");
+        let prometheus = Prometheus { child, port, log };
+        let ready = wait_until(Duration::from_secs(60), || {
+            get(&prometheus.url("/-/ready")).0 == 200
+        });
+        assert!(ready, "prometheus is not ready:\n{}", prometheus.log());
+        prometheus
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// An instant query: the API's `data.result`.
+    fn query(&self, expr: &str) -> Vec<serde_json::Value> {
+        let mut url = self.url("/api/v1/query?query=");
+        url.push_str(&percent_encoded(expr));
+        let (status, body) = get(&url);
+        assert_eq!(status, 200, "{expr}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["status"], "success", "{expr}: {body}");
+        v["data"]["result"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn percent_encoded(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Every `expr` of every panel of the dashboard, Grafana's `$__rate_interval` made a range
+/// that spans the test's scrapes.
+fn dashboard_exprs() -> Vec<(String, String)> {
+    let path = route_fixture::root().join("docs/grafana/1bit-serve.json");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"].as_str().expect("an expr");
+            exprs.push((
+                panel["title"].as_str().unwrap_or("").to_string(),
+                expr.replace("$__rate_interval", "30s"),
+            ));
+        }
+    }
+    exprs
+}
+
+/// A sysfs with one amdgpu card's GTT (this machine has none), for the memory panel.
+fn fake_sysfs(dir: &Path) -> PathBuf {
+    let root = dir.join("sys");
+    let dev = root.join("class/drm/card0/device");
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(dev.join("mem_info_gtt_total"), "68719476736\n").unwrap();
+    std::fs::write(dev.join("mem_info_gtt_used"), "1073741824\n").unwrap();
+    root
+}
+
+fn streamed_chats(serve: &Serve, n: usize) {
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "Count from one to ten."}],
+        "temperature": 0,
+        "max_tokens": 24,
+        "stream": true,
+    })
+    .to_string();
+    for _ in 0..n {
+        let events = sse(&serve.url("/v1/chat/completions"), &body);
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    }
+}
+
+#[test]
+fn every_dashboard_expression_returns_data_from_a_real_prometheus() {
+    let dir = temp_dir("prometheus");
+    let sysfs = fake_sysfs(&dir);
+    let state = dir.join("state");
+    let server = installed_llama_server();
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--ctx-size",
+            "2048",
+            "--llama-server",
+            server.to_str().unwrap(),
+        ],
+        &[
+            ("ONEBIT_SYSFS_ROOT", sysfs.to_str().unwrap()),
+            ("ONEBIT_STATE_DIR", state.to_str().unwrap()),
+        ],
+    );
+    assert!(
+        serve.wait_health(200, Duration::from_secs(120)),
+        "llama-server did not become ready:\n{}",
+        serve.output()
+    );
+    let prometheus = Prometheus::start(&dir, &format!("127.0.0.1:{}", serve.port));
+    let scraped = |expr: &str| !prometheus.query(expr).is_empty();
+    assert!(
+        wait_until(Duration::from_secs(30), || scraped("onebit_up")),
+        "prometheus never scraped serve:\n{}",
+        prometheus.log()
+    );
+    // Two bounded batches with scrapes between, so every rate has two samples that differ.
+    streamed_chats(&serve, 3);
+    std::thread::sleep(Duration::from_secs(3));
+    streamed_chats(&serve, 3);
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            prometheus
+                .query("onebit_time_to_first_token_seconds_count")
+                .iter()
+                .any(|s| s["value"][1] == "6")
+        }),
+        "prometheus never saw the six streams:\n{}",
+        prometheus.log()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let mut empty = Vec::new();
+    for (panel, expr) in dashboard_exprs() {
+        let result = prometheus.query(&expr);
+        let values: Vec<f64> = result
+            .iter()
+            .filter_map(|s| s["value"][1].as_str()?.parse().ok())
+            .collect();
+        if !values.iter().any(|v| v.is_finite()) {
+            empty.push(format!("{panel}: {expr} = {result:?}"));
+        }
+    }
+    assert!(
+        empty.is_empty(),
+        "panels without data:\n{}",
+        empty.join("\n")
+    );
+}
