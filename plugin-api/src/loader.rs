@@ -24,17 +24,35 @@ use crate::{ABI_VERSION, HostApi, ReplySink, RouteModRef, SinkApi};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LoadError {
     /// The file is not a library, or exports no 1bit route.
-    NotARoute { file: PathBuf, why: String },
+    NotARoute {
+        /// The file.
+        file: PathBuf,
+        /// What the dynamic loader or the symbol lookup said.
+        why: String,
+    },
     /// Built against an ABI this host cannot call.
     AbiMismatch {
+        /// The file.
         file: PathBuf,
+        /// The ABI version the route was built against.
         route_abi: String,
+        /// This host's ABI version.
         host_abi: String,
     },
     /// The ABI versions agree but the types do not (a route built from a modified API).
-    Layout { file: PathBuf, why: String },
+    Layout {
+        /// The file.
+        file: PathBuf,
+        /// Which type's layout differs.
+        why: String,
+    },
     /// The route failed to describe itself.
-    Info { file: PathBuf, why: String },
+    Info {
+        /// The file.
+        file: PathBuf,
+        /// The route's error, or why its description does not decode.
+        why: String,
+    },
 }
 
 impl fmt::Display for LoadError {
@@ -88,8 +106,11 @@ pub fn abi_compatible(route: &Version, host: &Version) -> bool {
 /// A route file that passed every check.
 #[derive(Clone)]
 pub struct LoadedRoute {
+    /// The library it was loaded from.
     pub file: PathBuf,
+    /// The ABI version it was built against.
     pub abi_version: String,
+    /// What the route says of itself (name, version, the architectures it claims).
     pub info: RouteInfo,
     module: Ops,
 }
@@ -278,14 +299,17 @@ fn encode<T: Serialize>(value: &T) -> String {
 /// Calls into the route. Each may block as the operation's documentation says; call them
 /// from a thread that may block.
 impl LoadedRoute {
+    /// [`crate::DeviceRoute::claim`]: whether the route serves this model under `--device auto`.
     pub fn claim(&self, request: &PlanRequest) -> Result<Claim, String> {
         decode_reply((self.module.claim)(RStr::from_str(&encode(request))))
     }
 
+    /// [`crate::DeviceRoute::plan`]: the backends to start and the rules for requests.
     pub fn plan(&self, request: &PlanRequest) -> Result<PlanOutcome, String> {
         decode_reply((self.module.plan)(RStr::from_str(&encode(request))))
     }
 
+    /// [`crate::DeviceRoute::start`]: the plan's backends are running (or, in process, load).
     pub fn start(&self, started: &Started) -> Result<(), String> {
         match (self.module.start)(RStr::from_str(&encode(started))) {
             ROk(_) => Ok(()),
@@ -293,10 +317,12 @@ impl LoadedRoute {
         }
     }
 
+    /// [`crate::DeviceRoute::health`]: the route's verdict on what the host's probes found.
     pub fn health(&self, probe: &HealthProbe) -> Result<Health, String> {
         decode_reply((self.module.health)(RStr::from_str(&encode(probe))))
     }
 
+    /// [`crate::DeviceRoute::on_backend_line`]: what to do about a line a backend printed.
     pub fn on_backend_line(&self, line: &BackendLine) -> Result<LineVerdict, String> {
         match (self.module.on_backend_line)(RStr::from_str(&encode(line))) {
             ROk(text) if text.is_empty() => Ok(LineVerdict::default()),
@@ -304,6 +330,7 @@ impl LoadedRoute {
         }
     }
 
+    /// [`crate::DeviceRoute::forward`]: relay a request, or answer it.
     pub fn forward(&self, request: &ForwardRequest, host: HostApi) -> Result<Forward, String> {
         decode_reply((self.module.forward)(
             RStr::from_str(&encode(request)),
@@ -311,6 +338,7 @@ impl LoadedRoute {
         ))
     }
 
+    /// [`crate::DeviceRoute::metrics`]: the route's own Prometheus text.
     pub fn metrics(&self) -> Result<String, String> {
         match (self.module.metrics)() {
             ROk(text) => Ok(text.into_string()),
@@ -460,6 +488,8 @@ extern "C" fn sink_client_gone(handle: *mut c_void) -> bool {
 /// The host's side of [`crate::HostServices`]: what it does when a route asks for a backend
 /// request during `forward`. Called on the route's blocking thread.
 pub trait HostBackend {
+    /// Send `request` to the backend it names and return its whole reply, or one line saying
+    /// why there is none (unreachable, timed out).
     fn backend_request(request: &BackendRequest) -> Result<BackendReply, String>;
 }
 
