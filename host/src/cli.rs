@@ -183,9 +183,14 @@ pub struct ServeArgs {
     /// The context size (tokens) the backend allocates.
     #[arg(short = 'c', long, value_name = "N")]
     pub ctx_size: Option<u64>,
-    /// The served model name (default: the model file's stem).
+    /// The served model name (default: the model file's stem). A comma-separated list, as
+    /// llama-server's `-a`: all are listed as the model's aliases, and the first in sorted
+    /// order is the served name.
     #[arg(long, value_name = "NAME")]
     pub alias: Option<String>,
+    /// Informational tags for `/v1/models`, comma-separated (llama-server's `--tags`).
+    #[arg(long, value_name = "TAGS")]
+    pub tags: Option<String>,
     /// The llama-server binary (default: $ONEBIT_LLAMA_SERVER, the installed one, PATH).
     #[arg(long, value_name = "PATH")]
     pub llama_server: Option<String>,

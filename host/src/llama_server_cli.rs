@@ -292,7 +292,8 @@ pub fn translate_in(
             "--cors-headers" => own("--cors-headers", value("headers")?),
             "--cors-credentials" => serve.push("--cors-credentials".to_string()),
             "--no-cors-credentials" => serve.push("--no-cors-credentials".to_string()),
-            "-a" | "--alias" => own("--alias", value("a name")?),
+            "-a" | "--alias" => own("--alias", value("a name, or names separated by commas")?),
+            "--tags" => own("--tags", value("tags separated by commas")?),
             "-np" | "--parallel" => {
                 let n = value("slots")?;
                 // -1 is llama-server's "auto", which is also serve's default.
@@ -426,12 +427,25 @@ fn serve_policy(
     if !metrics {
         serve.push("--no-metrics".to_string());
     }
+    // llama-server with built-in tools or MCP servers and no --cors-origins allows the
+    // localhost origins (a web UI on another local port calls its tools); so does serve's guard.
+    let tools = pass.iter().any(|a| {
+        let (flag, _) = flag_and_inline_value(a);
+        TOOL_FLAGS.contains(&flag)
+    });
+    if tools && !serve.iter().any(|a| a == "--cors-origins") {
+        serve.extend(["--cors-origins".to_string(), "localhost".to_string()]);
+    }
     if !pass.is_empty() {
         serve.push("--".to_string());
         serve.extend(pass);
     }
     serve
 }
+
+/// The llama-server flags that turn on built-in tools or MCP servers, under which llama-server's
+/// CORS origins default to `localhost`.
+const TOOL_FLAGS: &[&str] = &["--tools", "--mcp-servers-config", "--mcp-servers-json"];
 
 /// `--flag=value` as (`--flag`, the value); any other token as itself, with no value.
 fn flag_and_inline_value(arg: &str) -> (&str, Option<String>) {

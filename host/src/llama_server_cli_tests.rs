@@ -16,6 +16,19 @@ fn lemonade_11_7s_command_line_becomes_serves() {
     );
 }
 
+/// `-a` and `--tags` are serve's: its `/v1/models` lists them (llama-server's fields).
+#[test]
+fn aliases_and_tags_are_serves() {
+    let serve = translate(&words(
+        "-m a.gguf -a tinyllama-2,fim,code --tags chat,small",
+    ))
+    .unwrap();
+    assert_eq!(
+        serve,
+        words("-m a.gguf --alias tinyllama-2,fim,code --tags chat,small --port 8080 --no-metrics")
+    );
+}
+
 #[test]
 fn custom_arguments_pass_unchanged_with_their_values() {
     let mut args = words("-m a.gguf --temp 0.6 --top-p 0.85 --seed -1 -kvu --chat-template-kwargs");
@@ -124,6 +137,23 @@ fn a_command_line_without_a_model_runs_llama_servers_router_mode() {
     assert_eq!(
         serve,
         words("--llama-router --api-key secret --port 8080 --no-metrics -- --models-dir /m")
+    );
+    // Built-in tools or MCP servers and no --cors-origins: the localhost origins are allowed,
+    // as llama-server allows them then; an explicit policy stands.
+    for tools in ["--tools all", "--tools=all", "--mcp-servers-json {}"] {
+        let serve = translate_in(&words(&format!("--models-dir /m {tools}")), &none).unwrap();
+        assert_eq!(
+            serve,
+            words(&format!(
+                "--llama-router --port 8080 --no-metrics --cors-origins localhost -- --models-dir /m {tools}"
+            )),
+            "{tools}"
+        );
+    }
+    let serve = translate_in(&words("--tools all --cors-origins *"), &none).unwrap();
+    assert_eq!(
+        serve,
+        words("--llama-router --cors-origins * --port 8080 --no-metrics -- --tools all")
     );
     // Nothing at all is router mode too, over llama.cpp's own model cache.
     assert_eq!(

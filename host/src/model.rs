@@ -8,8 +8,8 @@ use crate::error::Fatal;
 
 /// The served name: `--alias`, else the model file's stem (a directory's own name).
 pub fn served_name(model: &Path, alias: Option<&str>) -> String {
-    if let Some(alias) = alias.filter(|a| !a.is_empty()) {
-        return alias.to_string();
+    if let Some(first) = names(alias).into_iter().next() {
+        return first;
     }
     let name = if model.is_dir() {
         model.file_name()
@@ -19,6 +19,20 @@ pub fn served_name(model: &Path, alias: Option<&str>) -> String {
     name.map(|n| n.to_string_lossy().into_owned())
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| "model".to_string())
+}
+
+/// The names of a comma-separated `--alias` (or `--tags`), as llama-server reads them: each
+/// trimmed, the empty ones dropped, sorted and without repeats (its `std::set`). The first is
+/// the served name.
+pub fn names(list: Option<&str>) -> Vec<String> {
+    let set: std::collections::BTreeSet<String> = list
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+        .collect();
+    set.into_iter().collect()
 }
 
 /// Read what the plan needs from the model: its files and size, and for a GGUF its
@@ -97,6 +111,10 @@ mod tests {
         let p = Path::new("/models/SmolLM2-135M-Instruct-Q4_1.gguf");
         assert_eq!(served_name(p, Some("smol")), "smol");
         assert_eq!(served_name(p, None), "SmolLM2-135M-Instruct-Q4_1");
+        // A list, as llama-server's -a: trimmed, sorted, the first is the name.
+        assert_eq!(served_name(p, Some("tinyllama-2, fim,code")), "code");
+        assert_eq!(names(Some(" b,a,,b ")), ["a", "b"]);
+        assert_eq!(served_name(p, Some(" , ")), "SmolLM2-135M-Instruct-Q4_1");
     }
 
     #[test]

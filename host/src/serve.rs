@@ -187,6 +187,8 @@ async fn serve_plan(p: ServePlan) -> i32 {
     };
     let settings = Settings {
         served_name: served_name.clone(),
+        aliases: crate::model::names(args.alias.as_deref()),
+        tags: crate::model::names(args.tags.as_deref()),
         device: plan.device.clone(),
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -19,6 +19,9 @@ pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(120);
 /// The settings a request is relayed by. Built once by `serve` and never changed.
 pub struct Settings {
     pub served_name: String,
+    /// Every name of `--alias` (the served name among them) and `--tags`, for `/v1/models`.
+    pub aliases: Vec<String>,
+    pub tags: Vec<String>,
     pub device: String,
     /// Unix time serve started, for `/v1/models`.
     pub created: u64,

@@ -37,11 +37,37 @@ fn models_lists_the_alias_with_its_device_and_the_stem_without_one() {
     assert_eq!(v["data"][0]["id"], "smol");
     assert_eq!(v["data"][0]["owned_by"], "1bit");
     assert_eq!(v["data"][0]["device"], "cpu");
+    assert_eq!(v["data"][0]["aliases"], serde_json::json!(["smol"]));
+    assert_eq!(v["data"][0]["tags"], serde_json::json!([]));
     drop(serve);
     let serve = Serve::with_fake(&model, &[], &[]);
     serve.ready();
     let v: serde_json::Value = serde_json::from_str(&get(&serve.url("/v1/models")).1).unwrap();
     assert_eq!(v["data"][0]["id"], "Tiny-Model-Q4");
+    drop(serve);
+    // Names and tags as llama-server's -a and --tags take them: every alias listed, the first
+    // in sorted order served.
+    let serve = Serve::with_fake(
+        &model,
+        &[
+            "--alias",
+            "tinyllama-2,fim,code",
+            "--tags",
+            "chat,fim,small",
+        ],
+        &[],
+    );
+    serve.ready();
+    let v: serde_json::Value = serde_json::from_str(&get(&serve.url("/v1/models")).1).unwrap();
+    assert_eq!(v["data"][0]["id"], "code");
+    assert_eq!(
+        v["data"][0]["aliases"],
+        serde_json::json!(["code", "fim", "tinyllama-2"])
+    );
+    assert_eq!(
+        v["data"][0]["tags"],
+        serde_json::json!(["chat", "fim", "small"])
+    );
 }
 
 #[test]

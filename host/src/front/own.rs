@@ -203,6 +203,8 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 async fn models(State(app): State<Arc<App>>) -> Response {
     let mut data = vec![serde_json::json!({
         "id": app.served_name,
+        "aliases": app.aliases,
+        "tags": app.tags,
         "object": "model",
         "created": app.created,
         "owned_by": "1bit",
