@@ -68,7 +68,8 @@ pub fn user_start_marker(template: &str, bos: &str, eos: &str) -> Option<String>
         serde_json::json!({"role": "user", "content": PROBE_USER_TWO}),
         serde_json::json!({"role": "assistant", "content": PROBE_ASSISTANT}),
     ];
-    let render = |messages: &[serde_json::Value]| render_with(template, messages, None, bos, eos, false);
+    let render =
+        |messages: &[serde_json::Value]| render_with(template, messages, None, bos, eos, false);
     let (without, with) = match (render(&[]), render(std::slice::from_ref(&user))) {
         (Ok(without), Ok(with)) => (without, with),
         _ => {
@@ -213,7 +214,13 @@ mod tests {
         let parts: Vec<(bool, &str)> = super::segments("a<b>c[d]<e").collect();
         assert_eq!(
             parts,
-            [(false, "a"), (true, "<b>"), (false, "c"), (true, "[d]"), (false, "<e")]
+            [
+                (false, "a"),
+                (true, "<b>"),
+                (false, "c"),
+                (true, "[d]"),
+                (false, "<e")
+            ]
         );
     }
 
