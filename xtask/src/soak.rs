@@ -424,14 +424,7 @@ fn watchdog_phase(kit: &Kit) -> Result<WatchdogRun, Failure> {
         .map_err(|e| Failure::new(format!("cannot reach serve: {e}"), "see its log"))?;
     let _ = tcp.set_read_timeout(Some(Duration::from_secs(30)));
     let _ = tcp.write_all(&post("/v1/chat/completions", &body, "127.0.0.1"));
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        match tcp.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => seen.extend_from_slice(&buf[..n]),
-        }
-    }
+    read_to_first_event(&mut tcp);
     let _ = kill(Pid::from_raw(backend as i32), Signal::SIGSTOP);
     let hung = Instant::now();
     let bound = Duration::from_secs(WATCHDOG_S + WATCHDOG_SLACK_S + 10);
@@ -661,15 +654,7 @@ fn one(port: u16, kind: Kind, prompt: &str, reference: &str) -> (u16, bool) {
             };
             let _ = tcp.set_read_timeout(Some(Duration::from_secs(30)));
             let _ = tcp.write_all(&chat_request(prompt, true, "127.0.0.1"));
-            let mut seen = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !String::from_utf8_lossy(&seen).contains("data: {") {
-                match tcp.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => seen.extend_from_slice(&buf[..n]),
-                }
-            }
-            (status_of(&String::from_utf8_lossy(&seen)), false)
+            (status_of(&read_to_first_event(&mut tcp)), false)
         }
         Kind::ForeignHost => (
             status_of(&exchange(
@@ -692,6 +677,20 @@ fn one(port: u16, kind: Kind, prompt: &str, reference: &str) -> (u16, bool) {
             (status_of(&exchange(port, head.as_bytes(), None)), false)
         }
     }
+}
+
+/// Read a streamed reply up to its first event (or the connection's end), and return what
+/// was read: the head and that event.
+fn read_to_first_event(tcp: &mut TcpStream) -> String {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        match tcp.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&seen).into_owned()
 }
 
 fn post(path: &str, body: &str, host: &str) -> Vec<u8> {
