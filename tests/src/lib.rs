@@ -517,7 +517,11 @@ pub fn sse(url: &str, body: &str) -> Vec<String> {
         .header("content-type", "application/json")
         .send(body)
         .expect("the streamed request is answered");
-    assert_eq!(reply.status().as_u16(), 200, "a streamed reply");
+    let status = reply.status().as_u16();
+    if status != 200 {
+        let body = reply.body_mut().read_to_string().unwrap_or_default();
+        panic!("a streamed reply answered {status}: {body}");
+    }
     let reader = BufReader::new(reply.body_mut().as_reader());
     reader
         .lines()

@@ -378,3 +378,38 @@ fn the_histograms_time_a_streams_first_token_and_its_events_on_both_engines() {
         "{scraped}"
     );
 }
+
+#[test]
+fn polling_serve_never_changes_what_the_next_scrape_shows() {
+    let dir = temp_dir("observe-status-reads");
+    let model = dummy_model(&dir, "m.gguf");
+    let serve = Serve::with_fake(&model, &[], &[]);
+    serve.ready();
+    let (status, _, text) = post_with_id(&serve, STREAMED, None);
+    assert_eq!(status, 200, "{text}");
+    let (_, first) = get(&serve.url("/metrics"));
+    assert!(
+        first.contains(r#"onebit_requests_total{path_class="chat""#),
+        "the chat is counted:\n{first}"
+    );
+    // What a monitor and llama.cpp's own tests poll: health, models, props, slots, the scrape.
+    for path in [
+        "/health",
+        "/v1/models",
+        "/models",
+        "/props",
+        "/slots",
+        "/metrics",
+    ] {
+        let (status, body) = get(&serve.url(path));
+        assert!(status < 500, "{path}: {status} {body}");
+    }
+    let (_, second) = get(&serve.url("/metrics"));
+    let own = |text: &str| {
+        text.lines()
+            .filter(|l| l.starts_with("onebit_requests") || l.starts_with("onebit_request_"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(own(&first), own(&second));
+}

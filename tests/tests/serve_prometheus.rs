@@ -71,6 +71,26 @@ impl Prometheus {
         assert_eq!(v["status"], "success", "{expr}: {body}");
         v["data"]["result"].as_array().cloned().unwrap_or_default()
     }
+
+    /// A range query from `start` (Unix seconds) to now, one point a second: the API's
+    /// `data.result`.
+    fn query_range(&self, expr: &str, start: f64) -> Vec<serde_json::Value> {
+        let end = unix_now();
+        let mut url = self.url("/api/v1/query_range?query=");
+        url.push_str(&percent_encoded(expr));
+        url.push_str(&format!("&start={start:.3}&end={end:.3}&step=1"));
+        let (status, body) = get(&url);
+        assert_eq!(status, 200, "{expr}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["data"]["result"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }
 
 impl Drop for Prometheus {
@@ -108,6 +128,62 @@ fn dashboard_exprs() -> Vec<(String, String)> {
         }
     }
     exprs
+}
+
+/// The dashboard's panels as Prometheus answers their queries over the run begun at `start`,
+/// for `cargo xtask dashboard` to draw: `{"panels": [{"title", "type", "unit", "series":
+/// [{"legend", "points": [[seconds since start, value], ...]}]}]}`.
+fn answered_panels(prometheus: &Prometheus, start: f64) -> serde_json::Value {
+    let path = route_fixture::root().join("docs/grafana/1bit-serve.json");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut panels = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        let mut series = Vec::new();
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$__rate_interval", "30s");
+            let legend = target["legendFormat"].as_str().unwrap_or("");
+            for answer in prometheus.query_range(&expr, start) {
+                let points: Vec<[f64; 2]> = answer["values"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|p| {
+                        let v: f64 = p[1].as_str()?.parse().ok()?;
+                        v.is_finite().then_some([p[0].as_f64()? - start, v])
+                    })
+                    .collect();
+                series.push(serde_json::json!({
+                    "legend": legend_of(legend, &answer["metric"]),
+                    "points": points,
+                }));
+            }
+        }
+        panels.push(serde_json::json!({
+            "title": panel["title"],
+            "type": panel["type"],
+            "unit": panel["fieldConfig"]["defaults"]["unit"],
+            "series": series,
+        }));
+    }
+    serde_json::json!({
+        "caption": "1bit serve, cpu route, SmolLM2-135M: six streamed chats as a real Prometheus scraped them",
+        "panels": panels,
+    })
+}
+
+/// Grafana's legend format with each `{{label}}` replaced by the series' label value.
+fn legend_of(format: &str, metric: &serde_json::Value) -> String {
+    let mut legend = format.to_string();
+    if let Some(labels) = metric.as_object() {
+        for (name, value) in labels {
+            legend = legend.replace(&format!("{{{{{name}}}}}"), value.as_str().unwrap_or(""));
+        }
+    }
+    legend
 }
 
 /// A sysfs with one amdgpu card's GTT (this machine has none), for the memory panel.
@@ -163,6 +239,7 @@ fn every_dashboard_expression_returns_data_from_a_real_prometheus() {
         serve.output()
     );
     let prometheus = Prometheus::start(&dir, &format!("127.0.0.1:{}", serve.port));
+    let start = unix_now();
     let scraped = |expr: &str| !prometheus.query(expr).is_empty();
     assert!(
         wait_until(Duration::from_secs(30), || scraped("onebit_up")),
@@ -200,4 +277,9 @@ fn every_dashboard_expression_returns_data_from_a_real_prometheus() {
         "panels without data:\n{}",
         empty.join("\n")
     );
+    // What the panels showed, for `cargo xtask dashboard` to draw (docs/grafana/1bit-serve.svg).
+    if let Ok(path) = std::env::var("ONEBIT_DASHBOARD_DATA") {
+        let answers = answered_panels(&prometheus, start);
+        std::fs::write(path, answers.to_string()).unwrap();
+    }
 }

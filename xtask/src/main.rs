@@ -4,6 +4,7 @@
 mod addon;
 mod bench;
 mod cache;
+mod dashboard;
 mod install;
 mod laya_eval;
 mod llama_suite;
@@ -29,13 +30,16 @@ usage: cargo xtask <subcommand>
   setup             install the pinned llama-server and models into the cache (fast when done)
   serve [ARGS...]   setup, build 1bit in release mode, serve the default model on 127.0.0.1:8000
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
-  bench [PART...] [--quick]  serve against llama-server direct and nginx: hop, throughput,
+  bench [PART...] [--quick] [--baseline PATH]  serve against llama-server direct and nginx
+                    (and, on the hop, another build's 1bit at PATH): hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/); alone:
                     inproc (the fixture route), inproc-llama (the inproc add-on against the hop),
                     stop (SIGTERM to exit on every kind of route, idle and streaming)
   soak [--minutes N]  N minutes (20) of mixed traffic and faults, half on the cpu route, half on
                     the inproc add-on, then a watchdog kill; the report of outcomes, corrupted
                     streams, RSS, FD and task slopes, the stops, what was left
+  dashboard         the Grafana dashboard's test against a real Prometheus, and the picture
+                    of its panels from that run (docs/grafana/1bit-serve.svg)
   addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
   laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
   llama-suite [--timeout S] [PYTEST ARGS...]  llama.cpp's server tests, direct and through the
@@ -100,6 +104,7 @@ fn main() -> ExitCode {
         Some("addon") => Workspace::load().and_then(|ws| addon::run(&ws, &rest)),
         Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
         Some("soak") => Workspace::load().and_then(|ws| soak::run(&ws, &rest)),
+        Some("dashboard") => Workspace::load().and_then(|ws| dashboard::run(&ws, &rest)),
         Some("laya-eval") => no_arguments("laya-eval", &rest)
             .and_then(|()| Workspace::load())
             .and_then(|ws| laya_eval::run(&ws)),
@@ -114,7 +119,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, addon, laya-eval, llama-suite, paths, install (`cargo xtask help`)",
+            "use one of setup, serve, test, bench, soak, dashboard, addon, laya-eval, llama-suite, paths, install (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

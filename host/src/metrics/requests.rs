@@ -60,13 +60,11 @@ pub enum PathClass {
     Completion,
     /// `/v1/embeddings`, `/embedding(s)`.
     Embedding,
-    /// `/v1/models`, `/models`.
-    Models,
-    /// `/health`, `/v1/health`.
-    Health,
-    /// `/metrics`.
-    Metrics,
-    /// Anything else (tokenize, slots, props, unknown paths).
+    /// A status read: `/health`, `/metrics`, `/props`, `/slots`, `/models` (with or without
+    /// `/v1`). Not counted in any series, so a scrape or a health poll never changes what the
+    /// next scrape shows (as llama-server's own counters leave them out).
+    Status,
+    /// Anything else (tokenize, a slot's save or restore, unknown paths).
     Other,
 }
 
@@ -78,9 +76,7 @@ impl PathClass {
             "/chat/completions" => PathClass::Chat,
             "/completions" | "/completion" => PathClass::Completion,
             "/embeddings" | "/embedding" => PathClass::Embedding,
-            "/models" => PathClass::Models,
-            "/health" => PathClass::Health,
-            "/metrics" => PathClass::Metrics,
+            "/health" | "/metrics" | "/props" | "/slots" | "/models" => PathClass::Status,
             _ => PathClass::Other,
         }
     }
@@ -90,9 +86,7 @@ impl PathClass {
             PathClass::Chat => "chat",
             PathClass::Completion => "completion",
             PathClass::Embedding => "embedding",
-            PathClass::Models => "models",
-            PathClass::Health => "health",
-            PathClass::Metrics => "metrics",
+            PathClass::Status => "status",
             PathClass::Other => "other",
         }
     }
@@ -233,6 +227,9 @@ impl Default for RequestSeries {
 impl RequestSeries {
     /// One request answered with `status` (counted when its reply head goes out).
     pub fn count(&self, path: PathClass, status: u16, engine: Engine) {
+        if path == PathClass::Status {
+            return;
+        }
         self.requests
             .get_or_create(&RequestLabels {
                 path_class: path,
@@ -246,7 +243,10 @@ impl RequestSeries {
     }
 
     /// The time serve added to one relayed request (see the module's text).
-    pub fn added(&self, engine: Engine, added: Duration) {
+    pub fn added(&self, path: PathClass, engine: Engine, added: Duration) {
+        if path == PathClass::Status {
+            return;
+        }
         self.added
             .get_or_create(&EngineLabels { engine })
             .observe(added.as_secs_f64());
@@ -257,6 +257,9 @@ impl RequestSeries {
 
     /// One request's whole time, from in hand to its reply's end (or the client's leaving).
     pub fn lasted(&self, path: PathClass, engine: Engine, lasted: Duration) {
+        if path == PathClass::Status {
+            return;
+        }
         self.duration
             .get_or_create(&RouteLabels {
                 path_class: path,
@@ -340,7 +343,10 @@ mod tests {
         assert_eq!(PathClass::of("/chat/completions"), PathClass::Chat);
         assert_eq!(PathClass::of("/completion"), PathClass::Completion);
         assert_eq!(PathClass::of("/v1/embeddings"), PathClass::Embedding);
-        assert_eq!(PathClass::of("/v1/health"), PathClass::Health);
+        assert_eq!(PathClass::of("/v1/health"), PathClass::Status);
+        assert_eq!(PathClass::of("/props"), PathClass::Status);
+        assert_eq!(PathClass::of("/v1/models"), PathClass::Status);
+        assert_eq!(PathClass::of("/slots/0"), PathClass::Other);
         assert_eq!(PathClass::of("/v1/chat/completions/x"), PathClass::Other);
         assert_eq!(PathClass::of("/tokenize"), PathClass::Other);
     }
@@ -355,7 +361,7 @@ mod tests {
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Other, 404, Engine::General);
-        series.added(Engine::Fast, Duration::from_micros(30));
+        series.added(PathClass::Chat, Engine::Fast, Duration::from_micros(30));
         let text = series.render(3);
         assert!(text.contains("onebit_requests_in_flight 3"), "{text}");
         assert!(
@@ -374,5 +380,19 @@ mod tests {
                 ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn status_reads_are_in_no_series() {
+        let series = RequestSeries::default();
+        series.count(PathClass::Chat, 200, Engine::Fast);
+        let before = series.render(0);
+        for path in ["/metrics", "/health", "/v1/models", "/props", "/slots"] {
+            let class = PathClass::of(path);
+            series.count(class, 200, Engine::General);
+            series.added(class, Engine::Fast, Duration::from_micros(30));
+            series.lasted(class, Engine::General, Duration::from_millis(2));
+        }
+        assert_eq!(series.render(0), before);
     }
 }

@@ -472,7 +472,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             out.clear();
             if !std::mem::replace(&mut head_written, true) {
                 added = began.elapsed().saturating_sub(backend_time);
-                app.requests.added(Engine::Fast, added);
+                app.requests.added(fast.path, Engine::Fast, added);
             }
             if take > 0 {
                 bytes += take as u64;

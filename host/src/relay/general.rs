@@ -187,7 +187,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         }
         sse_keepalive::Waited::Silent(pending) => {
             let added = began.elapsed().saturating_sub(sent_at.elapsed());
-            app.requests.added(Engine::General, added);
+            app.requests.added(path, Engine::General, added);
             let streamed = Streamed::new(&app, &plan, began, path);
             let wrap = move |body| watched(body, ticket, on_first_byte, in_flight, streamed);
             let mut response = sse_keepalive::early_stream(pending, wrap, app.device.clone());
@@ -198,7 +198,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     let mut backend_time = sent_at.elapsed();
     let added = |backend_time: Duration| {
         let added = began.elapsed().saturating_sub(backend_time);
-        app.requests.added(Engine::General, added);
+        app.requests.added(path, Engine::General, added);
         Relayed { backend, added }
     };
     let (mut reply_parts, reply_body) = reply.into_parts();

@@ -129,18 +129,34 @@ fn panel_svg(s: &mut String, x0: f64, y0: f64, panel: &Panel) {
     }
 }
 
-/// 1, 2 or 5 times a power of ten, at least `v`.
-fn nice_ceiling(v: f64) -> f64 {
-    let p = 10f64.powf(v.log10().floor());
+/// The next 1, 2 or 5 times a power of ten at or above `v` (1 for nothing to draw).
+pub fn nice_ceiling(v: f64) -> f64 {
+    if !v.is_finite() || v <= 0.0 {
+        return 1.0;
+    }
+    let power = 10f64.powf(v.log10().floor());
     [1.0, 2.0, 5.0, 10.0]
-        .iter()
-        .map(|m| m * p)
+        .into_iter()
+        .map(|m| m * power)
         .find(|c| *c >= v)
-        .unwrap_or(10.0 * p)
+        .unwrap_or(10.0 * power)
 }
 
-fn escape(text: &str) -> String {
+/// `text` safe inside SVG text.
+pub fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_axis_ends_on_a_round_number() {
+        assert_eq!(nice_ceiling(0.013), 0.02);
+        assert_eq!(nice_ceiling(4.2), 5.0);
+        assert_eq!(nice_ceiling(0.0), 1.0);
+    }
 }

@@ -11,7 +11,7 @@
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
 
 mod arms;
-mod chart;
+pub(crate) mod chart;
 mod client;
 mod inproc;
 mod inproc_llama;
@@ -31,7 +31,7 @@ use client::Conn;
 
 use crate::{Failure, Workspace, process, setup};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick]`, `cargo xtask bench inproc [--quick]` or `cargo xtask bench stop [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench inproc [--quick]` or `cargo xtask bench stop [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -54,6 +54,9 @@ struct Parts {
 struct Options {
     parts: Parts,
     quick: bool,
+    /// Another build's `1bit` (`--baseline PATH`): a fourth arm on the hop, so a change's
+    /// added time is compared with its parent's in the same run.
+    baseline: Option<PathBuf>,
 }
 
 impl Options {
@@ -61,10 +64,22 @@ impl Options {
         let mut parts = Parts::default();
         let mut any = false;
         let mut quick = false;
-        for arg in args {
-            any |= arg != "--quick";
+        let mut baseline = None;
+        let mut args = args.iter();
+        while let Some(arg) = args.next() {
+            any |= arg != "--quick" && arg != "--baseline";
             match arg.as_str() {
                 "--quick" => quick = true,
+                "--baseline" => {
+                    let path = args.next().map(PathBuf::from).filter(|p| p.is_file());
+                    let Some(path) = path else {
+                        return Err(Failure::new(
+                            "--baseline needs the path of another build's `1bit`",
+                            "build the parent commit in a worktree and pass its target/release/1bit",
+                        ));
+                    };
+                    baseline = Some(path);
+                }
                 "hop" => parts.hop = true,
                 "throughput" => parts.throughput = true,
                 "sse" => parts.sse = true,
@@ -88,7 +103,11 @@ impl Options {
                 rpc: true,
             };
         }
-        Ok(Options { parts, quick })
+        Ok(Options {
+            parts,
+            quick,
+            baseline,
+        })
     }
 }
 
@@ -139,6 +158,7 @@ pub fn regression_check(ws: &Workspace) -> Result<Gate, Failure> {
             ..Parts::default()
         },
         quick: true,
+        baseline: None,
     };
     let mut failed = Vec::new();
     let mut noisy = Vec::new();
@@ -300,10 +320,30 @@ fn proxied(
         &mut arms::nginx(&nginx_bin, scratch, nginx_addr, direct_addr)?,
         scratch,
     )?;
+    let mut baseline = match options.baseline.as_deref().filter(|_| options.parts.hop) {
+        Some(onebit) => {
+            let addr = arms::free_addr()?;
+            let command = &mut arms::serve(onebit, &model, addr, None);
+            Some(Server::spawn(
+                "1bit serve (baseline)",
+                addr,
+                command,
+                scratch,
+            )?)
+        }
+        None => None,
+    };
     all_healthy(&mut [&mut direct, &mut serve, &mut nginx], began)?;
-    let addrs = [direct.addr, serve.addr, nginx.addr];
-    let servers = [&direct, &serve, &nginx];
-    for (server, addr) in servers.iter().zip(addrs) {
+    if let Some(baseline) = baseline.as_mut() {
+        baseline.wait_healthy(began, READY_LIMIT)?;
+    }
+    let mut addrs = vec![direct.addr, serve.addr, nginx.addr];
+    let mut servers = vec![&direct, &serve, &nginx];
+    if let Some(baseline) = &baseline {
+        addrs.push(baseline.addr);
+        servers.push(baseline);
+    }
+    for (server, addr) in servers.iter().zip(addrs.iter().copied()) {
         warm_up(addr).map_err(|e| server.failure(e))?;
     }
     let serve_pid = serve.pid();
@@ -319,10 +359,10 @@ fn proxied(
             blocks * per_block
         );
         let mut hop = Hop::default();
-        let mut keep_alive: [Option<Conn>; 3] = [None, None, None];
+        let mut keep_alive: [Option<Conn>; 4] = [None, None, None, None];
         for block in 0..blocks {
-            for rotate in 0..3 {
-                let arm = (block + rotate) % 3;
+            for rotate in 0..addrs.len() {
+                let arm = (block + rotate) % addrs.len();
                 let fail = |e: String| servers[arm].failure(e);
                 hop.keep_alive_block(arm, addrs[arm], &mut keep_alive[arm], per_block)
                     .map_err(fail)?;
@@ -391,13 +431,14 @@ fn warm_up(addr: SocketAddr) -> Result<(), String> {
     Ok(())
 }
 
-/// Per-request latencies (µs) of the hop, per arm.
+/// Per-request latencies (µs) of the hop, per arm: direct, serve, nginx, and the baseline
+/// serve (empty without `--baseline`).
 #[derive(Default)]
 struct Hop {
-    keep_alive: [Vec<f64>; 3],
-    new_connection: [Vec<f64>; 3],
+    keep_alive: [Vec<f64>; 4],
+    new_connection: [Vec<f64>; 4],
     /// Keep-alive connections the server closed, per arm (the next request reconnects).
-    reconnects: [u64; 3],
+    reconnects: [u64; 4],
 }
 
 impl Hop {
@@ -815,7 +856,7 @@ impl Report {
     /// serve's and nginx's added p50 on the hop, keep-alive and new connection.
     fn added_p50(&self) -> Option<[[f64; 2]; 2]> {
         let hop = self.hop.as_ref()?;
-        let added = |samples: &[Vec<f64>; 3], arm: usize| {
+        let added = |samples: &[Vec<f64>; 4], arm: usize| {
             percentile(&samples[arm], 0.5) - percentile(&samples[0], 0.5)
         };
         Some([
@@ -867,6 +908,17 @@ impl Report {
                 measured: format!("serve {nc_serve:+.1} µs, nginx {nc_nginx:+.1} µs"),
                 met: nc_serve <= nc_nginx && nc_serve <= 50.0,
             });
+            if !hop.keep_alive[3].is_empty() {
+                let added = |arm: usize| {
+                    percentile(&hop.keep_alive[arm], 0.5) - percentile(&hop.keep_alive[0], 0.5)
+                };
+                let (this, baseline) = (added(1), added(3));
+                targets.push(Target {
+                    text: "hop added p50 within 2 µs of the --baseline build's (keep-alive)",
+                    measured: format!("this {this:+.1} µs, baseline {baseline:+.1} µs"),
+                    met: this - baseline <= 2.0,
+                });
+            }
         }
         if let Some(rps) = self.throughput {
             rows.push(Row {
@@ -1110,6 +1162,12 @@ impl Report {
                     .collect();
                 distributions.insert(mode.into(), serde_json::Value::Object(arms));
             }
+            if !hop.keep_alive[3].is_empty() {
+                distributions.insert(
+                    "hop_keep_alive_baseline".into(),
+                    serde_json::json!(quantiles(&hop.keep_alive[3])),
+                );
+            }
             distributions.insert(
                 "keep_alive_reconnects".into(),
                 serde_json::json!(hop.reconnects),
@@ -1213,5 +1271,34 @@ mod tests {
         // nginx adding nothing (or less than nothing) measured the machine, not the hop.
         assert!(matches!(gate_verdict(367.3, -9.8), Gate::Noisy(_)));
         assert!(matches!(gate_verdict(5.0, 9.9), Gate::Noisy(_)));
+    }
+
+    #[test]
+    fn a_baseline_is_another_build_and_only_that() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let cargo = std::env::var("CARGO").expect("cargo runs the tests");
+        let options = Options::parse(&args(&["hop", "--baseline", &cargo])).unwrap();
+        assert_eq!(options.baseline.as_deref(), Some(Path::new(&cargo)));
+        assert!(options.parts.hop && !options.parts.sse);
+        // Alone, --baseline runs every part, as no part named does.
+        assert!(
+            Options::parse(&args(&["--baseline", &cargo]))
+                .unwrap()
+                .parts
+                .sse
+        );
+        for bad in [
+            &["hop", "--baseline"][..],
+            &["--baseline", "/nonexistent/1bit"],
+        ] {
+            let Err(failure) = Options::parse(&args(bad)) else {
+                panic!("{bad:?} was taken");
+            };
+            assert!(
+                failure.0.contains("another build's `1bit`"),
+                "{}",
+                failure.0
+            );
+        }
     }
 }
