@@ -334,7 +334,15 @@ fn answer(
 
 /// The answer checks, on the plan's first in-process path.
 fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
-    // A whole answer.
+    whole_answer(route, path, report);
+    streamed_answers(route, path, report);
+    client_leaves(route, path, report);
+    bad_input(route, path, report);
+    panic_contained(route, path, report);
+}
+
+/// A whole answer: one 200 application/json head and a JSON body.
+fn whole_answer(route: &LoadedRoute, path: &str, report: &mut Report) {
     match answer(route, path, body(false, &[]), false, None, Panic::No) {
         Ok((Ok(()), seen, took)) => match seen.heads.as_slice() {
             [(200, ct)] if ct.starts_with("application/json") && !seen.body.is_empty() => {
@@ -362,7 +370,11 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
         Ok((Err(e), _, _)) => report.fail("whole answer", e.to_string()),
         Err(e) => report.fail("whole answer", e),
     }
-    // A streamed answer.
+}
+
+/// A streamed answer, and a slow reader: each send blocks a while, as the host's does when its
+/// buffer is full; the route must wait, not fail or skip.
+fn streamed_answers(route: &LoadedRoute, path: &str, report: &mut Report) {
     let streamed = |slow: bool| answer(route, path, body(true, &[]), slow, None, Panic::No);
     type Answered = Result<(Result<(), RespondError>, Seen, Duration), String>;
     let check_stream = |name: &str, outcome: Answered, report: &mut Report| match outcome {
@@ -397,10 +409,11 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
         Err(e) => report.fail(name, e),
     };
     check_stream("streamed answer", streamed(false), report);
-    // A slow reader: each send blocks a while, as the host's does when its buffer is full;
-    // the route must wait, not fail or skip.
     check_stream("slow reader", streamed(true), report);
-    // A client that leaves after the first send: the route must stop sending and return.
+}
+
+/// A client that leaves after the first send: the route must stop sending and return.
+fn client_leaves(route: &LoadedRoute, path: &str, report: &mut Report) {
     match answer(route, path, body(true, &[]), false, Some(1), Panic::No) {
         Ok((_, seen, took)) if seen.sends_after_gone <= 1 => report.ok(
             "client leaves",
@@ -415,7 +428,10 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
         ),
         Err(e) => report.fail("client leaves", e),
     }
-    // Bad input: the route answers it (an error reply or an error), it does not crash.
+}
+
+/// Bad input: the route answers it (an error reply or an error), it does not crash.
+fn bad_input(route: &LoadedRoute, path: &str, report: &mut Report) {
     match answer(
         route,
         path,
@@ -434,9 +450,12 @@ fn answers(route: &LoadedRoute, path: &str, report: &mut Report) {
         Ok((Err(e), _, _)) => report.fail("bad input", e.to_string()),
         Err(e) => report.fail("bad input", e),
     }
-    // A panic, asked of the route's export layer (ABI 1.5): it panics at the route's first
-    // sink call, inside the route's `respond`; the boundary must catch it and the route must
-    // answer again afterwards.
+}
+
+/// A panic, asked of the route's export layer (ABI 1.5): it panics at the route's first sink
+/// call, inside the route's `respond`; the boundary must catch it and the route must answer
+/// again afterwards.
+fn panic_contained(route: &LoadedRoute, path: &str, report: &mut Report) {
     if !route.can_be_asked_to_panic() {
         report.skip(
             "panic contained",
