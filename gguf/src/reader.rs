@@ -366,7 +366,33 @@ pub(crate) fn parse<R: BufRead>(
         name,
         keep_arrays_up_to,
     };
+    let version = preamble(&mut c)?;
+    let (tensor_count, kv_count) = counts(&mut c)?;
+    let metadata = metadata(&mut c, kv_count)?;
+    let alignment = alignment(&metadata, name)?;
+    let tensors = tensor_table(&mut c, tensor_count)?;
 
+    // llama.cpp pads to the alignment only when there is tensor data to align.
+    let data_offset = if tensor_count > 0 {
+        c.pos.div_ceil(alignment).saturating_mul(alignment)
+    } else {
+        c.pos
+    };
+
+    Ok(Header {
+        source: name.to_owned(),
+        version,
+        tensor_count,
+        metadata,
+        tensors,
+        alignment,
+        data_offset,
+    })
+}
+
+/// The magic and the version (2 or 3).
+fn preamble<R: BufRead>(c: &mut Cursor<'_, R>) -> Result<u32, Error> {
+    let len = c.len;
     if c.remaining() < 4 {
         return Err(c.err(
             0,
@@ -410,6 +436,11 @@ pub(crate) fn parse<R: BufRead>(
         }
     }
 
+    Ok(version)
+}
+
+/// The tensor and key/value counts, each checked against the bytes left.
+fn counts<R: BufRead>(c: &mut Cursor<'_, R>) -> Result<(u64, u64), Error> {
     let tensor_count_at = c.pos;
     let tensor_count = c.i64("the tensor count")?;
     let kv_count_at = c.pos;
@@ -432,6 +463,11 @@ pub(crate) fn parse<R: BufRead>(
     // Both tables share the rest of the file, so their sum must fit as well.
     c.check_count(tensor_count_at, tensor_count, MIN_TENSOR_BYTES, "tensors")?;
 
+    Ok((tensor_count, kv_count))
+}
+
+/// The key/value pairs: no empty key, none twice.
+fn metadata<R: BufRead>(c: &mut Cursor<'_, R>, kv_count: u64) -> Result<Metadata, Error> {
     let mut metadata = Metadata::new();
     for i in 0..kv_count {
         let at = c.pos;
@@ -455,6 +491,11 @@ pub(crate) fn parse<R: BufRead>(
         }
     }
 
+    Ok(metadata)
+}
+
+/// `general.alignment`, a u32 power of two, or the default.
+fn alignment(metadata: &Metadata, name: &str) -> Result<u64, Error> {
     let alignment = match metadata.get("general.alignment") {
         None => DEFAULT_ALIGNMENT,
         Some(Value::U32(a)) if a.is_power_of_two() => u64::from(*a),
@@ -474,6 +515,14 @@ pub(crate) fn parse<R: BufRead>(
         }
     };
 
+    Ok(alignment)
+}
+
+/// The tensor infos: counted again now that the metadata is read, no name twice.
+fn tensor_table<R: BufRead>(
+    c: &mut Cursor<'_, R>,
+    tensor_count: u64,
+) -> Result<Vec<TensorInfo>, Error> {
     // Counted again now that the metadata is read: it may have eaten the room they claimed.
     let tensors_at = c.pos;
     c.check_count(tensors_at, tensor_count, MIN_TENSOR_BYTES, "tensors")?;
@@ -492,20 +541,5 @@ pub(crate) fn parse<R: BufRead>(
         tensors.push(info);
     }
 
-    // llama.cpp pads to the alignment only when there is tensor data to align.
-    let data_offset = if tensor_count > 0 {
-        c.pos.div_ceil(alignment).saturating_mul(alignment)
-    } else {
-        c.pos
-    };
-
-    Ok(Header {
-        source: name.to_owned(),
-        version,
-        tensor_count,
-        metadata,
-        tensors,
-        alignment,
-        data_offset,
-    })
+    Ok(tensors)
 }
