@@ -882,6 +882,15 @@ impl Report {
     fn build_rows(&mut self) {
         let mut rows = Vec::new();
         let mut targets = Vec::new();
+        self.hop_rows(&mut rows, &mut targets);
+        self.load_rows(&mut rows, &mut targets);
+        self.resource_rows(&mut rows, &mut targets);
+        self.rows = rows;
+        self.targets = targets;
+    }
+
+    /// The hop's latencies and targets (and the baseline's, when there is one).
+    fn hop_rows(&self, rows: &mut Vec<Row>, targets: &mut Vec<Target>) {
         if let Some(hop) = &self.hop {
             for (mode, samples) in [
                 ("keep-alive", &hop.keep_alive),
@@ -920,6 +929,10 @@ impl Report {
                 });
             }
         }
+    }
+
+    /// Throughput and the SSE stream's delays.
+    fn load_rows(&self, rows: &mut Vec<Row>, targets: &mut Vec<Target>) {
         if let Some(rps) = self.throughput {
             rows.push(Row {
                 figure: format!("throughput /tokenize, {CLIENTS} clients"),
@@ -972,6 +985,10 @@ impl Report {
                 met: sse.held[1] == 0,
             });
         }
+    }
+
+    /// Start-up, serve's RSS and the memory check.
+    fn resource_rows(&self, rows: &mut Vec<Row>, targets: &mut Vec<Target>) {
         if let Some([direct, serve]) = self.startup_ms {
             rows.push(Row {
                 figure: "start-up to /health 200 (median)".into(),
@@ -1032,8 +1049,6 @@ impl Report {
                 met: huge <= 5.0,
             });
         }
-        self.rows = rows;
-        self.targets = targets;
     }
 
     /// Prints the table, the targets and the CI rule; writes the JSON and the chart.
