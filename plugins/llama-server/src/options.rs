@@ -66,10 +66,41 @@ pub fn model_args(
 ) -> Result<ModelArgs, Refusal> {
     let o = &request.options;
     let mut out = ModelArgs::default();
-    let arch = request.model.architecture.as_deref().unwrap_or("");
-    let on_hrx = route == "hrx";
+    let parallel = slots(request, route == "hrx", &mut out)?;
+    let header = model_header(request);
+    if let Some(role) = role(request) {
+        let n = ctx.unwrap_or(ROLE_CTX).to_string();
+        push(&mut out.argv, &[&format!("--{role}"), "-b", &n, "-ub", &n]);
+        // A model that names no pooling of its own (a chat model asked for embeddings) would
+        // get none, which the OpenAI embeddings route refuses: pool it by the mean.
+        if role == "embedding" && !crate::rag::has_pooling(header.as_ref()) {
+            push(&mut out.argv, &["--pooling", "mean"]);
+        }
+    }
+    let own_heads = header.as_ref().map(nextn_layers).unwrap_or(0) > 0;
+    let one_slot = parallel.unwrap_or(1) <= 1;
+    drafting(
+        request,
+        ctx,
+        route == "hrx" && own_heads && one_slot,
+        &mut out,
+    )?;
+    // Images.
+    if let Some(mmproj) = &o.mmproj {
+        out.extra_weights_bytes += drafter_file(mmproj, "--mmproj")?;
+        push(
+            &mut out.argv,
+            &["--mmproj", mmproj, "-b", "4096", "-ub", "4096"],
+        );
+    }
+    Ok(out)
+}
 
-    // Slots.
+/// The slots (`-np`), one on HRX for a gated delta-net model, and HRX's unified KV for more
+/// than one. Returns the slots asked for.
+fn slots(request: &PlanRequest, on_hrx: bool, out: &mut ModelArgs) -> Result<Option<u32>, Refusal> {
+    let o = &request.options;
+    let arch = request.model.architecture.as_deref().unwrap_or("");
     let mut parallel = o.parallel;
     if on_hrx && GATED_DELTA_NET.contains(&arch) {
         match parallel {
@@ -117,19 +148,18 @@ pub fn model_args(
         }
     }
 
-    // Roles.
-    let header = model_header(request);
-    if let Some(role) = role(request) {
-        let n = ctx.unwrap_or(ROLE_CTX).to_string();
-        push(&mut out.argv, &[&format!("--{role}"), "-b", &n, "-ub", &n]);
-        // A model that names no pooling of its own (a chat model asked for embeddings) would
-        // get none, which the OpenAI embeddings route refuses: pool it by the mean.
-        if role == "embedding" && !crate::rag::has_pooling(header.as_ref()) {
-            push(&mut out.argv, &["--pooling", "mean"]);
-        }
-    }
+    Ok(parallel)
+}
 
-    // Drafting.
+/// A drafter: `--mtp HEAD`, `--dflash DRAFT`, or the model's own MTP layers where
+/// `own_mtp_fits` (on HRX, one slot, heads of its own), and the draft's settings.
+fn drafting(
+    request: &PlanRequest,
+    ctx: Option<u64>,
+    own_mtp_fits: bool,
+    out: &mut ModelArgs,
+) -> Result<(), Refusal> {
+    let o = &request.options;
     let no_mtp = o.no_mtp
         || request
             .env
@@ -169,9 +199,7 @@ pub fn model_args(
             out.extra_kv_bytes += drafter_kv(draft, request, ctx);
         }
         (None, None) => {
-            let own_heads = header.as_ref().map(nextn_layers).unwrap_or(0) > 0;
-            let one_slot = parallel.unwrap_or(1) <= 1;
-            if on_hrx && own_heads && !no_mtp && one_slot && role(request).is_none() {
+            if own_mtp_fits && !no_mtp && role(request).is_none() {
                 push(&mut out.argv, &["--spec-type", "draft-mtp"]);
                 out.notes.push(
                     "drafting with the model's own MTP layers (--no-mtp turns it off)".to_string(),
@@ -197,15 +225,7 @@ pub fn model_args(
         ));
     }
 
-    // Images.
-    if let Some(mmproj) = &o.mmproj {
-        out.extra_weights_bytes += drafter_file(mmproj, "--mmproj")?;
-        push(
-            &mut out.argv,
-            &["--mmproj", mmproj, "-b", "4096", "-ub", "4096"],
-        );
-    }
-    Ok(out)
+    Ok(())
 }
 
 fn push(argv: &mut Vec<String>, items: &[&str]) {
