@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use onebit_plugin_api::process::{self, Process};
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::backends::supervisor::describe_exit;
 use crate::cli::WorkerArgs;
@@ -106,14 +106,51 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
     // The signal handlers go in before the worker starts, so a SIGTERM at any point after
     // is forwarded rather than killing this process and leaving the worker to PDEATHSIG.
     let _guard = runtime.enter();
-    let (Ok(mut term), Ok(mut int)) = (
+    let (Ok(term), Ok(int)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
     ) else {
         return Err((exit::BACKEND, "cannot install signal handlers".to_string()));
     };
 
-    let mut command = Command::new(&binary);
+    let child = spawn_worker(&binary, worker_host, worker_port, args.threads)?;
+    let pid = child.pid();
+    let child = std::sync::Arc::new(child);
+    let probe_at = if host.is_unspecified() {
+        format!("127.0.0.1:{port}")
+    } else {
+        endpoint.clone()
+    };
+
+    let worker = Worker {
+        child,
+        pid,
+        binary,
+        endpoint,
+        probe_at,
+    };
+    runtime.block_on(watch(worker, term, int))
+}
+
+/// The started worker, as [`watch`] follows it.
+struct Worker {
+    child: std::sync::Arc<Process>,
+    pid: u32,
+    binary: PathBuf,
+    /// The address announced (the relay's with --mem).
+    endpoint: String,
+    /// Where the readiness probe asks.
+    probe_at: String,
+}
+
+/// The worker started with this command's settings; its stdout joins stderr.
+fn spawn_worker(
+    binary: &Path,
+    worker_host: Ipv4Addr,
+    worker_port: u16,
+    threads: Option<u32>,
+) -> Result<Process, (i32, String)> {
+    let mut command = Command::new(binary);
     command
         .args([
             "--host",
@@ -123,7 +160,7 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
         ])
         .stdin(Stdio::null())
         .stderr(Stdio::inherit());
-    if let Some(n) = args.threads {
+    if let Some(n) = threads {
         command.args(["--threads", &n.to_string()]);
     }
     // The worker prints a line on stdout per client connection; this command's stdout is its
@@ -131,94 +168,95 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
     if let Ok(err) = std::io::stderr().as_fd().try_clone_to_owned() {
         command.stdout(Stdio::from(err));
     }
-    let child = process::spawn(command).map_err(|e| {
+    process::spawn(command).map_err(|e| {
         (
             exit::BACKEND,
             format!("could not start {} ({e})", binary.display()),
         )
-    })?;
-    let pid = child.pid();
-    let child = std::sync::Arc::new(child);
-    let probe_at = if host.is_unspecified() {
-        format!("127.0.0.1:{port}")
-    } else {
-        endpoint.clone()
-    };
+    })
+}
 
-    runtime.block_on(async move {
-        let mut waiter = {
-            let child = child.clone();
-            tokio::task::spawn_blocking(move || child.wait())
-        };
-        // Ready when it answers the probe; a worker that exits first, or a signal, ends it.
-        let ready = async {
-            let started = Instant::now();
-            loop {
-                let at = probe_at.clone();
-                let asked =
-                    tokio::task::spawn_blocking(move || probe::ask(&at, probe::ANSWER_WITHIN))
-                        .await;
-                match asked {
-                    Ok(Ok(offer)) => return Ok(offer),
-                    Ok(Err(e)) if started.elapsed() > READY_WITHIN => {
-                        return Err(format!("{e}; gave up after {} s", READY_WITHIN.as_secs()));
-                    }
-                    _ => tokio::time::sleep(Duration::from_millis(20)).await,
+/// Announce the worker once it answers, then wait for its exit or a signal, and stop it on
+/// the signal. The exit status this command ends with.
+async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32, (i32, String)> {
+    let Worker {
+        child,
+        pid,
+        binary,
+        endpoint,
+        probe_at,
+    } = worker;
+    let mut waiter = {
+        let child = child.clone();
+        tokio::task::spawn_blocking(move || child.wait())
+    };
+    // Ready when it answers the probe; a worker that exits first, or a signal, ends it.
+    let ready = async {
+        let started = Instant::now();
+        loop {
+            let at = probe_at.clone();
+            let asked =
+                tokio::task::spawn_blocking(move || probe::ask(&at, probe::ANSWER_WITHIN)).await;
+            match asked {
+                Ok(Ok(offer)) => return Ok(offer),
+                Ok(Err(e)) if started.elapsed() > READY_WITHIN => {
+                    return Err(format!("{e}; gave up after {} s", READY_WITHIN.as_secs()));
                 }
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
             }
-        };
-        let asked = tokio::select! {
-            offer = ready => match offer {
-                Ok(offer) => {
-                    println!("{}", announcement(&endpoint, &offer));
-                    None
-                }
-                Err(e) => {
-                    let _ = stop(&child, Duration::ZERO).await;
-                    return Err((exit::BACKEND, e));
-                }
-            },
-            done = &mut waiter => {
-                let status = done.ok().and_then(Result::ok);
-                let how = status.map(describe_exit).unwrap_or_else(|| "ended".into());
-                return Err((
-                    status.map(exit_code).unwrap_or(exit::BACKEND),
-                    format!("{} {how} before it answered on {endpoint}", binary.display()),
-                ));
-            }
-            _ = term.recv() => Some("SIGTERM"),
-            _ = int.recv() => Some("SIGINT"),
-        };
-        let asked = match asked {
-            Some(asked) => asked,
-            None => tokio::select! {
-                done = &mut waiter => {
-                    let status = done
-                        .map_err(|e| (exit::BACKEND, e.to_string()))?
-                        .map_err(|e| (exit::BACKEND, e.to_string()))?;
-                    tracing::info!(
-                        "1bit rpc-worker: the worker on {endpoint} (pid {pid}) {}",
-                        describe_exit(status)
-                    );
-                    return Ok(exit_code(status));
-                }
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            },
-        };
-        tracing::info!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
-        if stop(&child, STOP_GRACE).await != process::Stopped::Exited {
-            tracing::info!(
-                "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
-                STOP_GRACE.as_secs()
-            );
         }
-        let status = waiter.await.ok().and_then(Result::ok);
-        // Stopped because we were asked: a clean stop, unless it failed on its way out.
-        Ok(match status {
-            Some(s) if s.code().is_some_and(|c| c != 0) => exit_code(s),
-            _ => exit::OK,
-        })
+    };
+    let asked = tokio::select! {
+        offer = ready => match offer {
+            Ok(offer) => {
+                println!("{}", announcement(&endpoint, &offer));
+                None
+            }
+            Err(e) => {
+                let _ = stop(&child, Duration::ZERO).await;
+                return Err((exit::BACKEND, e));
+            }
+        },
+        done = &mut waiter => {
+            let status = done.ok().and_then(Result::ok);
+            let how = status.map(describe_exit).unwrap_or_else(|| "ended".into());
+            return Err((
+                status.map(exit_code).unwrap_or(exit::BACKEND),
+                format!("{} {how} before it answered on {endpoint}", binary.display()),
+            ));
+        }
+        _ = term.recv() => Some("SIGTERM"),
+        _ = int.recv() => Some("SIGINT"),
+    };
+    let asked = match asked {
+        Some(asked) => asked,
+        None => tokio::select! {
+            done = &mut waiter => {
+                let status = done
+                    .map_err(|e| (exit::BACKEND, e.to_string()))?
+                    .map_err(|e| (exit::BACKEND, e.to_string()))?;
+                tracing::info!(
+                    "1bit rpc-worker: the worker on {endpoint} (pid {pid}) {}",
+                    describe_exit(status)
+                );
+                return Ok(exit_code(status));
+            }
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        },
+    };
+    tracing::info!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
+    if stop(&child, STOP_GRACE).await != process::Stopped::Exited {
+        tracing::info!(
+            "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
+            STOP_GRACE.as_secs()
+        );
+    }
+    let status = waiter.await.ok().and_then(Result::ok);
+    // Stopped because we were asked: a clean stop, unless it failed on its way out.
+    Ok(match status {
+        Some(s) if s.code().is_some_and(|c| c != 0) => exit_code(s),
+        _ => exit::OK,
     })
 }
 
