@@ -45,34 +45,8 @@ pub struct ServePlan {
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
 pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
-    if let Some(why) = args.removed() {
-        return Err(Fatal::usage(why));
-    }
     let printing = args.print_backend || args.print_backend_env;
-    let needs_serve = |why: String| Fatal {
-        code: exit::NEEDS_SERVE,
-        message: format!(
-            "--print-backend: {why} needs 1bit serve in the request path; run 1bit serve itself"
-        ),
-    };
-    if let Some(tps) = args.watchdog_prompt_tps
-        && !(tps.is_finite() && tps > 0.0)
-    {
-        return Err(Fatal::usage(format!(
-            "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
-        )));
-    }
-    let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
-        .map_err(Fatal::usage)?;
-    if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
-        return Err(Fatal::usage(format!(
-            "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
-            args.drain_s
-        )));
-    }
-    if printing && let Some(flag) = args.needs_serve_in_path() {
-        return Err(needs_serve(flag.to_string()));
-    }
+    let api_key = checked_flags(args, printing)?;
     let pm = crate::pm::start::settings(args)?;
     let policy = crate::laya::start::settings(args)?;
     let route_options = route_options(args)?;
@@ -96,14 +70,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         model::served_name(args.model(), args.alias.as_deref())
     };
 
-    let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
-    let mut loaded = Vec::new();
-    for f in found {
-        match f.outcome {
-            Ok(route) => loaded.push(route),
-            Err(e) => tracing::info!("1bit serve: skipping a route: {e}"),
-        }
-    }
+    let loaded = loaded_routes(args);
 
     let ports = if printing {
         vec![args.port]
@@ -119,72 +86,16 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         } else {
             Purpose::Serve
         },
-        options: ServeOptions {
-            model: args.model().to_string_lossy().into_owned(),
-            served_name: served_name.clone(),
-            host: args.host.clone(),
-            port: args.port,
-            device: args.device.clone(),
-            ctx_size: args.ctx_size,
-            llama_server: args
-                .llama_server
-                .clone()
-                .or_else(llama_server_cli::installed_beside),
-            ds4: args.ds4.clone(),
-            parallel: args.parallel,
-            ssd_streaming: args.ssd_streaming,
-            hrx_libhsa: args.hrx_libhsa.clone(),
-            strict_device: args.strict_device,
-            no_strict_device: args.no_strict_device,
-            placement_report: args.placement_report,
-            recipes: args.recipes.clone(),
-            no_recipes: args.no_recipes,
-            mtp: args.mtp.clone(),
-            dflash: args.dflash.clone(),
-            no_mtp: args.no_mtp,
-            mtp_max: args.mtp_max,
-            mtp_p_min: args.mtp_p_min,
-            mmproj: args.mmproj.clone(),
-            embedding: args.embedding,
-            reranking: args.reranking,
-            embed: args.embed.clone(),
-            rerank: args.rerank.clone(),
-            args: args.command_line.clone(),
-            route_options,
-        },
+        options: serve_options(args, &served_name, route_options),
         model: facts,
-        env: std::env::vars_os()
-            .map(|(k, v)| {
-                (
-                    k.to_string_lossy().into_owned(),
-                    v.to_string_lossy().into_owned(),
-                )
-            })
-            .collect(),
+        env: environment(),
         ports,
         run_dir: run_dir.to_string_lossy().into_owned(),
     };
 
     let refused_flag = refused_flag(args);
-    if args.llama_router && !matches!(args.device.as_str(), "auto" | "cpu") {
-        return Err(Fatal::usage(format!(
-            "--device {}: llama-server's router mode (no -m) runs on the cpu route; pass -m MODEL.gguf to serve one model there",
-            args.device
-        )));
-    }
-    let device = if args.llama_router {
-        "cpu"
-    } else {
-        args.device.as_str()
-    };
-    let (route, claim) = routes::choose(device, &loaded, &request)?;
-    if let Some(claim) = claim.filter(|_| refused_flag.is_none()) {
-        tracing::info!(
-            "1bit serve: --device auto chose {} ({})",
-            route.info.name,
-            claim.reason
-        );
-    }
+    let device = device_of(args)?;
+    let route = chosen(device, &loaded, &request, refused_flag.is_none())?;
     if !request.options.route_options.is_empty() && !takes_route_options(route) {
         let flag = &request.options.route_options[0].flag;
         return Err(Fatal::usage(format!(
@@ -192,21 +103,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
             route.info.name, route.abi_version
         )));
     }
-    let plan = match route.plan(&request) {
-        Ok(PlanOutcome::Plan(plan)) => plan,
-        Ok(PlanOutcome::Refused(refusal)) => {
-            return Err(Fatal {
-                code: refusal.exit_status(),
-                message: refusal.message,
-            });
-        }
-        Err(e) => {
-            return Err(Fatal::backend(format!(
-                "the {} route failed to plan: {e}",
-                route.info.name
-            )));
-        }
-    };
+    let plan = planned(route, &request)?;
     // A flag refused for every route is refused only once the route has planned, so that a
     // route's own refusal of it (`--mtp` on --device hybrid, say) says why instead. A plan is
     // pure, so asking it first starts nothing.
@@ -224,29 +121,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         }
         None => (route.clone(), plan, None),
     };
-    // Every plan (one per device with --laya): llama.cpp's KV sized where the plan asks the
-    // host to, and the drop-in's llama-server arguments passed to its llama-server.
-    let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
-    for each in std::iter::once(&mut plan).chain(more.map(|(_, p)| p)) {
-        admission::llama_kv::size(each, args.model());
-        llama_server_cli::pass_to_backend(each, &args.backend_args)?;
-        llama_server_cli::refuse_self(each)?;
-        let env = |name: &str| std::env::var(name).ok();
-        llama_server_cli::align_rules(
-            each,
-            &args.backend_args,
-            llama_server_cli::aip_predict_route(&env).as_deref(),
-        );
-        // The user's CORS policy reaches the llama-server too, so what it relays carries the
-        // same headers as serve's own answers.
-        if let Some(cors) = crate::guard::cors::Cors::from_args(args) {
-            for backend in &mut each.backends {
-                if backend.engine == llama_server_cli::LLAMA_SERVER {
-                    backend.argv.extend(cors.backend_args());
-                }
-            }
-        }
-    }
+    finish_plans(args, &mut plan, &mut laya)?;
     if pm.is_some() {
         crate::pm::start::check_plan(&plan)?;
     }
@@ -291,6 +166,189 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         laya,
         api_key,
     })))
+}
+
+/// Every plan (one per device with --laya): llama.cpp's KV sized where the plan asks the host
+/// to, and the drop-in's llama-server arguments passed to its llama-server.
+fn finish_plans(
+    args: &ServeArgs,
+    plan: &mut Plan,
+    laya: &mut Option<(crate::laya::Policy, Vec<Placed>)>,
+) -> Result<(), Fatal> {
+    let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
+    for each in std::iter::once(plan).chain(more.map(|(_, p)| p)) {
+        admission::llama_kv::size(each, args.model());
+        llama_server_cli::pass_to_backend(each, &args.backend_args)?;
+        llama_server_cli::refuse_self(each)?;
+        let env = |name: &str| std::env::var(name).ok();
+        llama_server_cli::align_rules(
+            each,
+            &args.backend_args,
+            llama_server_cli::aip_predict_route(&env).as_deref(),
+        );
+        // The user's CORS policy reaches the llama-server too, so what it relays carries the
+        // same headers as serve's own answers.
+        if let Some(cors) = crate::guard::cors::Cors::from_args(args) {
+            for backend in &mut each.backends {
+                if backend.engine == llama_server_cli::LLAMA_SERVER {
+                    backend.argv.extend(cors.backend_args());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The device asked for: router mode runs on the cpu route alone.
+fn device_of(args: &ServeArgs) -> Result<&str, Fatal> {
+    if args.llama_router && !matches!(args.device.as_str(), "auto" | "cpu") {
+        return Err(Fatal::usage(format!(
+            "--device {}: llama-server's router mode (no -m) runs on the cpu route; pass -m MODEL.gguf to serve one model there",
+            args.device
+        )));
+    }
+    Ok(if args.llama_router {
+        "cpu"
+    } else {
+        args.device.as_str()
+    })
+}
+
+/// The route for `device`, and the line saying which `--device auto` chose (unless a flag is
+/// about to be refused anyway).
+fn chosen<'a>(
+    device: &str,
+    loaded: &'a [LoadedRoute],
+    request: &PlanRequest,
+    say: bool,
+) -> Result<&'a LoadedRoute, Fatal> {
+    let (route, claim) = routes::choose(device, loaded, request)?;
+    if let Some(claim) = claim.filter(|_| say) {
+        tracing::info!(
+            "1bit serve: --device auto chose {} ({})",
+            route.info.name,
+            claim.reason
+        );
+    }
+    Ok(route)
+}
+
+/// serve's environment as a route reads it (names and values lossily UTF-8).
+fn environment() -> std::collections::BTreeMap<String, String> {
+    std::env::vars_os()
+        .map(|(k, v)| {
+            (
+                k.to_string_lossy().into_owned(),
+                v.to_string_lossy().into_owned(),
+            )
+        })
+        .collect()
+}
+
+/// The flags checked before anything is read: removed ones, the numbers, the API key, and
+/// what `--print-backend` cannot do. The key, when one is set.
+fn checked_flags(args: &ServeArgs, printing: bool) -> Result<Option<ApiKey>, Fatal> {
+    if let Some(why) = args.removed() {
+        return Err(Fatal::usage(why));
+    }
+    if let Some(tps) = args.watchdog_prompt_tps
+        && !(tps.is_finite() && tps > 0.0)
+    {
+        return Err(Fatal::usage(format!(
+            "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
+        )));
+    }
+    let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
+        .map_err(Fatal::usage)?;
+    if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
+        return Err(Fatal::usage(format!(
+            "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
+            args.drain_s
+        )));
+    }
+    if printing && let Some(flag) = args.needs_serve_in_path() {
+        return Err(needs_serve(flag.to_string()));
+    }
+    Ok(api_key)
+}
+
+/// `--print-backend` refused for what needs serve in the request path.
+fn needs_serve(why: String) -> Fatal {
+    Fatal {
+        code: exit::NEEDS_SERVE,
+        message: format!(
+            "--print-backend: {why} needs 1bit serve in the request path; run 1bit serve itself"
+        ),
+    }
+}
+
+/// The command line as a route reads it.
+fn serve_options(
+    args: &ServeArgs,
+    served_name: &str,
+    route_options: Vec<RouteOption>,
+) -> ServeOptions {
+    ServeOptions {
+        model: args.model().to_string_lossy().into_owned(),
+        served_name: served_name.to_string(),
+        host: args.host.clone(),
+        port: args.port,
+        device: args.device.clone(),
+        ctx_size: args.ctx_size,
+        llama_server: args
+            .llama_server
+            .clone()
+            .or_else(llama_server_cli::installed_beside),
+        ds4: args.ds4.clone(),
+        parallel: args.parallel,
+        ssd_streaming: args.ssd_streaming,
+        hrx_libhsa: args.hrx_libhsa.clone(),
+        strict_device: args.strict_device,
+        no_strict_device: args.no_strict_device,
+        placement_report: args.placement_report,
+        recipes: args.recipes.clone(),
+        no_recipes: args.no_recipes,
+        mtp: args.mtp.clone(),
+        dflash: args.dflash.clone(),
+        no_mtp: args.no_mtp,
+        mtp_max: args.mtp_max,
+        mtp_p_min: args.mtp_p_min,
+        mmproj: args.mmproj.clone(),
+        embedding: args.embedding,
+        reranking: args.reranking,
+        embed: args.embed.clone(),
+        rerank: args.rerank.clone(),
+        args: args.command_line.clone(),
+        route_options,
+    }
+}
+
+/// The route's plan, or its refusal as serve exits with it.
+fn planned(route: &LoadedRoute, request: &PlanRequest) -> Result<Plan, Fatal> {
+    match route.plan(request) {
+        Ok(PlanOutcome::Plan(plan)) => Ok(plan),
+        Ok(PlanOutcome::Refused(refusal)) => Err(Fatal {
+            code: refusal.exit_status(),
+            message: refusal.message,
+        }),
+        Err(e) => Err(Fatal::backend(format!(
+            "the {} route failed to plan: {e}",
+            route.info.name
+        ))),
+    }
+}
+
+/// Every route found that loads; one line for each that does not.
+fn loaded_routes(args: &ServeArgs) -> Vec<LoadedRoute> {
+    let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
+    let mut loaded = Vec::new();
+    for f in found {
+        match f.outcome {
+            Ok(route) => loaded.push(route),
+            Err(e) => tracing::info!("1bit serve: skipping a route: {e}"),
+        }
+    }
+    loaded
 }
 
 /// `--route-opt` and `--npu-opt` as the pairs a route gets, in order; a value without `=` is
