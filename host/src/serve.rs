@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nix::sys::signal::Signal;
-use onebit_plugin_api::Started;
+use onebit_plugin_api::{Plan, Started};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -22,6 +22,7 @@ use crate::error::{Fatal, exit};
 use crate::front::accept::accept_loop;
 use crate::front::drain::Drain;
 use crate::guard::Guard;
+use crate::guard::key::ApiKey;
 use crate::laya::start::Placed;
 use crate::metrics;
 use crate::notify;
@@ -114,30 +115,10 @@ async fn serve_plan(p: ServePlan) -> i32 {
         .collect();
     let all_backends: Vec<&onebit_plugin_api::BackendSpec> =
         placed.iter().flat_map(|(_, p)| &p.backends).collect();
-    // `--host` may list addresses (llama-server's comma list): each is bound.
-    let mut listeners = Vec::new();
-    for host in args
-        .host
-        .split(',')
-        .map(str::trim)
-        .filter(|h| !h.is_empty())
-    {
-        let addr = format!("{}:{}", display_host(host), args.port);
-        match tokio::net::TcpListener::bind(&addr).await {
-            Ok(l) => listeners.push(l),
-            Err(e) => {
-                return say_fatal(&Fatal::backend(format!(
-                    "cannot listen on {addr} ({e}); pass another --port or --host"
-                )));
-            }
-        }
-    }
-    if listeners.is_empty() {
-        return say_fatal(&Fatal::usage(format!(
-            "--host {:?} names no address; pass one such as 127.0.0.1",
-            args.host
-        )));
-    }
+    let listeners = match bind_all(&args).await {
+        Ok(listeners) => listeners,
+        Err(fatal) => return say_fatal(&fatal),
+    };
     let addr = format!("{}:{}", display_host(first_host(&args.host)), args.port);
     if let Some(cors) = crate::guard::cors::Cors::from_args(&args) {
         crate::guard::cors::set(cors);
@@ -149,68 +130,15 @@ async fn serve_plan(p: ServePlan) -> i32 {
             "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
         );
     }
-    if let Some(tmp) = run_dir.parent() {
-        let tmp = tmp.to_path_buf();
-        let removed =
-            tokio::task::spawn_blocking(move || run_dir::remove_stale(&tmp, Path::new("/proc")))
-                .await
-                .unwrap_or_default();
-        for dir in removed {
-            tracing::info!(
-                "1bit serve: removed {}, left by a serve that is gone",
-                dir.display()
-            );
-        }
-    }
-    if let Err(e) = std::fs::create_dir_all(&run_dir) {
-        return say_fatal(&Fatal::backend(format!(
-            "cannot create {} ({e})",
-            run_dir.display()
-        )));
+    if let Err(fatal) = make_run_dir(&run_dir).await {
+        return say_fatal(&fatal);
     }
     // serve's own calls (readiness, health, warm-ups, the watchdog's questions, the route's
     // host services, metrics) go on a client that never busy-polls; relayed requests do.
     let client = health::probe_client();
-    let state = if plan.backends.is_empty() {
-        None
-    } else {
-        let name = served_name.clone();
-        tokio::task::spawn_blocking(move || {
-            let dir = metrics::state_dir()?;
-            let state = metrics::StateFile::open(&dir, &name);
-            state.bump(|c| c.serve_starts += 1);
-            Some(Arc::new(state))
-        })
-        .await
-        .ok()
-        .flatten()
-    };
-    let settings = Settings {
-        served_name: served_name.clone(),
-        aliases: crate::model::names(args.alias.as_deref()),
-        tags: crate::model::names(args.tags.as_deref()),
-        device: plan.device.clone(),
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        rules: plan.rules.clone(),
-        ports: all_backends.iter().map(|b| b.port).collect(),
-        body_limit: env_number(args.env.max_body_bytes.as_deref())
-            .filter(|n| *n >= 1.0)
-            .map(|n| n as usize)
-            .unwrap_or(settings::DEFAULT_BODY_LIMIT),
-        body_timeout: env_secs(args.env.body_read_timeout_s.as_deref())
-            .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
-        guard,
-        api_key,
-        metrics_off: args.no_metrics,
-        side_models: plan.side_models.clone(),
-        rename_in_streams: plan.rename_in_streams,
-        names_model: !args.llama_router,
-        precise: args.precise || args.env.precise(),
-        serialize_forwards: plan.serialize_forwards,
-    };
+    let state = open_state(&plan, &served_name).await;
+    let ports = all_backends.iter().map(|b| b.port).collect();
+    let settings = settings_of(&args, &plan, &served_name, ports, guard, api_key);
     let app = Arc::new(App {
         settings,
         status: Arc::new(StatusCell::new(Status::Loading)),
@@ -260,6 +188,115 @@ async fn serve_plan(p: ServePlan) -> i32 {
     drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
+}
+
+/// A listener on each address of `--host` (llama-server's comma list) at `--port`.
+async fn bind_all(args: &ServeArgs) -> Result<Vec<tokio::net::TcpListener>, Fatal> {
+    // `--host` may list addresses (llama-server's comma list): each is bound.
+    let mut listeners = Vec::new();
+    for host in args
+        .host
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+    {
+        let addr = format!("{}:{}", display_host(host), args.port);
+        match tokio::net::TcpListener::bind(&addr).await {
+            Ok(l) => listeners.push(l),
+            Err(e) => {
+                return Err(Fatal::backend(format!(
+                    "cannot listen on {addr} ({e}); pass another --port or --host"
+                )));
+            }
+        }
+    }
+    if listeners.is_empty() {
+        return Err(Fatal::usage(format!(
+            "--host {:?} names no address; pass one such as 127.0.0.1",
+            args.host
+        )));
+    }
+    Ok(listeners)
+}
+
+/// serve's temporary folder, made after removing those of serves that are gone.
+async fn make_run_dir(run_dir: &Path) -> Result<(), Fatal> {
+    if let Some(tmp) = run_dir.parent() {
+        let tmp = tmp.to_path_buf();
+        let removed =
+            tokio::task::spawn_blocking(move || run_dir::remove_stale(&tmp, Path::new("/proc")))
+                .await
+                .unwrap_or_default();
+        for dir in removed {
+            tracing::info!(
+                "1bit serve: removed {}, left by a serve that is gone",
+                dir.display()
+            );
+        }
+    }
+    if let Err(e) = std::fs::create_dir_all(run_dir) {
+        return Err(Fatal::backend(format!(
+            "cannot create {} ({e})",
+            run_dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The state file's counters for this model, a serve start counted (none for a plan
+/// without backends).
+async fn open_state(plan: &Plan, served_name: &str) -> Option<Arc<metrics::StateFile>> {
+    if plan.backends.is_empty() {
+        None
+    } else {
+        let name = served_name.to_string();
+        tokio::task::spawn_blocking(move || {
+            let dir = metrics::state_dir()?;
+            let state = metrics::StateFile::open(&dir, &name);
+            state.bump(|c| c.serve_starts += 1);
+            Some(Arc::new(state))
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+}
+
+/// The relay's settings for this command line and plan.
+fn settings_of(
+    args: &ServeArgs,
+    plan: &Plan,
+    served_name: &str,
+    ports: Vec<u16>,
+    guard: Guard,
+    api_key: Option<ApiKey>,
+) -> Settings {
+    Settings {
+        served_name: served_name.to_string(),
+        aliases: crate::model::names(args.alias.as_deref()),
+        tags: crate::model::names(args.tags.as_deref()),
+        device: plan.device.clone(),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        rules: plan.rules.clone(),
+        ports,
+        body_limit: env_number(args.env.max_body_bytes.as_deref())
+            .filter(|n| *n >= 1.0)
+            .map(|n| n as usize)
+            .unwrap_or(settings::DEFAULT_BODY_LIMIT),
+        body_timeout: env_secs(args.env.body_read_timeout_s.as_deref())
+            .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
+        guard,
+        api_key,
+        metrics_off: args.no_metrics,
+        side_models: plan.side_models.clone(),
+        rename_in_streams: plan.rename_in_streams,
+        names_model: !args.llama_router,
+        precise: args.precise || args.env.precise(),
+        serialize_forwards: plan.serialize_forwards,
+    }
 }
 
 /// Start the backends of every plan, wait for them, serve until a signal or a failure, then
