@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use onebit_plugin_api::{Plan, Started};
@@ -22,7 +22,6 @@ use crate::error::{Fatal, exit};
 use crate::front::accept::accept_loop;
 use crate::front::drain::Drain;
 use crate::guard::Guard;
-use crate::guard::key::ApiKey;
 use crate::laya::start::Placed;
 use crate::metrics;
 use crate::notify;
@@ -79,20 +78,6 @@ fn stop_grace(args: &ServeArgs) -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-/// A number from an environment setting's text; None when unset or not a finite number.
-fn env_number(value: Option<&str>) -> Option<f64> {
-    value
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|n| n.is_finite())
-}
-
-/// A positive number of seconds from the environment.
-fn env_secs(value: Option<&str>) -> Option<Duration> {
-    env_number(value)
-        .filter(|s| *s > 0.0 && *s < 1e9)
-        .map(Duration::from_secs_f64)
-}
-
 async fn serve_plan(p: ServePlan) -> i32 {
     let ServePlan {
         args,
@@ -138,7 +123,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     let client = health::probe_client();
     let state = open_state(&plan, &served_name).await;
     let ports = all_backends.iter().map(|b| b.port).collect();
-    let settings = settings_of(&args, &plan, &served_name, ports, guard, api_key);
+    let settings = Settings::new(&args, &plan, &served_name, ports, guard, api_key);
     let app = Arc::new(App {
         settings,
         status: Arc::new(StatusCell::new(Status::Loading)),
@@ -179,7 +164,8 @@ async fn serve_plan(p: ServePlan) -> i32 {
     let server = tokio::spawn(accept_loop(
         listeners,
         app.clone(),
-        env_secs(args.env.header_read_timeout_s.as_deref()).unwrap_or(HEADER_READ_TIMEOUT),
+        settings::env_secs(args.env.header_read_timeout_s.as_deref())
+            .unwrap_or(HEADER_READ_TIMEOUT),
         shutdown_rx,
     ));
 
@@ -262,41 +248,102 @@ async fn open_state(plan: &Plan, served_name: &str) -> Option<Arc<metrics::State
     }
 }
 
-/// The relay's settings for this command line and plan.
-fn settings_of(
+/// Every plan's backends started in serve's order, each with its line; on a failure, those
+/// started are stopped and the exit status is returned.
+async fn spawn_backends(
     args: &ServeArgs,
-    plan: &Plan,
-    served_name: &str,
-    ports: Vec<u16>,
-    guard: Guard,
-    api_key: Option<ApiKey>,
-) -> Settings {
-    Settings {
-        served_name: served_name.to_string(),
-        aliases: crate::model::names(args.alias.as_deref()),
-        tags: crate::model::names(args.tags.as_deref()),
-        device: plan.device.clone(),
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        rules: plan.rules.clone(),
-        ports,
-        body_limit: env_number(args.env.max_body_bytes.as_deref())
-            .filter(|n| *n >= 1.0)
-            .map(|n| n as usize)
-            .unwrap_or(settings::DEFAULT_BODY_LIMIT),
-        body_timeout: env_secs(args.env.body_read_timeout_s.as_deref())
-            .unwrap_or(settings::DEFAULT_BODY_TIMEOUT),
-        guard,
-        api_key,
-        metrics_off: args.no_metrics,
-        side_models: plan.side_models.clone(),
-        rename_in_streams: plan.rename_in_streams,
-        names_model: !args.llama_router,
-        precise: args.precise || args.env.precise(),
-        serialize_forwards: plan.serialize_forwards,
+    placed: &[Placed],
+    devices: &[String],
+    events_tx: &tokio::sync::mpsc::UnboundedSender<Event>,
+) -> Result<Vec<Backend>, i32> {
+    let mut backends: Vec<Backend> = Vec::new();
+    let specs = placed
+        .iter()
+        .flat_map(|(route, plan)| plan.backends.iter().map(move |spec| (route, spec)));
+    for (index, (route, spec)) in specs.enumerate() {
+        tracing::info!(
+            "1bit serve: starting {} on the {} route (port {}): {}",
+            spec.engine,
+            devices[index],
+            spec.port,
+            spec.argv.join(" ")
+        );
+        match supervisor::spawn(index, spec, route, events_tx.clone()) {
+            Ok(b) => backends.push(b),
+            Err(e) => {
+                let program = spec.argv.first().map(String::as_str).unwrap_or("");
+                supervisor::stop_all(&backends, stop_grace(args)).await;
+                return Err(say_fatal(&Fatal::backend(format!(
+                    "could not start {} ({program}): {e}",
+                    spec.engine
+                ))));
+            }
+        }
     }
+    Ok(backends)
+}
+
+/// The progress watchdog over every backend, unless `--watchdog 0` turns it off.
+fn arm_watchdog(args: &ServeArgs, device: &str, backends: &[Backend], app: &App) {
+    let limit = watchdog::limit_secs(args.watchdog, args.env.watchdog_secs.as_deref());
+    if limit > 0 {
+        let dog = Watchdog::new(
+            Duration::from_secs(limit),
+            args.watchdog_prompt_tps
+                .unwrap_or(watchdog::DEFAULT_PROMPT_TPS),
+            device,
+            backends
+                .iter()
+                .map(|b| watchdog::Watched {
+                    port: b.spec.port,
+                    pid: b.pid,
+                    progress_path: b.spec.progress_path.clone(),
+                })
+                .collect(),
+        );
+        let _ = app.watchdog.set(Arc::new(dog));
+    }
+}
+
+/// Each route told its backends are up (`DeviceRoute::start`), then its plan's warm-ups; a
+/// route that fails to start stops every backend, and the exit status is returned.
+async fn start_routes(
+    placed: &[Placed],
+    backends: &[Backend],
+    client: &ProbeClient,
+    grace: Duration,
+) -> Result<(), i32> {
+    let mut first = 0;
+    for (route, plan) in placed {
+        let mine = &backends[first..first + plan.backends.len()];
+        let started = Started {
+            plan: plan.clone(),
+            pids: mine.iter().map(|b| b.pid).collect(),
+        };
+        let route_start = {
+            let route = route.clone();
+            tokio::task::spawn_blocking(move || route.start(&started))
+        };
+        let start_error = match route_start.await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(e) = start_error {
+            supervisor::stop_all(backends, grace).await;
+            return Err(say_fatal(&Fatal::backend(format!(
+                "the {} route failed to start: {e}",
+                plan.device
+            ))));
+        }
+        for warmup in &plan.warmups {
+            if let Err(e) = backend_post(client, &mine[0], &warmup.path, &warmup.body).await {
+                tracing::info!("1bit serve: warm-up {} failed: {e}", warmup.path);
+            }
+        }
+        first += plan.backends.len();
+    }
+    Ok(())
 }
 
 /// Start the backends of every plan, wait for them, serve until a signal or a failure, then
@@ -321,50 +368,13 @@ async fn supervise(
         return say_fatal(&Fatal::backend("cannot install signal handlers"));
     };
     let (events_tx, mut events) = unbounded_channel();
-    let mut backends: Vec<Backend> = Vec::new();
     crate::prepare::release_ports();
-    let specs = placed
-        .iter()
-        .flat_map(|(route, plan)| plan.backends.iter().map(move |spec| (route, spec)));
-    for (index, (route, spec)) in specs.enumerate() {
-        tracing::info!(
-            "1bit serve: starting {} on the {} route (port {}): {}",
-            spec.engine,
-            devices[index],
-            spec.port,
-            spec.argv.join(" ")
-        );
-        match supervisor::spawn(index, spec, route, events_tx.clone()) {
-            Ok(b) => backends.push(b),
-            Err(e) => {
-                let program = spec.argv.first().map(String::as_str).unwrap_or("");
-                supervisor::stop_all(&backends, stop_grace(args)).await;
-                return say_fatal(&Fatal::backend(format!(
-                    "could not start {} ({program}): {e}",
-                    spec.engine
-                )));
-            }
-        }
-    }
+    let backends = match spawn_backends(args, placed, &devices, &events_tx).await {
+        Ok(backends) => backends,
+        Err(code) => return code,
+    };
     let grace = stop_grace(args);
-    let limit = watchdog::limit_secs(args.watchdog, args.env.watchdog_secs.as_deref());
-    if limit > 0 {
-        let dog = Watchdog::new(
-            Duration::from_secs(limit),
-            args.watchdog_prompt_tps
-                .unwrap_or(watchdog::DEFAULT_PROMPT_TPS),
-            &plan.device,
-            backends
-                .iter()
-                .map(|b| watchdog::Watched {
-                    port: b.spec.port,
-                    pid: b.pid,
-                    progress_path: b.spec.progress_path.clone(),
-                })
-                .collect(),
-        );
-        let _ = app.watchdog.set(Arc::new(dog));
-    }
+    arm_watchdog(args, &plan.device, &backends, app);
 
     // Loading: wait until every backend answers its health route, or fails, or we are told
     // to stop.
@@ -387,35 +397,8 @@ async fn supervise(
         return say_fatal(&Fatal::backend(line));
     }
 
-    let mut first = 0;
-    for (route, plan) in placed {
-        let mine = &backends[first..first + plan.backends.len()];
-        let started = Started {
-            plan: plan.clone(),
-            pids: mine.iter().map(|b| b.pid).collect(),
-        };
-        let route_start = {
-            let route = route.clone();
-            tokio::task::spawn_blocking(move || route.start(&started))
-        };
-        let start_error = match route_start.await {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e),
-            Err(e) => Some(e.to_string()),
-        };
-        if let Some(e) = start_error {
-            supervisor::stop_all(&backends, grace).await;
-            return say_fatal(&Fatal::backend(format!(
-                "the {} route failed to start: {e}",
-                plan.device
-            )));
-        }
-        for warmup in &plan.warmups {
-            if let Err(e) = backend_post(client, &mine[0], &warmup.path, &warmup.body).await {
-                tracing::info!("1bit serve: warm-up {} failed: {e}", warmup.path);
-            }
-        }
-        first += plan.backends.len();
+    if let Err(code) = start_routes(placed, &backends, client, grace).await {
+        return code;
     }
     app.set_status(Status::Ready);
     let url = format!(

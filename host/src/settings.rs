@@ -2,10 +2,11 @@
 //! table, the backends' ports, the limits and the rewrites. Run-time state (status, pools,
 //! the watchdog) lives in `relay::App`, beside these.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use onebit_plugin_api::Rule;
+use onebit_plugin_api::{Plan, Rule};
 
+use crate::cli::ServeArgs;
 use crate::guard::Guard;
 use crate::guard::key::ApiKey;
 
@@ -62,4 +63,55 @@ impl Settings {
                 }
         })
     }
+
+    /// The relay's settings for this command line and plan.
+    pub fn new(
+        args: &ServeArgs,
+        plan: &Plan,
+        served_name: &str,
+        ports: Vec<u16>,
+        guard: Guard,
+        api_key: Option<ApiKey>,
+    ) -> Settings {
+        Settings {
+            served_name: served_name.to_string(),
+            aliases: crate::model::names(args.alias.as_deref()),
+            tags: crate::model::names(args.tags.as_deref()),
+            device: plan.device.clone(),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            rules: plan.rules.clone(),
+            ports,
+            body_limit: env_number(args.env.max_body_bytes.as_deref())
+                .filter(|n| *n >= 1.0)
+                .map(|n| n as usize)
+                .unwrap_or(DEFAULT_BODY_LIMIT),
+            body_timeout: env_secs(args.env.body_read_timeout_s.as_deref())
+                .unwrap_or(DEFAULT_BODY_TIMEOUT),
+            guard,
+            api_key,
+            metrics_off: args.no_metrics,
+            side_models: plan.side_models.clone(),
+            rename_in_streams: plan.rename_in_streams,
+            names_model: !args.llama_router,
+            precise: args.precise || args.env.precise(),
+            serialize_forwards: plan.serialize_forwards,
+        }
+    }
+}
+
+/// A number from an environment setting's text; None when unset or not a finite number.
+pub fn env_number(value: Option<&str>) -> Option<f64> {
+    value
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|n| n.is_finite())
+}
+
+/// A positive number of seconds from the environment.
+pub fn env_secs(value: Option<&str>) -> Option<Duration> {
+    env_number(value)
+        .filter(|s| *s > 0.0 && *s < 1e9)
+        .map(Duration::from_secs_f64)
 }
