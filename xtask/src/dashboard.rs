@@ -8,7 +8,7 @@
 use std::fmt::Write;
 use std::process::ExitCode;
 
-use crate::bench::chart::{escape, nice_ceiling};
+use crate::bench::chart::{escape, nice_ceiling, opening};
 use crate::{Failure, Workspace, process};
 
 /// Runs the dashboard's test with the data handed over, draws it, writes the picture.
@@ -131,17 +131,7 @@ fn svg(caption: &str, panels: &[Panel]) -> String {
     let width = PANEL_W * COLUMNS as f64 + 20.0;
     let rows = charts.len().div_ceil(COLUMNS) as f64;
     let height = 30.0 + STAT_H + rows * PANEL_H + 10.0;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="10" y="18" font-size="13">{}</text>"#,
-        escape(caption)
-    );
+    let mut s = opening(width, height, caption);
     let stat_w = (width - 20.0) / stats.len().max(1) as f64;
     for (i, panel) in stats.iter().enumerate() {
         if let Panel::Stat { title, value } = panel {

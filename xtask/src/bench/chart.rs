@@ -20,17 +20,7 @@ pub struct Panel<'a> {
 pub fn svg(caption: &str, panels: &[Panel]) -> String {
     let width = PANEL_W * panels.len() as f64 + 20.0;
     let height = PANEL_H + 30.0;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="10" y="18" font-size="13">{}</text>"#,
-        escape(caption)
-    );
+    let mut s = opening(width, height, caption);
     for (i, panel) in panels.iter().enumerate() {
         panel_svg(&mut s, 10.0 + PANEL_W * i as f64, 25.0, panel);
     }
@@ -140,6 +130,22 @@ pub fn nice_ceiling(v: f64) -> f64 {
         .map(|m| m * power)
         .find(|c| *c >= v)
         .unwrap_or(10.0 * power)
+}
+
+/// An SVG document's start: its size, a white ground, the caption on top.
+pub fn opening(width: f64, height: f64, caption: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="10" y="18" font-size="13">{}</text>"#,
+        escape(caption)
+    );
+    s
 }
 
 /// `text` safe inside SVG text.
