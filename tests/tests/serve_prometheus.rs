@@ -114,9 +114,7 @@ fn percent_encoded(text: &str) -> String {
 /// Every `expr` of every panel of the dashboard, Grafana's `$__rate_interval` made a range
 /// that spans the test's scrapes.
 fn dashboard_exprs() -> Vec<(String, String)> {
-    let path = route_fixture::root().join("docs/grafana/1bit-serve.json");
-    let dashboard: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let dashboard = dashboard();
     let mut exprs = Vec::new();
     for panel in dashboard["panels"].as_array().expect("panels") {
         for target in panel["targets"].as_array().expect("targets") {
@@ -130,13 +128,17 @@ fn dashboard_exprs() -> Vec<(String, String)> {
     exprs
 }
 
+/// docs/grafana/1bit-serve.json, parsed.
+fn dashboard() -> serde_json::Value {
+    let path = route_fixture::root().join("docs/grafana/1bit-serve.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
 /// The dashboard's panels as Prometheus answers their queries over the run begun at `start`,
 /// for `cargo xtask dashboard` to draw: `{"panels": [{"title", "type", "unit", "series":
 /// [{"legend", "points": [[seconds since start, value], ...]}]}]}`.
 fn answered_panels(prometheus: &Prometheus, start: f64) -> serde_json::Value {
-    let path = route_fixture::root().join("docs/grafana/1bit-serve.json");
-    let dashboard: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let dashboard = dashboard();
     let mut panels = Vec::new();
     for panel in dashboard["panels"].as_array().expect("panels") {
         let mut series = Vec::new();
