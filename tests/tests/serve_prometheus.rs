@@ -207,7 +207,9 @@ fn streamed_chats(serve: &Serve, n: usize) {
     })
     .to_string();
     for _ in 0..n {
-        let events = sse(&serve.url("/v1/chat/completions"), &body);
+        let url = serve.url("/v1/chat/completions");
+        let events = std::panic::catch_unwind(|| sse(&url, &body))
+            .unwrap_or_else(|_| panic!("serve's log:\n{}", serve.output()));
         assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     }
 }
