@@ -143,6 +143,91 @@ fn a_stream_that_outlasts_the_window_is_cut_without_a_done_and_serve_is_gone_wit
     );
 }
 
+/// serve's `onebit_requests_in_flight`, from its /metrics.
+fn in_flight(serve: &Serve) -> Option<u64> {
+    let (_, text) = get(&serve.url("/metrics"));
+    text.lines()
+        .find_map(|l| l.strip_prefix("onebit_requests_in_flight "))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+#[test]
+fn a_tool_call_in_flight_does_not_hold_the_stop_but_a_stream_beside_it_does() {
+    // llama-server ends a tool call at once when told to stop (llama.cpp's
+    // test_mcp_slow_tool_call_slot_release): the drain does not wait for one, but a stream in
+    // flight beside it still gets the window.
+    let dir = temp_dir("drain-tool");
+    let model = dummy_model(&dir, "m.gguf");
+    let mut serve = Serve::with_fake(
+        &model,
+        &["--drain-s", "4"],
+        &[
+            ("FAKE_TOOL_MS", "20000"),
+            ("FAKE_SSE_EVENTS", "6"),
+            ("FAKE_SSE_INTERVAL_MS", "250"),
+        ],
+    );
+    serve.ready();
+    let url = serve.url("/tools");
+    let call = std::thread::spawn(move || {
+        post_with_timeout(
+            &url,
+            r#"{"tool":"slow_sleep","params":{"seconds":20}}"#,
+            Duration::from_secs(30),
+        )
+    });
+    assert!(
+        wait_until(Duration::from_secs(5), || in_flight(&serve) == Some(1)),
+        "the tool call is not in flight: {:?}",
+        in_flight(&serve)
+    );
+
+    // A stream beside it: the drain waits for the stream, then cuts the tool call.
+    let stream = start_stream(serve.port);
+    stream.wait_first_event();
+    let signalled = Instant::now();
+    serve.signal(Signal::SIGTERM);
+    let status = serve
+        .wait_exit(Duration::from_secs(6))
+        .expect("serve exits");
+    let with_stream = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", serve.output());
+    let reply = stream.finish();
+    assert!(reply.contains("[DONE]"), "the stream was cut: {reply}");
+    assert!(with_stream < Duration::from_secs(4), "{with_stream:?}");
+    assert!(
+        serve.output().contains(
+            "only 1 tool call(s) left in flight, which the backend ends at its stop; cutting them"
+        ),
+        "{}",
+        serve.output()
+    );
+    let (status, _) = call.join().unwrap();
+    assert_ne!(status, 200, "the tool call was answered");
+
+    // The tool call alone: serve stops at once, not at the window's end.
+    let mut serve = Serve::with_fake(&model, &["--drain-s", "4"], &[("FAKE_TOOL_MS", "20000")]);
+    serve.ready();
+    let url = serve.url("/tools");
+    let call = std::thread::spawn(move || {
+        post_with_timeout(&url, r#"{"tool":"slow_sleep"}"#, Duration::from_secs(30))
+    });
+    assert!(wait_until(Duration::from_secs(5), || in_flight(&serve) == Some(1)));
+    let signalled = Instant::now();
+    serve.signal(Signal::SIGTERM);
+    let status = serve
+        .wait_exit(Duration::from_secs(6))
+        .expect("serve exits");
+    let alone = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", serve.output());
+    assert!(
+        alone < Duration::from_secs(2),
+        "the drain waited for the tool call: {alone:?}\n{}",
+        serve.output()
+    );
+    let _ = call.join();
+}
+
 #[test]
 fn a_drain_window_that_is_not_a_number_of_seconds_is_refused() {
     let dir = temp_dir("drain-bad");

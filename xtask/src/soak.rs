@@ -30,7 +30,8 @@ use nix::unistd::Pid;
 
 use crate::{Failure, Workspace, addon, process};
 
-const USAGE: &str = "use `cargo xtask soak [--minutes N]` (N a positive number; default 20)";
+const USAGE: &str =
+    "use `cargo xtask soak [--minutes N] [--only cpu|inproc]` (N a positive number; default 20)";
 const CLIENTS: usize = 6;
 const IDLE_POOL: usize = 200;
 const PROMPTS: [&str; 3] = [
@@ -41,6 +42,11 @@ const PROMPTS: [&str; 3] = [
 const MAX_TOKENS: u32 = 32;
 /// RSS growth allowed after warm-up (first sample to last).
 const GROWTH_LIMIT_KIB: i64 = 1024;
+/// The warm-up: RSS is judged on what follows the first minute of a phase.
+const WARM_UP_S: f64 = 60.0;
+/// The shortest window after warm-up on which RSS is judged; a shorter phase reports its RSS
+/// without judging it (allocator and library warm-up is not over in half a minute).
+const JUDGED_WINDOW_S: f64 = 60.0;
 /// Descriptors the last sample may hold beyond the first: the requests in flight at either
 /// moment (a client socket and a backend socket each).
 const FD_SLACK: i64 = 2 * CLIENTS as i64;
@@ -117,15 +123,41 @@ struct Kit {
     scratch: PathBuf,
 }
 
-/// One sample of serve's process: seconds into the phase, RSS (KiB), open descriptors,
-/// threads, and its runtime's live tasks (`onebit_runtime_tasks`; none when the scrape failed).
+/// One sample of serve's process: seconds into the phase, RSS (KiB) and its anonymous and
+/// file-backed parts, open descriptors, threads, its runtime's live tasks
+/// (`onebit_runtime_tasks`) and the inproc add-on's prompt cache
+/// (`onebit_inproc_prompt_cache_bytes`, KiB); the last two are none when the scrape failed or
+/// has no such series.
 #[derive(Clone, Copy)]
 struct Sample {
     at_s: f64,
     rss_kib: u64,
+    rss_anon_kib: u64,
+    rss_file_kib: u64,
     fds: u64,
     threads: u64,
     tasks: Option<u64>,
+    prompt_cache_kib: Option<u64>,
+}
+
+impl Sample {
+    const HEADER: &str =
+        "at_s\trss_kib\trss_anon_kib\trss_file_kib\tfds\tthreads\ttasks\tprompt_cache_kib";
+
+    fn row(&self) -> String {
+        let opt = |v: Option<u64>| v.map_or("-".to_string(), |n| n.to_string());
+        format!(
+            "{:.1}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            self.at_s,
+            self.rss_kib,
+            self.rss_anon_kib,
+            self.rss_file_kib,
+            self.fds,
+            self.threads,
+            opt(self.tasks),
+            opt(self.prompt_cache_kib)
+        )
+    }
 }
 
 /// One request's outcome.
@@ -158,16 +190,39 @@ struct WatchdogRun {
 }
 
 pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
-    let minutes = match args {
-        [] => 20.0,
-        [flag, n] if flag == "--minutes" => n
-            .parse::<f64>()
-            .ok()
-            .filter(|m| m.is_finite() && *m > 0.0)
-            .ok_or_else(|| Failure::new(format!("--minutes {n}: not a positive number"), USAGE))?,
-        _ => return Err(Failure::new(format!("unknown arguments {args:?}"), USAGE)),
-    };
-    Ok(if soak(ws, minutes)? {
+    let mut minutes = 20.0;
+    let mut only = None;
+    let mut rest = args.iter();
+    while let Some(flag) = rest.next() {
+        let value = rest
+            .next()
+            .ok_or_else(|| Failure::new(format!("{flag} takes a value"), USAGE))?;
+        match flag.as_str() {
+            "--minutes" => {
+                minutes = value
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|m| m.is_finite() && *m > 0.0)
+                    .ok_or_else(|| {
+                        Failure::new(format!("--minutes {value}: not a positive number"), USAGE)
+                    })?
+            }
+            "--only" => {
+                only = Some(match value.as_str() {
+                    "cpu" => Engine::Cpu,
+                    "inproc" => Engine::Inproc,
+                    _ => {
+                        return Err(Failure::new(
+                            format!("--only {value}: not a traffic phase"),
+                            USAGE,
+                        ));
+                    }
+                })
+            }
+            _ => return Err(Failure::new(format!("unknown argument {flag}"), USAGE)),
+        }
+    }
+    Ok(if soak_phases(ws, minutes, only)? {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -177,6 +232,11 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
 /// Run the soak for `minutes` and print its report; whether every target was met. Called by
 /// `cargo xtask soak` and, for one minute, by `cargo xtask test`.
 pub fn soak(ws: &Workspace, minutes: f64) -> Result<bool, Failure> {
+    soak_phases(ws, minutes, None)
+}
+
+/// The soak; with `only`, that traffic phase alone for the whole time (no watchdog phase).
+fn soak_phases(ws: &Workspace, minutes: f64, only: Option<Engine>) -> Result<bool, Failure> {
     let mut cargo = process::cargo();
     cargo
         .current_dir(&ws.root)
@@ -201,19 +261,28 @@ pub fn soak(ws: &Workspace, minutes: f64) -> Result<bool, Failure> {
     std::fs::create_dir_all(&kit.plugins).map_err(|e| Failure::new(e, "check /tmp"))?;
     std::fs::copy(&library, kit.plugins.join("libonebit_route_inproc.so"))
         .map_err(|e| Failure::new(e, "check /tmp"))?;
-    let phases = [Engine::Cpu, Engine::Inproc]
+    let (engines, each) = match only {
+        Some(engine) => (vec![engine], minutes),
+        None => (vec![Engine::Cpu, Engine::Inproc], minutes / 2.0),
+    };
+    let phases = engines
         .into_iter()
-        .map(|engine| traffic_phase(&kit, engine, minutes / 2.0))
+        .map(|engine| traffic_phase(&kit, engine, each))
         .collect::<Result<Vec<_>, _>>();
-    let watchdog = phases.as_ref().ok().map(|_| watchdog_phase(&kit));
+    let watchdog = match (&phases, only) {
+        (Ok(_), None) => Some(watchdog_phase(&kit)),
+        _ => None,
+    };
     let _ = std::fs::remove_dir_all(&kit.scratch);
     let phases = phases?;
-    let watchdog = watchdog.expect("ran after the phases")?;
     let mut met = true;
     for phase in &phases {
         met &= report(phase);
+        write_samples(ws, phase);
     }
-    met &= report_watchdog(&watchdog);
+    if let Some(watchdog) = watchdog {
+        met &= report_watchdog(&watchdog?);
+    }
     println!(
         "soak: {}",
         if met {
@@ -323,14 +392,13 @@ fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Fa
         let samples = samples.clone();
         std::thread::spawn(move || {
             while Instant::now() < deadline {
-                if let Some((rss_kib, fds, threads)) = sample(pid) {
-                    samples.lock().unwrap().push(Sample {
-                        at_s: start.elapsed().as_secs_f64(),
-                        rss_kib,
-                        fds,
-                        threads,
-                        tasks: runtime_tasks(port),
-                    });
+                if let Some(mut sample) = sample(pid) {
+                    sample.at_s = start.elapsed().as_secs_f64();
+                    let metrics = body_of(&exchange(port, &get_request("/metrics"), None));
+                    sample.tasks = series(&metrics, "onebit_runtime_tasks");
+                    sample.prompt_cache_kib =
+                        series(&metrics, "onebit_inproc_prompt_cache_bytes").map(|b| b / 1024);
+                    samples.lock().unwrap().push(sample);
                 }
                 std::thread::sleep(sample_every);
             }
@@ -461,12 +529,35 @@ fn still_running(pids: Vec<u32>) -> Vec<u32> {
         .collect()
 }
 
-/// serve's `onebit_runtime_tasks`, from its /metrics.
-fn runtime_tasks(port: u16) -> Option<u64> {
-    body_of(&exchange(port, &get_request("/metrics"), None))
+/// The value of an unlabelled series in a /metrics text.
+fn series(metrics: &str, name: &str) -> Option<u64> {
+    metrics
         .lines()
-        .find_map(|l| l.strip_prefix("onebit_runtime_tasks "))
-        .and_then(|n| n.trim().parse().ok())
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|n| n.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+/// Write a phase's samples, one per line, to `target/soak/<engine>.tsv` (for a plot, or to
+/// read which part of RSS moved); a write that fails is said and skipped.
+fn write_samples(ws: &Workspace, phase: &PhaseRun) {
+    let dir = ws.root.join("target/soak");
+    let path = dir.join(format!(
+        "{}.tsv",
+        match phase.engine {
+            Engine::Cpu => "cpu",
+            Engine::Inproc => "inproc",
+        }
+    ));
+    let mut text = format!("{}\n", Sample::HEADER);
+    for s in &phase.samples {
+        text.push_str(&s.row());
+        text.push('\n');
+    }
+    match std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&path, text)) {
+        Ok(()) => println!("  samples: {}", path.display()),
+        Err(e) => println!("  samples not written to {}: {e}", path.display()),
+    }
 }
 
 /// Print a traffic phase's report; true when every target is met.
@@ -533,7 +624,7 @@ fn report(phase: &PhaseRun) -> bool {
         );
     }
     // Warm-up: the first minute, or the first third of a short phase.
-    let warm = (minutes * 60.0 / 3.0).min(60.0);
+    let warm = (minutes * 60.0 / 3.0).min(WARM_UP_S);
     let after: Vec<&Sample> = samples.iter().filter(|s| s.at_s >= warm).collect();
     let slope = |f: &dyn Fn(&Sample) -> f64| -> f64 {
         let n = after.len() as f64;
@@ -556,10 +647,29 @@ fn report(phase: &PhaseRun) -> bool {
     let fd_growth = growth(&|s| s.fds);
     let tasks_seen = after.iter().all(|s| s.tasks.is_some()) && !after.is_empty();
     let task_growth = growth(&|s| s.tasks.unwrap_or(0));
+    let rss_judged = rss_is_judged(warm, minutes * 60.0);
+    let cache = if after.iter().any(|s| s.prompt_cache_kib.is_some()) {
+        format!(
+            ", the add-on's prompt cache {:+} KiB",
+            growth(&|s| s.prompt_cache_kib.unwrap_or(0))
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB; limit {GROWTH_LIMIT_KIB}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), tasks {:+.2}/min (grew {task_growth}; slack {TASK_SLACK}; last {}), threads {}",
+        "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB: anonymous {:+}, file-backed {:+}{cache}; {}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), tasks {:+.2}/min (grew {task_growth}; slack {TASK_SLACK}; last {}), threads {}",
         after.len(),
         slope(&|s| s.rss_kib as f64),
+        growth(&|s| s.rss_anon_kib),
+        growth(&|s| s.rss_file_kib),
+        if rss_judged {
+            format!("limit {GROWTH_LIMIT_KIB}")
+        } else {
+            format!(
+                "not judged: the phase is under {:.0} min",
+                (WARM_UP_S + JUDGED_WINDOW_S) / 60.0
+            )
+        },
         slope(&|s| s.fds as f64),
         slope(&|s| s.tasks.unwrap_or(0) as f64),
         after
@@ -571,13 +681,19 @@ fn report(phase: &PhaseRun) -> bool {
     println!("  stop: SIGTERM to exit {stop_s:.2} s; processes left: {left:?}");
     let met = unexpected_total == 0
         && corrupted_total == 0
-        && rss_growth <= GROWTH_LIMIT_KIB
+        && (!rss_judged || rss_growth <= GROWTH_LIMIT_KIB)
         && fd_growth <= FD_SLACK
         && tasks_seen
         && task_growth <= TASK_SLACK
         && left.is_empty();
     println!("  {}", if met { "targets met" } else { "targets MISSED" });
     met
+}
+
+/// Whether a phase of `length_s` seconds, warm after `warm_s`, is long enough for its RSS to be
+/// judged: a full warm-up minute, then a window of [`JUDGED_WINDOW_S`].
+fn rss_is_judged(warm_s: f64, length_s: f64) -> bool {
+    warm_s >= WARM_UP_S && length_s - warm_s >= JUDGED_WINDOW_S
 }
 
 /// Print the watchdog phase's report; true when serve killed the hung backend, said so, exited
@@ -807,8 +923,9 @@ fn streamed_content(reply: &str) -> Option<String> {
     done.then_some(text)
 }
 
-/// serve's RSS (KiB), open descriptors and threads.
-fn sample(pid: u32) -> Option<(u64, u64, u64)> {
+/// A sample of serve's process (its memory, descriptors and threads), at 0 s and without the
+/// scraped series.
+fn sample(pid: u32) -> Option<Sample> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |name: &str| {
         status
@@ -817,7 +934,16 @@ fn sample(pid: u32) -> Option<(u64, u64, u64)> {
             .and_then(|v| v.split_whitespace().next()?.parse().ok())
     };
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as u64;
-    Some((field("VmRSS:")?, fds, field("Threads:")?))
+    Some(Sample {
+        at_s: 0.0,
+        rss_kib: field("VmRSS:")?,
+        rss_anon_kib: field("RssAnon:")?,
+        rss_file_kib: field("RssFile:")?,
+        fds,
+        threads: field("Threads:")?,
+        tasks: None,
+        prompt_cache_kib: None,
+    })
 }
 
 fn children(pid: u32) -> Vec<u32> {
@@ -853,5 +979,32 @@ impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{rss_is_judged, series};
+
+    #[test]
+    fn rss_is_judged_only_after_a_full_warm_up_and_a_minute_of_window() {
+        // The suite's minute: two half-minute phases, warm after 10 s.
+        assert!(!rss_is_judged(10.0, 30.0));
+        // Warm after the first minute, but only 30 s after it.
+        assert!(!rss_is_judged(60.0, 90.0));
+        assert!(rss_is_judged(60.0, 120.0));
+        // The default run: two 10-minute phases.
+        assert!(rss_is_judged(60.0, 600.0));
+    }
+
+    #[test]
+    fn a_series_is_read_by_its_whole_name() {
+        let text = "# TYPE onebit_runtime_tasks gauge\nonebit_runtime_tasks_max 9\nonebit_runtime_tasks 212\nonebit_inproc_prompt_cache_bytes 1.5e6\n";
+        assert_eq!(series(text, "onebit_runtime_tasks"), Some(212));
+        assert_eq!(
+            series(text, "onebit_inproc_prompt_cache_bytes"),
+            Some(1_500_000)
+        );
+        assert_eq!(series(text, "onebit_missing"), None);
     }
 }

@@ -10,6 +10,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::relay::in_flight;
+
 /// serve's listener task and the switch that stops it. Owned by `serve_plan`, used from
 /// `supervise` on the runtime.
 pub struct Drain {
@@ -28,29 +30,46 @@ impl Drain {
     }
 
     /// Stop accepting, then wait until every connection has finished its request in flight, or
-    /// the window ends and what is left is cut. Returns when the backends may be stopped.
+    /// the window ends and what is left is cut. What the backend abandons at its own stop
+    /// (llama-server's tool calls, `relay::in_flight`) is not waited for: once only such
+    /// requests are left they are cut at once. Returns when the backends may be stopped.
     pub async fn run(&mut self, what: &str) {
         let _ = self.shutdown.send(true);
         let Some(server) = self.server.as_mut() else {
             return;
         };
-        let busy = crate::relay::busy_poll::in_flight();
+        let busy = in_flight::in_flight();
         if busy > 0 && !self.window.is_zero() {
             tracing::info!(
                 "1bit serve: {what}: no new connections; letting {busy} request(s) in flight finish for up to {:.1} s",
                 self.window.as_secs_f64()
             );
         }
-        if tokio::time::timeout(self.window, server).await.is_ok() {
-            self.server = None;
-        } else {
-            let left = crate::relay::busy_poll::in_flight();
-            tracing::info!(
-                "1bit serve: {what}: the drain window ended with {left} request(s) in flight; cutting them"
-            );
-            self.cut();
-            self.server = None;
+        let only_abandoned_left = async {
+            while in_flight::in_flight() == 0 || in_flight::holding_the_stop() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::select! {
+            _ = server => {
+                self.server = None;
+                return;
+            }
+            _ = tokio::time::sleep(self.window) => {
+                let left = in_flight::in_flight();
+                tracing::info!(
+                    "1bit serve: {what}: the drain window ended with {left} request(s) in flight; cutting them"
+                );
+            }
+            _ = only_abandoned_left => {
+                let left = in_flight::in_flight();
+                tracing::info!(
+                    "1bit serve: {what}: only {left} tool call(s) left in flight, which the backend ends at its stop; cutting them"
+                );
+            }
         }
+        self.cut();
+        self.server = None;
     }
 
     /// Cut every request still in flight: in-process routes' sinks fail from now on, and the

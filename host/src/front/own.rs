@@ -279,7 +279,7 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
     );
     metrics::append(
         &mut body,
-        &app.requests.render(crate::relay::busy_poll::in_flight()),
+        &app.requests.render(crate::relay::in_flight::in_flight()),
     );
     match route_text.await {
         Ok(Ok(text)) => metrics::append(&mut body, &text),

@@ -32,7 +32,7 @@ use std::io::{self, Read};
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -40,11 +40,11 @@ use hyper_util::client::legacy::connect::{Connected, Connection};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+use crate::relay::in_flight::in_flight;
+
 /// The budget when `ONEBIT_BUSY_POLL_US` is unset.
 pub const DEFAULT_BUDGET: Duration = Duration::from_micros(50);
 
-/// Requests being relayed now (from reading the client's request to the end of the reply).
-static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 /// Whether a socket is spinning now.
 static SPINNING: AtomicBool = AtomicBool::new(false);
 static BUDGET: OnceLock<Duration> = OnceLock::new();
@@ -66,28 +66,6 @@ fn parse_budget(value: Option<&str>) -> Duration {
     value
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map_or(DEFAULT_BUDGET, |us| Duration::from_micros(us.min(10_000)))
-}
-
-/// Relayed requests in flight now (the drain on SIGTERM says how many it waits for).
-pub fn in_flight() -> usize {
-    IN_FLIGHT.load(Ordering::Relaxed)
-}
-
-/// One relayed request, counted from reading the client's request until its reply body is
-/// finished or dropped.
-pub struct InFlight(());
-
-impl InFlight {
-    pub fn begin() -> Self {
-        IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
-        InFlight(())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 /// Which end of the hop a socket is.
@@ -142,10 +120,7 @@ impl BusyPollStream {
         }
         let budget = budget();
         let own = usize::from(self.side == Side::Backend);
-        if budget.is_zero()
-            || IN_FLIGHT.load(Ordering::Relaxed) > own
-            || SPINNING.swap(true, Ordering::Acquire)
-        {
+        if budget.is_zero() || in_flight() > own || SPINNING.swap(true, Ordering::Acquire) {
             return false;
         }
         let deadline = Instant::now() + budget;

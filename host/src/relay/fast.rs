@@ -25,7 +25,8 @@ use crate::error::ApiError;
 use crate::guard::{self, Seen};
 use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::App;
-use crate::relay::busy_poll::{BusyPollStream, InFlight};
+use crate::relay::busy_poll::BusyPollStream;
+use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
 use crate::relay::request_id::RequestId;
 use crate::relay::sse_keepalive::{self, SseEdge};
@@ -145,6 +146,8 @@ struct Fast {
     watched: Option<(String, String, usize)>,
     /// For `onebit_requests_total`.
     path: PathClass,
+    /// The backend abandons it at its stop, so the drain does not wait for it (`in_flight`).
+    abandoned_at_stop: bool,
     /// Sent to the backend, and on the reply.
     id: RequestId,
     /// The method and path for the request's log line, kept only when that line is on.
@@ -268,6 +271,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
             .watched
             .then(|| (method.to_string(), path.to_string(), body_len)),
         path: PathClass::of(path),
+        abandoned_at_stop: crate::relay::in_flight::abandoned_at_stop(path),
         id,
         logged: tracing::enabled!(target: crate::log::REQUEST, tracing::Level::DEBUG)
             .then(|| Box::new((method.to_string(), path.to_string()))),
@@ -285,7 +289,10 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         Verdict::BodyDue(plan) => return Outcome::BodyDue(plan),
         Verdict::HandOver(decided) => return Outcome::HandOver(decided),
     };
-    let in_flight = InFlight::begin();
+    let mut in_flight = InFlight::begin();
+    if fast.abandoned_at_stop {
+        in_flight.abandoned_at_stop();
+    }
     buf.advance(fast.consumed);
     let ticket = match (&fast.watched, app.watchdog.get()) {
         (Some((method, path, bytes)), Some(dog)) => {

@@ -20,7 +20,7 @@ use crate::backends::watchdog::Ticket;
 use crate::error::{ApiError, error_chain};
 use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::App;
-use crate::relay::busy_poll::InFlight;
+use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{self, Decided, DeviceChoice, Engine, RelayPlan, Target, Way};
 use crate::relay::request_id::RequestId;
 use crate::relay::{in_process, served_name, sse_keepalive};
@@ -40,7 +40,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     // serve's added time runs from here to the response handed to hyper, less the backend's
     // own time (`metrics::requests`).
     let began = Instant::now();
-    let in_flight = InFlight::begin();
+    let mut in_flight = InFlight::begin();
     let decided = request.extensions_mut().remove::<Decided>();
     let id = request
         .extensions()
@@ -159,6 +159,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         ))
         .into_response();
     };
+    in_flight.relayed_to(parts.uri.path());
 
     // An inference request is watched from before it is sent: waiting for the reply's head
     // counts against it too.

@@ -30,7 +30,7 @@ use onebit_plugin_api::{
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::requests::{PathClass, StreamClock};
-use crate::relay::busy_poll::InFlight;
+use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{Engine, RelayPlan, Target};
 use crate::relay::{App, served_name};
 

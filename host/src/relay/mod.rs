@@ -14,6 +14,7 @@ pub mod app;
 pub mod busy_poll;
 pub mod fast;
 pub mod general;
+pub mod in_flight;
 pub mod in_process;
 pub mod plan;
 pub mod pool;

@@ -442,6 +442,7 @@ async fn route_llama(st: &Arc<State>, parts: &Parts, body: &Bytes) -> Response {
                 };
             };
             match path {
+                "/tools" => tool_call(st, &json).await,
                 "/tokenize" => tokenize(st, &json),
                 "/detokenize" => detokenize(st, &json),
                 "/apply-template" => apply_template(&json),
@@ -454,6 +455,14 @@ async fn route_llama(st: &Arc<State>, parts: &Parts, body: &Bytes) -> Response {
         }
         _ => not_found(),
     }
+}
+
+/// A tool call, as llama-server's `POST /tools` takes it (`{"tool", "params"}`): its result
+/// after `FAKE_TOOL_MS`.
+async fn tool_call(st: &State, json: &Value) -> Response {
+    tokio::time::sleep(st.cfg.tool_call).await;
+    axum::Json(json!({"result": {"tool": json.get("tool"), "params": json.get("params")}}))
+        .into_response()
 }
 
 fn models(st: &State) -> Response {

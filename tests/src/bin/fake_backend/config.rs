@@ -69,6 +69,9 @@ pub struct Config {
     /// `FAKE_CLOSE_EVERY`: every Nth reply closes its connection (0: never), as llama-server
     /// closes a kept-alive connection after its 100th request.
     pub close_every: u64,
+    /// `FAKE_TOOL_MS`: how long a tool call (`POST /tools`, as llama-server's `--tools`) takes
+    /// before its result.
+    pub tool_call: Duration,
 }
 
 /// Parses llama-server's argument list and the environment (`env` looks a variable up).
@@ -195,6 +198,7 @@ pub fn parse(
         sse_interval: millis(&env, "FAKE_SSE_INTERVAL_MS")?.unwrap_or(Duration::from_millis(5)),
         ds4: flag(&env, "FAKE_DS4")?,
         close_every: number(&env, "FAKE_CLOSE_EVERY")?.unwrap_or(0),
+        tool_call: millis(&env, "FAKE_TOOL_MS")?.unwrap_or(Duration::ZERO),
     })))
 }
 
