@@ -300,19 +300,74 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         }
         _ => None,
     };
-
-    // Send, and read the reply's head. A request that a reused connection's backend refused
-    // unread (a reset: it had closed the connection) is sent once more, on a new connection;
-    // one it may have read (a clean close before any reply) is never sent twice.
-    let mut reply = BytesMut::with_capacity(8 * 1024);
-    let mut retried = false;
-    let mut sent_at;
     // A watched request here is a streamed inference request (a whole one is the general
     // engine's, to name its reply): it gets comments in its backend's silences (keep-alive
-    // on); `early` once serve began the reply itself, before the backend's head.
+    // on).
     let keepalive = fast.watched.as_ref().and(sse_keepalive::every());
+    let sent = match send(app, client, &fast, keepalive, began).await {
+        Ok(sent) => sent,
+        Err(outcome) => return outcome,
+    };
+    let backend_time = sent.at.elapsed();
+    if let Some(ticket) = &ticket {
+        ticket.progress(0);
+    }
+    // A streamed inference request's events are timed as they are written.
+    let clock = fast
+        .watched
+        .is_some()
+        .then(|| StreamClock::new(began, fast.path, Engine::Fast));
+    let tracking = Tracking {
+        keepalive,
+        ticket,
+        in_flight,
+        clock,
+    };
+    if sent.early {
+        app.requests.count(fast.path, 200, Engine::Fast);
+        let bytes =
+            after_early_head(app, client, sent.backend, sent.reply, sent.head, tracking).await;
+        app.requests
+            .lasted(fast.path, Engine::Fast, began.elapsed());
+        fast.log(200, Duration::ZERO, bytes);
+        return Outcome::Close;
+    }
+    app.requests
+        .count(fast.path, sent.head.status, Engine::Fast);
+    let timing = Timing {
+        began,
+        backend_time,
+    };
+    relay_reply(app, client, buf, &fast, sent, tracking, timing).await
+}
+
+/// The request sent and its reply's head read: the backend connection, the head, the bytes
+/// read past it, when the request was sent, and whether serve already began the client's
+/// reply itself (`early`: keep-alive comments before the backend's head).
+struct Sent {
+    backend: BusyPollStream,
+    head: ReplyHead,
+    reply: BytesMut,
+    at: Instant,
+    early: bool,
+}
+
+/// Send the request and read its reply's head. A request that a reused connection's backend
+/// refused unread (a reset: it had closed the connection) is sent once more, on a new
+/// connection; one it may have read (a clean close before any reply) is never sent twice.
+/// With `keepalive`, the client gets comments while the head is due (its reply's head first).
+/// Err: the request is over, answered with a 502 or ended in the early stream.
+async fn send(
+    app: &Arc<App>,
+    client: &mut BusyPollStream,
+    fast: &Fast,
+    keepalive: Option<Duration>,
+    began: Instant,
+) -> Result<Sent, Outcome> {
+    let mut reply = BytesMut::with_capacity(8 * 1024);
+    let mut retried = false;
     let mut early = false;
-    let (mut backend, head) = loop {
+    loop {
         reply.clear();
         let taken = if retried {
             app.pool.connect(fast.port).await.map(|c| (c, false))
@@ -321,14 +376,14 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         let (mut conn, reused) = match taken {
             Ok(c) => c,
-            Err(e) => return bad_gateway(app, client, &fast, &e.to_string(), began).await,
+            Err(e) => return Err(bad_gateway(app, client, fast, &e.to_string(), began).await),
         };
         let sent = async {
             conn.write_all(&fast.upstream).await?;
             conn.flush().await
         }
         .await;
-        sent_at = Instant::now();
+        let at = Instant::now();
         let head = match sent {
             Ok(()) => match keepalive {
                 None => read_reply_head(&mut conn, &mut reply).await,
@@ -350,7 +405,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                                 sse_keepalive::count();
                                 out.extend_from_slice(sse_keepalive::COMMENT_CHUNK);
                                 if client.write_all(&out).await.is_err() {
-                                    return Outcome::Close;
+                                    return Err(Outcome::Close);
                                 }
                             }
                         }
@@ -369,7 +424,15 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             Err(e) => Err(ReplyError::Io(e)),
         };
         match head {
-            Ok(head) => break (conn, head),
+            Ok(head) => {
+                return Ok(Sent {
+                    backend: conn,
+                    head,
+                    reply,
+                    at,
+                    early,
+                });
+            }
             Err(ReplyError::Unread) if reused && !retried && !early => retried = true,
             Err(e) if early => {
                 // The client already has a 200 event stream: the failure is its last event.
@@ -382,40 +445,24 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                 app.requests
                     .lasted(fast.path, Engine::Fast, began.elapsed());
                 fast.log(200, Duration::ZERO, 0);
-                return Outcome::Close;
+                return Err(Outcome::Close);
             }
-            Err(e) => return bad_gateway(app, client, &fast, &e.to_string(), began).await,
+            Err(e) => return Err(bad_gateway(app, client, fast, &e.to_string(), began).await),
         }
-    };
-    let backend_time = sent_at.elapsed();
-    if let Some(ticket) = &ticket {
-        ticket.progress(0);
     }
-    // A streamed inference request's events are timed as they are written.
-    let mut clock = fast
-        .watched
-        .is_some()
-        .then(|| StreamClock::new(began, fast.path, Engine::Fast));
-    if early {
-        app.requests.count(fast.path, 200, Engine::Fast);
-        let early = Early {
-            keepalive,
-            ticket,
-            in_flight,
-            clock,
-        };
-        let bytes = after_early_head(app, client, backend, reply, head, early).await;
-        app.requests
-            .lasted(fast.path, Engine::Fast, began.elapsed());
-        fast.log(200, Duration::ZERO, bytes);
-        return Outcome::Close;
-    }
-    app.requests.count(fast.path, head.status, Engine::Fast);
-    let mut head_written = false;
+}
 
-    // A body that ends at the backend's close goes to the (HTTP/1.1) client chunked, each
-    // read one chunk, so the client's connection stays framed and can be kept alive.
-    let close = fast.close;
+/// When the request was in hand, and how long the backend took to its reply's head: serve's
+/// added time is the rest, up to the head written.
+#[derive(Clone, Copy)]
+struct Timing {
+    began: Instant,
+    backend_time: Duration,
+}
+
+/// The client's reply head: the backend's lines, the framing the client gets (a body that
+/// ends at the backend's close goes chunked), the close the client asked for, the request id.
+fn client_head(head: &ReplyHead, close: bool, id: &RequestId) -> Vec<u8> {
     let mut out = Vec::with_capacity(head.lines.len() + 64);
     out.extend_from_slice(&head.lines);
     match head.framing {
@@ -432,29 +479,49 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     if close {
         out.extend_from_slice(b"Connection: close\r\n");
     }
-    append_id(&mut out, &fast.id);
+    append_id(&mut out, id);
     out.extend_from_slice(b"\r\n");
+    out
+}
+
+/// Relay the reply: its head, then the body as it arrives, each read written at once, with
+/// keep-alive comments in an event stream's silences, the watchdog told of each read, and the
+/// client watched meanwhile (one that leaves drops the backend connection, which stops the
+/// engine; its next request, sent early, is kept in `buf`).
+async fn relay_reply(
+    app: &Arc<App>,
+    client: &mut BusyPollStream,
+    buf: &mut BytesMut,
+    fast: &Fast,
+    sent: Sent,
+    tracking: Tracking,
+    timing: Timing,
+) -> Outcome {
+    let Sent {
+        mut backend,
+        head,
+        mut reply,
+        ..
+    } = sent;
+    let Tracking {
+        keepalive,
+        ticket,
+        in_flight,
+        mut clock,
+    } = tracking;
+    let Timing {
+        began,
+        backend_time,
+    } = timing;
+    let mut head_written = false;
+    let close = fast.close;
+    let mut out = client_head(&head, close, &fast.id);
     let mut added = Duration::ZERO;
     let mut bytes: u64 = 0;
-
     // The body: what came with the head, then as it arrives, each read written at once.
     let mut body = Body::new(head.framing);
     let mut watch_client = true;
-    // Comments go only into an event stream whose framing has room for them: chunks, or a
-    // body that ends at the close (which the client gets chunked).
-    let mut edge = keepalive
-        .filter(|_| head.event_stream)
-        .and_then(|every| match head.framing {
-            Framing::Chunked => Some((every, SseEdge::new(sse_keepalive::Framing::Chunked))),
-            Framing::UntilClose => Some((every, SseEdge::new(sse_keepalive::Framing::Payload))),
-            _ => None,
-        });
-    // One timer for the whole reply, moved on lazily: a read only notes its time, and the
-    // timer, when it fires early, is set again for `every` after the last byte.
-    let mut silence = edge
-        .as_ref()
-        .map(|(every, _)| Box::pin(tokio::time::sleep(*every)));
-    let mut last_byte = tokio::time::Instant::now();
+    let mut silences = Silences::for_reply(keepalive, &head);
     loop {
         let end = body.feed(&reply);
         let Some(end) = end else {
@@ -462,8 +529,8 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         };
         let done = end.is_some();
         let take = end.unwrap_or(reply.len());
-        if let Some((_, edge)) = &mut edge {
-            edge.feed(&reply[..take]);
+        if let Some(silences) = &mut silences {
+            silences.edge.feed(&reply[..take]);
         }
         if body.framing == Framing::UntilClose {
             wire::append_chunk(&mut out, &reply[..take]);
@@ -509,28 +576,15 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             tokio::select! {
                 biased;
                 () = async {
-                    match silence.as_mut() {
-                        Some(timer) => timer.as_mut().await,
+                    match silences.as_mut() {
+                        Some(silences) => silences.timer.as_mut().await,
                         None => std::future::pending().await,
                     }
-                }, if silence.is_some() => {
-                    if let (Some((every, edge)), Some(timer)) = (&mut edge, silence.as_mut()) {
-                        let now = tokio::time::Instant::now();
-                        let due = last_byte + *every;
-                        if now < due {
-                            timer.as_mut().reset(due);
-                        } else {
-                            // The client's reply is chunked either way (a body to the close
-                            // is re-framed), so the comment goes as a chunk.
-                            if edge.at_boundary() {
-                                sse_keepalive::count();
-                                if client.write_all(sse_keepalive::COMMENT_CHUNK).await.is_err() {
-                                    return Outcome::Close;
-                                }
-                            }
-                            last_byte = now;
-                            timer.as_mut().reset(now + *every);
-                        }
+                }, if silences.is_some() => {
+                    if let Some(silences) = &mut silences
+                        && silences.fired(client).await.is_err()
+                    {
+                        return Outcome::Close;
                     }
                 },
                 read = backend.read_buf(&mut reply) => match read {
@@ -551,8 +605,8 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
                         if let Some(ticket) = &ticket {
                             ticket.progress(n);
                         }
-                        if silence.is_some() {
-                            last_byte = tokio::time::Instant::now();
+                        if let Some(silences) = &mut silences {
+                            silences.last_byte = tokio::time::Instant::now();
                         }
                         break;
                     }
@@ -745,14 +799,14 @@ async fn after_early_head(
     mut backend: BusyPollStream,
     mut reply: BytesMut,
     head: ReplyHead,
-    early: Early,
+    tracking: Tracking,
 ) -> u64 {
-    let Early {
+    let Tracking {
         keepalive,
         ticket,
         in_flight,
         mut clock,
-    } = early;
+    } = tracking;
     let mut bytes = 0;
     let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
     let mut body = Body::new(head.framing);
@@ -831,8 +885,62 @@ async fn after_early_head(
     }
 }
 
-/// What a stream whose head serve sent early carries on with.
-struct Early {
+/// Keep-alive comments in an event stream's silences. Comments go only into a stream whose
+/// framing has room for them: chunks, or a body that ends at the close (which the client gets
+/// chunked). One timer for the whole reply, moved on lazily: a read only notes its time, and
+/// the timer, when it fires early, is set again for `every` after the last byte.
+struct Silences {
+    every: Duration,
+    edge: SseEdge,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    last_byte: tokio::time::Instant,
+}
+
+impl Silences {
+    /// For a reply with this head, when keep-alive is on (`keepalive`) and the reply is an
+    /// event stream with room for comments.
+    fn for_reply(keepalive: Option<Duration>, head: &ReplyHead) -> Option<Silences> {
+        let every = keepalive.filter(|_| head.event_stream)?;
+        let edge = match head.framing {
+            Framing::Chunked => SseEdge::new(sse_keepalive::Framing::Chunked),
+            Framing::UntilClose => SseEdge::new(sse_keepalive::Framing::Payload),
+            _ => return None,
+        };
+        Some(Silences {
+            every,
+            edge,
+            timer: Box::pin(tokio::time::sleep(every)),
+            last_byte: tokio::time::Instant::now(),
+        })
+    }
+
+    /// The timer fired: a comment when the silence has lasted `every` and the stream is
+    /// between events, else the timer set again for the silence's end. Err: the client left.
+    async fn fired(&mut self, client: &mut BusyPollStream) -> Result<(), ()> {
+        let now = tokio::time::Instant::now();
+        let due = self.last_byte + self.every;
+        if now < due {
+            self.timer.as_mut().reset(due);
+            return Ok(());
+        }
+        // The client's reply is chunked either way (a body to the close is re-framed), so the
+        // comment goes as a chunk.
+        if self.edge.at_boundary() {
+            sse_keepalive::count();
+            client
+                .write_all(sse_keepalive::COMMENT_CHUNK)
+                .await
+                .map_err(|_| ())?;
+        }
+        self.last_byte = now;
+        self.timer.as_mut().reset(now + self.every);
+        Ok(())
+    }
+}
+
+/// What a relayed reply carries along: its keep-alive period, the watchdog's ticket, its
+/// place among the requests in flight, and its stream's clock.
+struct Tracking {
     keepalive: Option<Duration>,
     ticket: Option<crate::backends::watchdog::Ticket>,
     in_flight: InFlight,
