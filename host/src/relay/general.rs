@@ -35,7 +35,10 @@ pub struct Relayed {
 
 /// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
 /// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
-/// route's `forward` goes to a blocking thread.
+/// route's `forward` goes to a blocking thread. Its steps: the plan and the body read and
+/// checked ([`planned`]), the backend chosen ([`backend_for`]: the plan's, the route's
+/// forward, or an answer), the request sent and its head awaited ([`sent`]), the reply
+/// passed on ([`reply`]).
 pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Response {
     // serve's added time runs from here to the response handed to hyper, less the backend's
     // own time (`metrics::requests`).
@@ -49,11 +52,87 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         .unwrap_or_else(RequestId::made);
     let path = PathClass::of(request.uri().path());
     let (parts, body) = request.into_parts();
+    let (plan, body) = match planned(&app, decided, &parts, body).await {
+        Ok(planned) => planned,
+        Err(response) => return response,
+    };
+    let chosen = match backend_for(&app, &plan, &parts, body).await {
+        Chosen::Backend(chosen) => chosen,
+        Chosen::InProcess(body) => {
+            return in_process::respond(&app, &plan, &parts, body, in_flight, began).await;
+        }
+        Chosen::Answered(response) => return response,
+    };
+    let Some(port) = app.ports.get(chosen.backend).copied() else {
+        return ApiError::BadGateway(format!(
+            "the route named backend {}, which it did not start",
+            chosen.backend
+        ))
+        .into_response();
+    };
+    in_flight.relayed_to(parts.uri.path());
+    let relaying = Relaying {
+        app: &app,
+        plan: &plan,
+        backend: chosen.backend,
+        began,
+        path,
+    };
+    // An inference request is watched from before it is sent: waiting for the reply's head
+    // counts against it too.
+    let ticket = match app.watchdog.get() {
+        Some(dog) if plan.watched => Some(dog.track(
+            parts.method.as_str(),
+            parts.uri.path(),
+            plan.streamed,
+            chosen.backend,
+            chosen.body.len(),
+        )),
+        _ => None,
+    };
+    let upstream = match upstream_request(parts, port, chosen.body, &id) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let carried = Carried {
+        ticket,
+        on_first_byte: chosen.on_first_byte,
+        in_flight,
+    };
+    sent(&relaying, upstream, carried).await
+}
+
+/// One relayed request's settings for its steps after the backend is chosen.
+struct Relaying<'a> {
+    app: &'a Arc<App>,
+    plan: &'a RelayPlan,
+    backend: usize,
+    began: Instant,
+    path: PathClass,
+}
+
+/// What rides on a relayed reply's body: the watchdog's ticket, the route's first-byte line,
+/// the in-flight count.
+struct Carried {
+    ticket: Option<Ticket>,
+    on_first_byte: Option<FirstByte>,
+    in_flight: InFlight,
+}
+
+/// The request's plan (the one handed over, or made here from the head), and its body read
+/// and checked by the rule's kind, with the plan's own rewrites (`--laya`'s device,
+/// `--precise`) applied. Err: the answer (a refusal, or the table's own answer).
+async fn planned(
+    app: &Arc<App>,
+    decided: Option<Decided>,
+    parts: &axum::http::request::Parts,
+    body: Body,
+) -> Result<(RelayPlan, Bytes), Response> {
     let (plan, body_checked) = match decided {
         Some(decided) => (decided.plan, decided.body_checked),
-        None => match RelayPlan::for_head(&app, parts.method.as_str(), parts.uri.path()) {
+        None => match RelayPlan::for_head(app, parts.method.as_str(), parts.uri.path()) {
             Ok(plan) => (plan, false),
-            Err(e) => return e.into_response(),
+            Err(e) => return Err(e.into_response()),
         },
     };
     if let Target::Answer {
@@ -62,15 +141,15 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         body,
     } = &plan.target
     {
-        return answer(*status, content_type, body.clone());
+        return Err(answer(*status, content_type, body.clone()));
     }
 
     // The rule's kind says whether a body is read and relayed (none for a GET's).
     let has_body = plan.body != BodyKind::None;
     let body = if has_body {
-        match read_body(&app, plan.body, &parts.headers, body).await {
+        match read_body(app, plan.body, &parts.headers, body).await {
             Ok(bytes) => bytes,
-            Err(e) => return e.into_response(),
+            Err(e) => return Err(e.into_response()),
         }
     } else {
         Bytes::new()
@@ -81,8 +160,8 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             .get(header::CONTENT_TYPE)
             .map(|v| v.as_bytes());
         match plan::check_body(plan.body, content_type, &body) {
-            Ok(streamed) => plan.with_body(&app, streamed),
-            Err(e) => return e.into_response(),
+            Ok(streamed) => plan.with_body(app, streamed),
+            Err(e) => return Err(e.into_response()),
         }
     } else {
         plan
@@ -103,11 +182,43 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         body
     };
 
+    Ok((plan, body))
+}
+
+/// Where a planned request goes.
+enum Chosen {
+    /// To a backend over its socket.
+    Backend(ChosenBackend),
+    /// To the route in serve's process, with the body.
+    InProcess(Bytes),
+    /// Nowhere: answered (by the route's forward, the tool loop, or a refusal).
+    Answered(Response),
+}
+
+/// The backend a request goes to, the body it gets (the route's rewrite, or the client's),
+/// and, for a route's forward, what its first byte does.
+struct ChosenBackend {
+    backend: usize,
+    body: Bytes,
+    on_first_byte: Option<FirstByte>,
+}
+
+/// The backend for a planned request: the plan's, the route's forward (asked at run time), or
+/// none (in process, the tool loop, an answer).
+async fn backend_for(
+    app: &Arc<App>,
+    plan: &RelayPlan,
+    parts: &axum::http::request::Parts,
+    body: Bytes,
+) -> Chosen {
     // For a route that asks to, its forwards take turns: the turn is held from asking the
     // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
-    let mut on_first_byte: Option<FirstByte> = None;
-    let (backend, body) = match &plan.target {
-        Target::Backend(backend) => (*backend, body),
+    match &plan.target {
+        Target::Backend(backend) => Chosen::Backend(ChosenBackend {
+            backend: *backend,
+            body,
+            on_first_byte: None,
+        }),
         Target::AskRoute => {
             let turn = if app.serialize_forwards {
                 Some(app.forward_turn.clone().lock_owned().await)
@@ -115,88 +226,108 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
                 None
             };
             let asked_at = std::time::Instant::now();
-            match ask_route(&app, &parts.method, &parts.uri, &body).await {
+            match ask_route(app, &parts.method, &parts.uri, &body).await {
                 Ok(Forward::Proxy {
                     backend,
                     body: rewritten,
                     first_byte_line,
-                }) => {
-                    on_first_byte = Some(FirstByte {
+                }) => Chosen::Backend(ChosenBackend {
+                    backend,
+                    body: rewritten.map(Bytes::from).unwrap_or(body),
+                    on_first_byte: Some(FirstByte {
                         asked_at,
                         line: first_byte_line,
                         _turn: turn,
                         span: tracing::Span::current(),
-                    });
-                    (backend, rewritten.map(Bytes::from).unwrap_or(body))
-                }
+                    }),
+                }),
                 Ok(Forward::Answer {
                     status,
                     content_type,
                     body,
-                }) => return answer(status, &content_type, body),
-                Err(e) => return e.into_response(),
+                }) => Chosen::Answered(answer(status, &content_type, body)),
+                Err(e) => Chosen::Answered(e.into_response()),
             }
         }
-        Target::InProcess => {
-            return in_process::respond(&app, &plan, &parts, body, in_flight, began).await;
-        }
-        Target::Answer { .. } => unreachable!("answered above"),
+        Target::InProcess => Chosen::InProcess(body),
+        Target::Answer {
+            status,
+            content_type,
+            body,
+        } => Chosen::Answered(answer(*status, content_type, body.clone())),
         Target::ToolLoop(backend) => {
             // --pm: the tool loop answers the chat (after --precise, so its rounds carry
             // `cache_prompt` false too). Only a plan made with the PM targets it.
             let (Some(pm), Some(port)) = (&app.pm, app.ports.get(*backend).copied()) else {
-                return ApiError::BadGateway(format!(
-                    "the route named backend {backend}, which it did not start"
-                ))
-                .into_response();
+                return Chosen::Answered(
+                    ApiError::BadGateway(format!(
+                        "the route named backend {backend}, which it did not start"
+                    ))
+                    .into_response(),
+                );
             };
-            return pm.answer(&app.client, port, body).await;
+            Chosen::Answered(pm.answer(&app.client, port, body).await)
         }
-    };
-    let Some(port) = app.ports.get(backend).copied() else {
-        return ApiError::BadGateway(format!(
-            "the route named backend {backend}, which it did not start"
-        ))
-        .into_response();
-    };
-    in_flight.relayed_to(parts.uri.path());
+    }
+}
 
-    // An inference request is watched from before it is sent: waiting for the reply's head
-    // counts against it too.
-    let ticket = match app.watchdog.get() {
-        Some(dog) if plan.watched => Some(dog.track(
-            parts.method.as_str(),
-            parts.uri.path(),
-            plan.streamed,
-            backend,
-            body.len(),
-        )),
-        _ => None,
-    };
-    let upstream = match upstream_request(parts, port, body, &id) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
+/// Send the request and wait for its reply's head. A streamed inference request whose backend
+/// stays silent before its head (a long prefill) gets its reply begun by serve, with comments
+/// in the silences.
+async fn sent(
+    relaying: &Relaying<'_>,
+    upstream: hyper::Request<Full<Bytes>>,
+    carried: Carried,
+) -> Response {
+    let Relaying {
+        app,
+        plan,
+        backend,
+        began,
+        path,
+    } = *relaying;
     let sent_at = Instant::now();
     let pending = app.client.request(upstream);
-    // A streamed inference request whose backend stays silent before its head (a long
-    // prefill) gets its reply begun by serve, with comments in the silences.
-    let reply = match sse_keepalive::wait_head(pending, plan.inference && plan.streamed).await {
-        sse_keepalive::Waited::Arrived(Ok(reply)) => reply,
+    match sse_keepalive::wait_head(pending, plan.inference && plan.streamed).await {
+        sse_keepalive::Waited::Arrived(Ok(head)) => {
+            reply(relaying, head, sent_at.elapsed(), carried).await
+        }
         sse_keepalive::Waited::Arrived(Err(e)) => {
-            return ApiError::no_answer(&app.device, &error_chain(&e)).into_response();
+            ApiError::no_answer(&app.device, &error_chain(&e)).into_response()
         }
         sse_keepalive::Waited::Silent(pending) => {
             let added = began.elapsed().saturating_sub(sent_at.elapsed());
             app.requests.added(path, Engine::General, added);
-            let streamed = Streamed::new(&app, &plan, began, path);
+            let streamed = Streamed::new(app, plan, began, path);
+            let Carried {
+                ticket,
+                on_first_byte,
+                in_flight,
+            } = carried;
             let wrap = move |body| watched(body, ticket, on_first_byte, in_flight, streamed);
             let mut response = sse_keepalive::early_stream(pending, wrap, app.device.clone());
             response.extensions_mut().insert(Relayed { backend, added });
-            return response;
+            response
         }
-    };
-    let mut backend_time = sent_at.elapsed();
+    }
+}
+
+/// Pass the backend's reply on: its headers filtered, a whole JSON reply named as serve
+/// serves the model, a stream renamed event by event where the engine cannot be told the
+/// name, comments in an event stream's silences.
+async fn reply(
+    relaying: &Relaying<'_>,
+    reply: hyper::Response<hyper::body::Incoming>,
+    mut backend_time: Duration,
+    carried: Carried,
+) -> Response {
+    let Relaying {
+        app,
+        plan,
+        backend,
+        began,
+        path,
+    } = *relaying;
     let added = |backend_time: Duration| {
         let added = began.elapsed().saturating_sub(backend_time);
         app.requests.added(path, Engine::General, added);
@@ -207,8 +338,14 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if let DeviceChoice::Chosen(why) = &plan.device_choice {
         reply_parts.headers.insert("x-1bit-route", why.clone());
     }
-    let streamed = Streamed::new(&app, &plan, began, path);
-    let reply_body = watched(reply_body, ticket, on_first_byte, in_flight, streamed);
+    let streamed = Streamed::new(app, plan, began, path);
+    let reply_body = watched(
+        reply_body,
+        carried.ticket,
+        carried.on_first_byte,
+        carried.in_flight,
+        streamed,
+    );
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
