@@ -64,6 +64,9 @@ pub struct Config {
     pub sse_events: usize,
     /// `FAKE_SSE_INTERVAL_MS`: pause between two content chunks.
     pub sse_interval: Duration,
+    /// `FAKE_SSE_GATE`: a folder; content chunk N (from 1) waits until a file named N is in it,
+    /// so a test says when the client got chunk N-1 instead of timing the stream.
+    pub sse_gate: Option<PathBuf>,
     /// `FAKE_DS4`: the ds4-server route set (health on `GET /v1/models`, no llama.cpp extras).
     pub ds4: bool,
     /// `FAKE_CLOSE_EVERY`: every Nth reply closes its connection (0: never), as llama-server
@@ -196,6 +199,9 @@ pub fn parse(
         ignore_sigterm: flag(&env, "FAKE_IGNORE_SIGTERM")?,
         sse_events: number(&env, "FAKE_SSE_EVENTS")?.unwrap_or(8),
         sse_interval: millis(&env, "FAKE_SSE_INTERVAL_MS")?.unwrap_or(Duration::from_millis(5)),
+        sse_gate: env("FAKE_SSE_GATE")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from),
         ds4: flag(&env, "FAKE_DS4")?,
         close_every: number(&env, "FAKE_CLOSE_EVERY")?.unwrap_or(0),
         tool_call: millis(&env, "FAKE_TOOL_MS")?.unwrap_or(Duration::ZERO),

@@ -434,6 +434,21 @@ fn count_predicted(st: &State, t: &Timings) {
         .fetch_add(1 + t.predicted_n as u64, Ordering::Relaxed);
 }
 
+/// Wait until `gate` holds a file named `n` (`FAKE_SSE_GATE`), for at most 60 s.
+async fn opened(gate: &std::path::Path, n: usize) {
+    let file = gate.join(n.to_string());
+    for _ in 0..30_000 {
+        if file.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    log!(
+        "fake-backend: FAKE_SSE_GATE: {} did not appear within 60 s; sending on",
+        file.display()
+    );
+}
+
 /// Where a stream is.
 #[derive(Clone, Copy)]
 enum Step {
@@ -517,6 +532,11 @@ impl Sse {
                     // Deadlines from the first chunk, not sleeps after each, so the timer's
                     // millisecond rounding does not add up and the pace stays the one asked for.
                     let sent = u32::try_from(self.sent).unwrap_or(u32::MAX);
+                    if let Some(gate) = &self.st.cfg.sse_gate
+                        && self.sent > 0
+                    {
+                        opened(gate, self.sent).await;
+                    }
                     match self.first_chunk_at {
                         None => self.first_chunk_at = Some(tokio::time::Instant::now()),
                         Some(first) if !self.interval.is_zero() => {
