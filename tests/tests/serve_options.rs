@@ -219,6 +219,55 @@ fn a_model_with_its_own_mtp_layers_drafts_with_them_on_hrx_unless_told_not_to() 
     assert!(!argv(&p).contains("draft-mtp"), "not on cpu: {}", argv(&p));
 }
 
+/// A recipes file with one recipe per drafter, each adding its own flag.
+const DRAFTER_RECIPES: &str = r#"{"about":"a recipe per drafter","recipes":[
+    {"id":"plain","match":{"drafter":["none"]},"args":["--for-none"],"measured":"m"},
+    {"id":"mtp","match":{"drafter":["mtp"]},"args":["--for-mtp"],"measured":"m"},
+    {"id":"dflash","match":{"drafter":["dflash"]},"args":["--for-dflash"],"measured":"m"}
+]}"#;
+
+/// The recipes of [`DRAFTER_RECIPES`] that `plan` applied, by their flags.
+fn drafter_recipes(p: &serde_json::Value) -> Vec<&'static str> {
+    let a = argv(p);
+    let words = a.split(' ').collect::<Vec<_>>();
+    ["--for-none", "--for-mtp", "--for-dflash"]
+        .into_iter()
+        .filter(|flag| words.contains(flag))
+        .collect()
+}
+
+#[test]
+fn a_recipe_matches_the_drafter_serve_runs_the_models_own_mtp_layers_included() {
+    let dir = temp_dir("drafter-recipes");
+    let recipes = dir.join("recipes.json");
+    std::fs::write(&recipes, DRAFTER_RECIPES).unwrap();
+    let recipes = recipes.to_str().unwrap();
+    let m = model(&dir, "q.gguf", "qwen3", &[]);
+    let own = model(
+        &dir,
+        "own.gguf",
+        "qwen3",
+        &[("qwen3.nextn_predict_layers", 1)],
+    );
+    let head = model(&dir, "head.gguf", "qwen3", &[]);
+    let draft = model(&dir, "draft.gguf", "qwen3", &[]);
+    let (head, draft) = (head.to_str().unwrap(), draft.to_str().unwrap());
+    for (model, extra, drafter) in [
+        (&m, vec![], "--for-none"),
+        (&m, vec!["--mtp", head], "--for-mtp"),
+        (&m, vec!["--dflash", draft], "--for-dflash"),
+        // On HRX a model with MTP layers of its own drafts with them: an mtp drafter.
+        (&own, vec![], "--for-mtp"),
+        (&own, vec!["--no-mtp"], "--for-none"),
+    ] {
+        let mut args = vec!["--recipes", recipes];
+        args.extend(&extra);
+        let (code, p, err) = plan(model, "hrx", &args, &[]);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        assert_eq!(drafter_recipes(&p), [drafter], "{extra:?}: {}", argv(&p));
+    }
+}
+
 #[test]
 fn mmproj_and_roles_set_their_batches() {
     let dir = temp_dir("mmproj");

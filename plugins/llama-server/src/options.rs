@@ -35,6 +35,31 @@ pub struct ModelArgs {
     pub extra_weights_bytes: u64,
     /// The drafter's own KV cache at the plan's context.
     pub extra_kv_bytes: u64,
+    /// The drafter the backend runs (what a recipe's `match.drafter` is matched against).
+    pub drafter: Drafter,
+}
+
+/// The drafter a llama-server plan runs beside the model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Drafter {
+    /// No speculative decoding.
+    #[default]
+    None,
+    /// An MTP head: `--mtp HEAD.gguf`, or the model's own MTP layers.
+    Mtp,
+    /// A DFlash draft model: `--dflash DRAFT.gguf`.
+    Dflash,
+}
+
+impl Drafter {
+    /// The drafter as a recipe's `match.drafter` names it.
+    pub fn word(self) -> &'static str {
+        match self {
+            Drafter::None => "none",
+            Drafter::Mtp => "mtp",
+            Drafter::Dflash => "dflash",
+        }
+    }
 }
 
 /// Which role the model serves: chat (none), embedding or reranking.
@@ -179,6 +204,7 @@ fn drafting(
             );
             out.extra_weights_bytes += head_bytes;
             out.extra_kv_bytes += drafter_kv(head, request, ctx);
+            out.drafter = Drafter::Mtp;
         }
         (None, Some(draft)) => {
             let draft_bytes = drafter_file(draft, "--dflash")?;
@@ -197,17 +223,19 @@ fn drafting(
             }
             out.extra_weights_bytes += draft_bytes;
             out.extra_kv_bytes += drafter_kv(draft, request, ctx);
+            out.drafter = Drafter::Dflash;
         }
         (None, None) => {
             if own_mtp_fits && !no_mtp && role(request).is_none() {
                 push(&mut out.argv, &["--spec-type", "draft-mtp"]);
+                out.drafter = Drafter::Mtp;
                 out.notes.push(
                     "drafting with the model's own MTP layers (--no-mtp turns it off)".to_string(),
                 );
             }
         }
     }
-    if o.mtp.is_some() || o.dflash.is_some() || out.argv.iter().any(|a| a == "draft-mtp") {
+    if out.drafter != Drafter::None {
         if let Some(n) = o.mtp_max {
             push(&mut out.argv, &["--spec-draft-n-max", &n.to_string()]);
         }

@@ -95,6 +95,7 @@ pub fn build(request: &PlanRequest, main: Main) -> Result<Built, Refusal> {
     } else {
         options::ModelArgs::default()
     };
+    let drafter = asked.drafter;
     let mut memory = crate::memory_need(request, main.ctx, main.ctx_source, &main.pool);
     memory.add(asked.extra_weights_bytes, asked.extra_kv_bytes);
 
@@ -120,6 +121,7 @@ pub fn build(request: &PlanRequest, main: Main) -> Result<Built, Refusal> {
         notes.extend(recipes::apply(
             request,
             &main.route,
+            drafter,
             &mut argv,
             &mut env.plain,
         )?);

@@ -8,8 +8,8 @@
 //!              "why":"...","measured":"...","source":"..."}]}
 //! ```
 //!
-//! A missing match key matches anything. `drafter` is the drafter serve runs: `mtp` (`--mtp`),
-//! `dflash` (`--dflash`), else `none`. A top-level `"about"` string says what the file is (the
+//! A missing match key matches anything. `drafter` is the drafter serve runs: `mtp` (`--mtp`, or
+//! the model's own MTP layers), `dflash` (`--dflash`), else `none`. A top-level `"about"` string says what the file is (the
 //! original's own file has one). A flag group (a flag and the non-flag tokens after it) is
 //! skipped when its flag is already on the command line, so serve's own settings and the first
 //! recipe to set a flag win; an env entry is added only when neither the user nor the plan set it.
@@ -18,6 +18,8 @@ use std::collections::{BTreeMap, HashSet};
 
 use onebit_plugin_api::{PlanRequest, Refusal};
 use serde_json::Value;
+
+use crate::options::Drafter;
 
 /// The built-in set, and the name its errors give.
 const BUILTIN: &str = include_str!("../../../config/recipes.json");
@@ -185,19 +187,7 @@ pub fn selected(request: &PlanRequest) -> Result<Vec<Recipe>, Refusal> {
     }
 }
 
-/// The drafter serve runs beside the model, in a recipe's `match.drafter` words.
-fn drafter(request: &PlanRequest) -> &'static str {
-    let o = &request.options;
-    if o.mtp.is_some() {
-        "mtp"
-    } else if o.dflash.is_some() {
-        "dflash"
-    } else {
-        "none"
-    }
-}
-
-fn matches(recipe: &Recipe, request: &PlanRequest, device: &str) -> bool {
+fn matches(recipe: &Recipe, request: &PlanRequest, device: &str, drafter: Drafter) -> bool {
     let has = |list: &Option<Vec<String>>, value: Option<&str>| {
         list.as_ref()
             .is_none_or(|l| value.is_some_and(|v| l.iter().any(|x| x == v)))
@@ -205,22 +195,24 @@ fn matches(recipe: &Recipe, request: &PlanRequest, device: &str) -> bool {
     let moe = request.model.expert_count.is_some_and(|n| n > 1);
     has(&recipe.devices, Some(device))
         && has(&recipe.architectures, request.model.architecture.as_deref())
-        && has(&recipe.drafters, Some(drafter(request)))
+        && has(&recipe.drafters, Some(drafter.word()))
         && recipe.moe.is_none_or(|m| m == moe)
 }
 
-/// Apply the selected recipes that match to a llama-server plan's `argv` and `env`; returns
-/// serve's lines, `recipe <id>: <what it added>`, one per recipe that added something.
+/// Apply the selected recipes that match to a llama-server plan's `argv` and `env`, for the
+/// `drafter` the plan runs (`options::ModelArgs::drafter`); returns serve's lines,
+/// `recipe <id>: <what it added>`, one per recipe that added something.
 pub fn apply(
     request: &PlanRequest,
     device: &str,
+    drafter: Drafter,
     argv: &mut Vec<String>,
     env: &mut BTreeMap<String, String>,
 ) -> Result<Vec<String>, Refusal> {
     let mut notes = Vec::new();
     for recipe in selected(request)?
         .iter()
-        .filter(|r| matches(r, request, device))
+        .filter(|r| matches(r, request, device, drafter))
     {
         let mut added = Vec::new();
         let mut groups: Vec<Vec<String>> = Vec::new();
@@ -284,7 +276,7 @@ mod tests {
         let r = request(Some(file.to_str().unwrap()));
         let mut argv: Vec<String> = ["srv", "-ngl", "99"].map(String::from).to_vec();
         let mut env = BTreeMap::new();
-        let notes = apply(&r, "hrx", &mut argv, &mut env).unwrap();
+        let notes = apply(&r, "hrx", Drafter::None, &mut argv, &mut env).unwrap();
         assert_eq!(
             argv.join(" "),
             "srv -ngl 99 -ub 1024 --cache-reuse 512 --temp -1"
@@ -298,14 +290,20 @@ mod tests {
             ]
         );
         let mut argv = vec!["srv".to_string()];
-        let notes = apply(&r, "cpu", &mut argv, &mut BTreeMap::new()).unwrap();
+        let notes = apply(&r, "cpu", Drafter::None, &mut argv, &mut BTreeMap::new()).unwrap();
         assert_eq!(notes, ["recipe second: -ub 2048, --temp -1"]);
         let mut off = r.clone();
         off.options.no_recipes = true;
         assert!(
-            apply(&off, "hrx", &mut vec![], &mut BTreeMap::new())
-                .unwrap()
-                .is_empty()
+            apply(
+                &off,
+                "hrx",
+                Drafter::None,
+                &mut vec![],
+                &mut BTreeMap::new()
+            )
+            .unwrap()
+            .is_empty()
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -321,17 +319,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("r.json");
         std::fs::write(&file, text).unwrap();
-        let applied = |mtp: Option<&str>, dflash: Option<&str>| {
-            let mut r = request(Some(file.to_str().unwrap()));
-            r.options.mtp = mtp.map(str::to_string);
-            r.options.dflash = dflash.map(str::to_string);
+        let applied = |drafter: Drafter| {
+            let r = request(Some(file.to_str().unwrap()));
             let mut argv = Vec::new();
-            apply(&r, "hrx", &mut argv, &mut BTreeMap::new()).unwrap();
+            apply(&r, "hrx", drafter, &mut argv, &mut BTreeMap::new()).unwrap();
             argv.join(" ")
         };
-        assert_eq!(applied(None, None), "--plain");
-        assert_eq!(applied(Some("mtp.gguf"), None), "--for-mtp");
-        assert_eq!(applied(None, Some("dflash.gguf")), "--for-dflash");
+        assert_eq!(applied(Drafter::None), "--plain");
+        assert_eq!(applied(Drafter::Mtp), "--for-mtp");
+        assert_eq!(applied(Drafter::Dflash), "--for-dflash");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
