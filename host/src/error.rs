@@ -82,6 +82,8 @@ pub enum ApiError {
     Unavailable(String),
     /// The backend did not answer.
     BadGateway(String),
+    /// A route that answers in process failed before its reply's head (its own words).
+    RouteFailed(String),
 }
 
 impl ApiError {
@@ -106,6 +108,7 @@ impl ApiError {
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
+            ApiError::RouteFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -125,7 +128,7 @@ impl ApiError {
             ApiError::NoKey | ApiError::WrongKey => "authentication_error",
             ApiError::NotFound { .. } => "not_found_error",
             ApiError::Unavailable(_) => "unavailable_error",
-            ApiError::BadGateway(_) => "server_error",
+            ApiError::BadGateway(_) | ApiError::RouteFailed(_) => "server_error",
         }
     }
 
@@ -168,19 +171,16 @@ impl ApiError {
             ApiError::NotFound { method, path } => {
                 format!("{method} {path} is not served here")
             }
-            ApiError::Unavailable(why) | ApiError::BadGateway(why) => why.clone(),
+            ApiError::Unavailable(why) | ApiError::BadGateway(why) | ApiError::RouteFailed(why) => {
+                why.clone()
+            }
         }
     }
 }
 
 /// The body of [`openai_error`].
 pub fn openai_error_body(status: StatusCode, error_type: &str, message: &str) -> String {
-    serde_json::json!({"error": {
-        "message": message,
-        "type": error_type,
-        "code": status.as_u16(),
-    }})
-    .to_string()
+    onebit_plugin_api::error_body(status.as_u16(), error_type, message)
 }
 
 /// `{"error":{"message","type","code"}}` with the given status.

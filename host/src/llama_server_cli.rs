@@ -583,12 +583,7 @@ pub fn align_rules(plan: &mut Plan, passed: &[String], predict: Option<&str>) {
             rule.action = Action::Answer {
                 status: 501,
                 content_type: "application/json".to_string(),
-                body: serde_json::json!({"error": {
-                    "message": message,
-                    "type": "not_supported_error",
-                    "code": 501
-                }})
-                .to_string(),
+                body: onebit_plugin_api::error_body(501, "not_supported_error", message),
             };
         } else if slots && rule.path == "/slots/*" && matches!(rule.action, Action::Answer { .. }) {
             rule.action = Action::Proxy { backend: 0 };

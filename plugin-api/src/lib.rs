@@ -142,6 +142,15 @@ pub trait DeviceRoute: Default + Send + Sync + 'static {
     }
 }
 
+/// The OpenAI-shaped error body, `{"error":{"code","message","type"}}`, that serve answers
+/// with and a route's own refusals should use (an [`Action::Answer`] rule's body, a `respond`
+/// that refuses a request): `code` is the HTTP status, `error_type` OpenAI's (or llama-server's)
+/// type such as `invalid_request_error` or `not_supported_error`, `message` one line saying what
+/// was wrong and what to do instead. Pure; any thread.
+pub fn error_body(code: u16, error_type: &str, message: &str) -> String {
+    serde_json::json!({"error": {"code": code, "message": message, "type": error_type}}).to_string()
+}
+
 /// The body of the default [`DeviceRoute::respond`] answer (status 501).
 pub const NOT_IN_PROCESS: &str = r#"{"error":{"message":"this route does not answer requests in process","type":"not_implemented_error","code":501}}"#;
 

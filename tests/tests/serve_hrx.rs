@@ -478,7 +478,8 @@ fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name
             v,
             serde_json::json!({"error": {
                 "message": format!("{path} is not available on --device ds4"),
-                "type": "not_implemented"
+                "type": "not_implemented",
+                "code": 501
             }})
         );
     }

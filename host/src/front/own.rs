@@ -240,12 +240,11 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         // llama-server's answer without --metrics, word for word.
         return json_response(
             StatusCode::NOT_IMPLEMENTED,
-            serde_json::json!({"error": {
-                "code": 501,
-                "message": "This server does not support metrics endpoint. Start it with `--metrics`",
-                "type": "not_supported_error"
-            }})
-            .to_string(),
+            crate::error::openai_error_body(
+                StatusCode::NOT_IMPLEMENTED,
+                "not_supported_error",
+                "This server does not support metrics endpoint. Start it with `--metrics`",
+            ),
         );
     }
     let sources = &app.metrics;

@@ -29,6 +29,7 @@ use onebit_plugin_api::{
 };
 use tokio::sync::{mpsc, oneshot};
 
+use crate::error::ApiError;
 use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{Engine, RelayPlan, Target};
@@ -113,11 +114,7 @@ async fn answer(
             Ok(Err(Failure::Said(message))) => message,
             Err(e) => format!("the {} route's thread failed: {e}", app.device),
         };
-        return reply(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            serde_json::json!({"error": {"message": failure, "type": "server_error", "code": 500}})
-                .to_string(),
-        );
+        return ApiError::RouteFailed(failure).into_response();
     };
 
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -160,13 +157,7 @@ async fn answer(
                 collected.to_bytes(),
                 &app.served_name,
             ))),
-            Err(e) => {
-                return reply(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    serde_json::json!({"error": {"message": e.to_string(), "type": "server_error", "code": 500}})
-                        .to_string(),
-                );
-            }
+            Err(e) => return ApiError::RouteFailed(e.to_string()).into_response(),
         }
     } else if plan.rename_stream {
         Response::new(Body::new(served_name::in_stream(

@@ -92,11 +92,11 @@ pub fn rules() -> Vec<Rule> {
             action: Action::Answer {
                 status: 501,
                 content_type: "application/json".to_string(),
-                body: serde_json::json!({"error": {
-                    "message": format!("{shown} is not available on --device ds4"),
-                    "type": "not_implemented",
-                }})
-                .to_string(),
+                body: onebit_plugin_api::error_body(
+                    501,
+                    "not_implemented",
+                    &format!("{shown} is not available on --device ds4"),
+                ),
             },
             inference: false,
             ..Default::default()
@@ -243,7 +243,7 @@ mod tests {
         assert_eq!(*status, 501);
         assert_eq!(
             body,
-            r#"{"error":{"message":"/tokenize is not available on --device ds4","type":"not_implemented"}}"#
+            r#"{"error":{"code":501,"message":"/tokenize is not available on --device ds4","type":"not_implemented"}}"#
         );
         let chat = rules
             .iter()

@@ -265,12 +265,11 @@ fn rules(handoff: bool) -> Vec<Rule> {
             rule.action = Action::Answer {
                 status: 501,
                 content_type: "application/json".to_string(),
-                body: serde_json::json!({"error": {
-                    "message": "slot save and restore are serve's own on --device hybrid (it hands prompts over through slot 0); use another --device to save slots",
-                    "type": "not_supported_error",
-                    "code": 501
-                }})
-                .to_string(),
+                body: onebit_plugin_api::error_body(
+                    501,
+                    "not_supported_error",
+                    "slot save and restore are serve's own on --device hybrid (it hands prompts over through slot 0); use another --device to save slots",
+                ),
             };
         }
     }

@@ -211,12 +211,11 @@ pub fn rules() -> Vec<Rule> {
         action: Action::Answer {
             status: 501,
             content_type: "application/json".to_string(),
-            body: serde_json::json!({"error": {
-                "message": "slot save and restore are not available: 1bit serve runs llama-server without --slot-save-path",
-                "type": "not_supported_error",
-                "code": 501
-            }})
-            .to_string(),
+            body: onebit_plugin_api::error_body(
+                501,
+                "not_supported_error",
+                "slot save and restore are not available: 1bit serve runs llama-server without --slot-save-path; start serve with --slot-save-path DIR",
+            ),
         },
         inference: false,
         ..Default::default()
