@@ -170,6 +170,8 @@ pub struct Serve {
     child: Child,
     pub port: u16,
     stderr: Arc<Mutex<String>>,
+    /// The threads reading stderr and stdout: each ends at its stream's end.
+    readers: Vec<std::thread::JoinHandle<()>>,
     status: Option<ExitStatus>,
 }
 
@@ -203,6 +205,7 @@ impl Serve {
             .stderr(Stdio::piped());
         let mut child = command.spawn().expect("1bit starts");
         let stderr = Arc::new(Mutex::new(String::new()));
+        let mut readers = Vec::new();
         for stream in [
             child
                 .stderr
@@ -217,19 +220,20 @@ impl Serve {
         .flatten()
         {
             let sink = stderr.clone();
-            std::thread::spawn(move || {
+            readers.push(std::thread::spawn(move || {
                 let mut reader = BufReader::new(stream);
                 let mut line = String::new();
                 while reader.read_line(&mut line).unwrap_or(0) > 0 {
                     sink.lock().unwrap().push_str(&line);
                     line.clear();
                 }
-            });
+            }));
         }
         Serve {
             child,
             port,
             stderr,
+            readers,
             status: None,
         }
     }
@@ -295,8 +299,13 @@ impl Serve {
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 self.status = Some(status);
-                // Let the output threads drain what is left.
-                std::thread::sleep(Duration::from_millis(50));
+                // Its output is whole once the readers reach the streams' end (a process it
+                // left behind could hold them open: then at most 5 s).
+                wait_until(Duration::from_secs(5), || {
+                    self.readers
+                        .iter()
+                        .all(std::thread::JoinHandle::is_finished)
+                });
                 return self.status;
             }
             if Instant::now() >= deadline {
