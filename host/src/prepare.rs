@@ -411,8 +411,7 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
         );
         return Ok(exit::OK);
     };
-    let free =
-        admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
+    let free = admission::free_for(&need.pool, &admission::Sources::from_env())?;
     let verdict = admission::judge(name, args.model(), need, &free);
     println!("{}", verdict.line);
     for warning in &verdict.warnings {
@@ -433,8 +432,7 @@ fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
     let Some(need) = &plan.memory else {
         return Ok(());
     };
-    let free =
-        admission::free_for(&need.pool, &admission::Sources::from_env()).map_err(Fatal::backend)?;
+    let free = admission::free_for(&need.pool, &admission::Sources::from_env())?;
     let verdict = admission::judge(name, args.model(), need, &free);
     if !verdict.fits {
         return Err(Fatal {

@@ -7,6 +7,8 @@ pub mod llama_kv;
 
 use onebit_plugin_api::MemoryNeed;
 
+use crate::error::Fatal;
+
 const GIB: f64 = (1u64 << 30) as f64;
 /// A load is refused only when its need plus this margin is more than what is free.
 pub(crate) const MARGIN_BYTES: u64 = 1 << 30;
@@ -77,12 +79,13 @@ pub fn gtt(sources: &Sources) -> Option<(u64, u64)> {
 
 /// Free memory for a backend that allocates from `pool`: `ram` is MemAvailable; `gtt` is
 /// min(GTT total - GTT used, MemAvailable), since the GTT pool is the same DRAM.
-pub fn free_for(pool: &str, sources: &Sources) -> Result<Free, String> {
+/// The error (exit 1) says which file could not be read.
+pub fn free_for(pool: &str, sources: &Sources) -> Result<Free, Fatal> {
     let available = mem_available(sources).ok_or_else(|| {
-        format!(
-            "cannot read MemAvailable from {}",
+        Fatal::backend(format!(
+            "cannot read MemAvailable from {}; pass --no-mem-check to start without the memory check",
             sources.proc_root.join("meminfo").display()
-        )
+        ))
     })?;
     if pool == "gtt"
         && let Some((total, used)) = gtt(sources)

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use super::classify::{Class, Decision};
+use crate::error::Fatal;
 
 /// The built-in policy, compiled into the binary.
 pub const BUILT_IN: &str = include_str!("../../../config/route-policy.json");
@@ -21,17 +22,20 @@ pub struct Policy {
 
 impl Policy {
     /// Read `file` (the built-in policy for None) and check it; the error is the one-line
-    /// refusal. Called once by serve's start.
-    pub fn load(file: Option<&str>) -> Result<Policy, String> {
+    /// refusal (exit 2). Called once by serve's start.
+    pub fn load(file: Option<&str>) -> Result<Policy, Fatal> {
         let (text, whence) = match file {
             Some(path) => (
-                std::fs::read_to_string(path)
-                    .map_err(|e| format!("route policy: cannot read {path} ({e})"))?,
+                std::fs::read_to_string(path).map_err(|e| {
+                    Fatal::usage(format!(
+                        "route policy: cannot read {path} ({e}); pass a readable JSON file to --route-policy, or leave it out for the built-in policy"
+                    ))
+                })?,
                 format!(" in {path}"),
             ),
             None => (BUILT_IN.to_string(), " (built-in)".to_string()),
         };
-        Policy::parse(&text).map_err(|why| format!("route policy: {why}{whence}"))
+        Policy::parse(&text).map_err(|why| Fatal::usage(format!("route policy: {why}{whence}")))
     }
 
     pub fn parse(text: &str) -> Result<Policy, String> {

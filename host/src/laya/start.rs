@@ -47,9 +47,7 @@ pub fn settings(args: &ServeArgs) -> Result<Option<super::Policy>, Fatal> {
             "--laya does not combine with --embedding/--reranking or --embed/--rerank",
         ));
     }
-    super::Policy::load(args.route_policy.as_deref())
-        .map(Some)
-        .map_err(Fatal::usage)
+    super::Policy::load(args.route_policy.as_deref()).map(Some)
 }
 
 /// The plans of the devices the policy can pick that run this model, the one to fall back to

@@ -3,6 +3,8 @@
 
 use serde_json::{Map, Value};
 
+use crate::error::Fatal;
+
 /// The built-in experts file, compiled into the binary.
 pub const BUILT_IN: &str = include_str!("../../../config/pm-experts.json");
 
@@ -37,13 +39,15 @@ pub struct Experts {
 
 impl Experts {
     /// Read `file` (or the built-in file for None) and check every field. Called once by serve's
-    /// start, before any process starts; the error is the whole one-line refusal.
-    pub fn load(file: Option<&str>) -> Result<Experts, String> {
+    /// start, before any process starts; the error is the whole one-line refusal (exit 2).
+    pub fn load(file: Option<&str>) -> Result<Experts, Fatal> {
         let (name, text) = match file {
             Some(path) => (
                 format!("--pm-experts {path}"),
                 std::fs::read_to_string(path).map_err(|e| {
-                    format!("--pm-experts {path}: cannot read it ({e}); pass a readable JSON file")
+                    Fatal::usage(format!(
+                        "--pm-experts {path}: cannot read it ({e}); pass a readable JSON file"
+                    ))
                 })?,
             ),
             None => (
@@ -51,7 +55,7 @@ impl Experts {
                 BUILT_IN.to_string(),
             ),
         };
-        Experts::parse(&text).map_err(|why| format!("{name}: {why}"))
+        Experts::parse(&text).map_err(|why| Fatal::usage(format!("{name}: {why}")))
     }
 
     /// The checks themselves, on the file's text; the error names the bad field.

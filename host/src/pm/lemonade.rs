@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use super::calls::content_text;
 use super::experts::Experts;
 use crate::backends::health::ProbeClient;
-use crate::error::error_chain;
+use crate::error::{Fatal, error_chain};
 
 /// Lemonade's address as `--lemonade-url` gave it, checked at start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,8 +21,8 @@ pub const DEFAULT_URL: &str = "http://127.0.0.1:8000";
 
 impl LemonadeUrl {
     /// Check `--lemonade-url`: plain `http://host[:port]` (serve's client has no TLS). The error
-    /// is the one-line refusal.
-    pub fn parse(url: &str) -> Result<LemonadeUrl, String> {
+    /// is the one-line refusal (exit 2).
+    pub fn parse(url: &str) -> Result<LemonadeUrl, Fatal> {
         let base = url.trim_end_matches('/');
         let ok = base.strip_prefix("http://").is_some_and(|rest| {
             !rest.is_empty() && !rest.contains('/') && base.parse::<hyper::Uri>().is_ok()
@@ -30,9 +30,9 @@ impl LemonadeUrl {
         if ok {
             Ok(LemonadeUrl(base.to_string()))
         } else {
-            Err(format!(
+            Err(Fatal::usage(format!(
                 "--lemonade-url {url}: not a plain http://HOST:PORT address (serve's client has no TLS); pass one such as {DEFAULT_URL}"
-            ))
+            )))
         }
     }
 
@@ -271,7 +271,11 @@ mod tests {
         assert!(LemonadeUrl::parse("http://localhost:13305").is_ok());
         for bad in ["https://x:1", "127.0.0.1:8000", "http://", "http://x/api"] {
             let why = LemonadeUrl::parse(bad).unwrap_err();
-            assert!(why.starts_with(&format!("--lemonade-url {bad}:")), "{why}");
+            assert_eq!(why.code, crate::error::exit::USAGE);
+            assert!(
+                why.message.starts_with(&format!("--lemonade-url {bad}:")),
+                "{why}"
+            );
         }
     }
 }

@@ -35,9 +35,9 @@ pub fn settings(args: &ServeArgs) -> Result<Option<(super::Experts, super::Lemon
             "--pm does not combine with --embedding/--reranking: the PM needs a chat model; remove one",
         ));
     }
-    let experts = super::Experts::load(args.pm_experts.as_deref()).map_err(Fatal::usage)?;
-    let url = super::LemonadeUrl::parse(args.lemonade_url.as_deref().unwrap_or(super::DEFAULT_URL))
-        .map_err(Fatal::usage)?;
+    let experts = super::Experts::load(args.pm_experts.as_deref())?;
+    let url =
+        super::LemonadeUrl::parse(args.lemonade_url.as_deref().unwrap_or(super::DEFAULT_URL))?;
     Ok(Some((experts, url)))
 }
 
