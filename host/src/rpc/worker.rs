@@ -13,7 +13,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::backends::supervisor::describe_exit;
 use crate::cli::WorkerArgs;
-use crate::error::exit;
+use crate::error::{Fatal, exit};
 use crate::rpc::probe;
 
 /// The pins of what the project installs, compiled in to find the `ggml-rpc-server` that
@@ -33,63 +33,59 @@ const GIB: f64 = (1u64 << 30) as f64;
 pub fn run(args: WorkerArgs) -> i32 {
     match start(&args) {
         Ok(code) => code,
-        Err((code, message)) => {
-            tracing::info!("1bit rpc-worker: {message}");
-            code
+        Err(fatal) => {
+            tracing::info!("1bit rpc-worker: {fatal}");
+            fatal.code
         }
     }
 }
 
-fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
-    let usage = |m: String| (exit::USAGE, m);
+fn start(args: &WorkerArgs) -> Result<i32, Fatal> {
     let cap = match args.mem {
         None => None,
         Some(gib) if gib.is_finite() && gib > 0.0 && gib < 1e9 => Some((gib * GIB) as u64),
         Some(gib) => {
-            return Err(usage(format!(
+            return Err(Fatal::usage(format!(
                 "--mem {gib}: pass the GiB to offer as a positive number, such as 8 or 0.5"
             )));
         }
     };
     let host: Ipv4Addr = args.host.parse().map_err(|_| {
-        usage(format!(
+        Fatal::usage(format!(
             "--host {}: ggml-rpc-server listens on an IPv4 address only; pass one such as 127.0.0.1 or 192.168.1.20",
             args.host
         ))
     })?;
     if args.threads == Some(0) {
-        return Err(usage(
+        return Err(Fatal::usage(
             "--threads 0: pass a positive number of threads".to_string(),
         ));
     }
-    let binary = rpc_server_binary(args.rpc_server.as_deref()).map_err(usage)?;
+    let binary = rpc_server_binary(args.rpc_server.as_deref())?;
     // With --mem, the address given is the relay's and the worker listens on a private
     // loopback port behind it.
     let relay = match cap {
         Some(_) => Some(TcpListener::bind((host, args.port)).map_err(|e| {
-            (
-                exit::BACKEND,
-                format!(
-                    "cannot listen on {host}:{} ({e}); pass another --port",
-                    args.port
-                ),
-            )
+            Fatal::backend(format!(
+                "cannot listen on {host}:{} ({e}); pass another --port",
+                args.port
+            ))
         })?),
         None => None,
     };
     let port = match (&relay, args.port) {
         (Some(l), _) => l.local_addr().map(|a| a.port()).unwrap_or(args.port),
-        (None, 0) => free_port(host).map_err(|e| (exit::BACKEND, e))?,
+        (None, 0) => free_port(host)?,
         (None, p) => p,
     };
     let (worker_host, worker_port) = match (&relay, cap) {
         (Some(listener), Some(cap)) => {
-            let private = free_port(Ipv4Addr::LOCALHOST).map_err(|e| (exit::BACKEND, e))?;
+            let private = free_port(Ipv4Addr::LOCALHOST)?;
             let listener = listener
                 .try_clone()
-                .map_err(|e| (exit::BACKEND, e.to_string()))?;
+                .map_err(|e| Fatal::backend(e.to_string()))?;
             crate::rpc::relay::spawn(listener, (Ipv4Addr::LOCALHOST, private).into(), cap)
-                .map_err(|e| (exit::BACKEND, format!("cannot start the --mem relay: {e}")))?;
+                .map_err(|e| Fatal::backend(format!("cannot start the --mem relay: {e}")))?;
             (Ipv4Addr::LOCALHOST, private)
         }
         _ => (host, port),
@@ -102,7 +98,7 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| (exit::BACKEND, format!("cannot start the runtime: {e}")))?;
+        .map_err(|e| Fatal::backend(format!("cannot start the runtime: {e}")))?;
     // The signal handlers go in before the worker starts, so a SIGTERM at any point after
     // is forwarded rather than killing this process and leaving the worker to PDEATHSIG.
     let _guard = runtime.enter();
@@ -110,7 +106,7 @@ fn start(args: &WorkerArgs) -> Result<i32, (i32, String)> {
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
     ) else {
-        return Err((exit::BACKEND, "cannot install signal handlers".to_string()));
+        return Err(Fatal::backend("cannot install signal handlers"));
     };
 
     let child = spawn_worker(&binary, worker_host, worker_port, args.threads)?;
@@ -149,7 +145,7 @@ fn spawn_worker(
     worker_host: Ipv4Addr,
     worker_port: u16,
     threads: Option<u32>,
-) -> Result<Process, (i32, String)> {
+) -> Result<Process, Fatal> {
     let mut command = Command::new(binary);
     command
         .args([
@@ -168,17 +164,13 @@ fn spawn_worker(
     if let Ok(err) = std::io::stderr().as_fd().try_clone_to_owned() {
         command.stdout(Stdio::from(err));
     }
-    process::spawn(command).map_err(|e| {
-        (
-            exit::BACKEND,
-            format!("could not start {} ({e})", binary.display()),
-        )
-    })
+    process::spawn(command)
+        .map_err(|e| Fatal::backend(format!("could not start {} ({e})", binary.display())))
 }
 
 /// Announce the worker once it answers, then wait for its exit or a signal, and stop it on
 /// the signal. The exit status this command ends with.
-async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32, (i32, String)> {
+async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32, Fatal> {
     let Worker {
         child,
         pid,
@@ -214,16 +206,16 @@ async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32,
             }
             Err(e) => {
                 let _ = stop(&child, Duration::ZERO).await;
-                return Err((exit::BACKEND, e));
+                return Err(Fatal::backend(e));
             }
         },
         done = &mut waiter => {
             let status = done.ok().and_then(Result::ok);
             let how = status.map(describe_exit).unwrap_or_else(|| "ended".into());
-            return Err((
-                status.map(exit_code).unwrap_or(exit::BACKEND),
-                format!("{} {how} before it answered on {endpoint}", binary.display()),
-            ));
+            return Err(Fatal {
+                code: status.map(exit_code).unwrap_or(exit::BACKEND),
+                message: format!("{} {how} before it answered on {endpoint}", binary.display()),
+            });
         }
         _ = term.recv() => Some("SIGTERM"),
         _ = int.recv() => Some("SIGINT"),
@@ -233,8 +225,8 @@ async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32,
         None => tokio::select! {
             done = &mut waiter => {
                 let status = done
-                    .map_err(|e| (exit::BACKEND, e.to_string()))?
-                    .map_err(|e| (exit::BACKEND, e.to_string()))?;
+                    .map_err(|e| Fatal::backend(e.to_string()))?
+                    .map_err(|e| Fatal::backend(e.to_string()))?;
                 tracing::info!(
                     "1bit rpc-worker: the worker on {endpoint} (pid {pid}) {}",
                     describe_exit(status)
@@ -308,17 +300,17 @@ pub fn exposure_warning(endpoint: &str) -> String {
 }
 
 /// A free port on `host`, from the kernel; released just before the worker binds it.
-fn free_port(host: Ipv4Addr) -> Result<u16, String> {
+fn free_port(host: Ipv4Addr) -> Result<u16, Fatal> {
     TcpListener::bind((host, 0))
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| format!("cannot find a free port on {host}: {e}"))
+        .map_err(|e| Fatal::backend(format!("cannot find a free port on {host}: {e}")))
 }
 
 /// Which ggml-rpc-server to run: `--rpc-server PATH`, else `$ONEBIT_RPC_SERVER`, else the one
 /// beside `$ONEBIT_LLAMA_SERVER`, else the one `cargo xtask setup` installed beside
 /// llama-server, else `ggml-rpc-server` on `PATH`.
-pub fn rpc_server_binary(explicit: Option<&Path>) -> Result<PathBuf, String> {
+pub fn rpc_server_binary(explicit: Option<&Path>) -> Result<PathBuf, Fatal> {
     let env = |k: &str| {
         std::env::var_os(k)
             .filter(|v| !v.is_empty())
@@ -343,7 +335,9 @@ pub fn rpc_server_binary(explicit: Option<&Path>) -> Result<PathBuf, String> {
             return Ok(candidate);
         }
     }
-    Err("no ggml-rpc-server found: run `cargo xtask setup` to build the pinned one, or pass --rpc-server PATH (or set ONEBIT_RPC_SERVER)".to_string())
+    Err(Fatal::usage(
+        "no ggml-rpc-server found: run `cargo xtask setup` to build the pinned one, or pass --rpc-server PATH (or set ONEBIT_RPC_SERVER)",
+    ))
 }
 
 const NAME: &str = "ggml-rpc-server";
@@ -364,19 +358,19 @@ fn installed() -> Option<PathBuf> {
     Some(cache.join(dir).join("bin").join(NAME))
 }
 
-fn check_executable(path: &Path, what: &str) -> Result<PathBuf, String> {
+fn check_executable(path: &Path, what: &str) -> Result<PathBuf, Fatal> {
     if is_executable(path) {
         Ok(path.to_path_buf())
     } else if path.exists() {
-        Err(format!(
+        Err(Fatal::usage(format!(
             "{what} {}: not an executable file; pass the ggml-rpc-server binary",
             path.display()
-        ))
+        )))
     } else {
-        Err(format!(
+        Err(Fatal::usage(format!(
             "{what} {}: no such file; pass the path of a ggml-rpc-server binary",
             path.display()
-        ))
+        )))
     }
 }
 
