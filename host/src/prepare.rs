@@ -258,8 +258,7 @@ fn checked_flags(args: &ServeArgs, printing: bool) -> Result<Option<ApiKey>, Fat
             "--watchdog-prompt-tps {tps}: not a positive number of tokens per second; pass one such as 50"
         )));
     }
-    let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())
-        .map_err(Fatal::usage)?;
+    let api_key = ApiKey::from_args(args.api_key.as_deref(), args.api_key_file.as_deref())?;
     if !(args.drain_s.is_finite() && (0.0..=3600.0).contains(&args.drain_s)) {
         return Err(Fatal::usage(format!(
             "--drain-s {}: not a number of seconds from 0 to 3600; pass one such as 3",

@@ -7,6 +7,8 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::error::Fatal;
+
 /// The keys serve was started with (one or more). Its `Debug` shows nothing of them.
 #[derive(Clone)]
 pub struct ApiKey {
@@ -36,15 +38,15 @@ impl ApiKey {
     pub fn from_args(
         flag: Option<&str>,
         file: Option<&std::path::Path>,
-    ) -> Result<Option<ApiKey>, String> {
+    ) -> Result<Option<ApiKey>, Fatal> {
         let keys: Vec<String> = match (flag, file) {
             (Some(list), _) => list.split(',').map(|k| k.trim().to_string()).collect(),
             (None, Some(path)) => {
                 let text = std::fs::read_to_string(path).map_err(|e| {
-                    format!(
+                    Fatal::usage(format!(
                         "cannot read the API key file {} ({e}); pass a readable file to --api-key-file",
                         path.display()
-                    )
+                    ))
                 })?;
                 text.lines()
                     .map(str::trim)
@@ -56,13 +58,17 @@ impl ApiKey {
         };
         let keys: Vec<&String> = keys.iter().filter(|k| !k.is_empty()).collect();
         if keys.is_empty() {
-            return Err("the API key is empty; pass a non-empty key to --api-key (or ONEBIT_API_KEY, or --api-key-file)".into());
+            return Err(Fatal::usage(
+                "the API key is empty; pass a non-empty key to --api-key (or ONEBIT_API_KEY, or --api-key-file)",
+            ));
         }
         if keys
             .iter()
             .any(|k| k.bytes().any(|b| b.is_ascii_control() || b == b' '))
         {
-            return Err("the API key has spaces or control characters, which an Authorization header cannot carry; pass another key".into());
+            return Err(Fatal::usage(
+                "the API key has spaces or control characters, which an Authorization header cannot carry; pass another key",
+            ));
         }
         Ok(Some(ApiKey {
             digests: keys
