@@ -13,6 +13,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame};
 
+use crate::relay::wire;
+
 /// The default of `--sse-keepalive-s`: well under every client window met (Lemonade 11.8.0's
 /// 120 s stall, its later `global_timeout` of 600 s).
 pub const DEFAULT_SECS: u64 = crate::cli::SSE_KEEPALIVE_DEFAULT_S;
@@ -56,32 +58,16 @@ pub enum Framing {
     Chunked,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Chunk {
-    /// Reading a size line; the size so far, whether the extension started.
-    Size {
-        size: u64,
-        ext: bool,
-    },
-    SizeLf {
-        size: u64,
-    },
-    Data {
-        left: u64,
-    },
-    DataCr,
-    DataLf,
-    /// After the last chunk.
-    Done,
-}
-
 /// Whether the stream relayed so far stands at an event boundary, where a comment may go:
 /// nothing yet, or the events' bytes end with a blank line, and (chunked) no chunk is open.
 /// Fed every byte the client gets, in order; never blocks.
 #[derive(Debug)]
 pub struct SseEdge {
     framing: Framing,
-    chunk: Chunk,
+    /// Where a chunked stream's coding stands (wire.rs's decoder; unused for a payload).
+    chunk: wire::Body,
+    /// The chunked coding broke: no boundary from then on.
+    broken: bool,
     /// The last three event bytes (a blank line is `\n\n` or `\n\r\n`).
     tail: [u8; 3],
 }
@@ -90,10 +76,8 @@ impl SseEdge {
     pub fn new(framing: Framing) -> Self {
         SseEdge {
             framing,
-            chunk: Chunk::Size {
-                size: 0,
-                ext: false,
-            },
+            chunk: wire::Body::new(wire::Framing::Chunked),
+            broken: false,
             tail: [b'\n'; 3],
         }
     }
@@ -118,81 +102,23 @@ impl SseEdge {
     }
 
     fn payload(&mut self, bytes: &[u8]) {
-        for &b in &bytes[bytes.len().saturating_sub(3)..] {
-            self.tail = [self.tail[1], self.tail[2], b];
-        }
+        keep_tail(&mut self.tail, bytes);
     }
 
-    /// A lenient chunk reader: the fast path's own decoder judges the coding; this one only
-    /// follows it to know where events and chunks end.
+    /// Follow chunked coding with the fast engine's own decoder, to know where events and
+    /// chunks end; coding that breaks (the fast engine closes the connection then) leaves no
+    /// boundary for a comment.
     fn dechunk(&mut self, bytes: &[u8], mut out: Option<&mut Vec<u8>>) {
-        let mut i = 0;
-        while i < bytes.len() {
-            let b = bytes[i];
-            match self.chunk {
-                Chunk::Size { size, ext } => {
-                    i += 1;
-                    if b == b'\r' {
-                        self.chunk = Chunk::SizeLf { size };
-                    } else if b == b'\n' {
-                        self.after_size(size);
-                    } else if !ext && let Some(d) = (b as char).to_digit(16) {
-                        self.chunk = Chunk::Size {
-                            size: size.saturating_mul(16).saturating_add(u64::from(d)),
-                            ext,
-                        };
-                    } else {
-                        self.chunk = Chunk::Size { size, ext: true };
-                    }
-                }
-                Chunk::SizeLf { size } => {
-                    i += 1;
-                    self.after_size(size);
-                }
-                Chunk::Data { left } => {
-                    let take = ((bytes.len() - i) as u64).min(left) as usize;
-                    let data = &bytes[i..i + take];
-                    self.payload(data);
-                    if let Some(out) = out.as_deref_mut() {
-                        out.extend_from_slice(data);
-                    }
-                    i += take;
-                    let left = left - take as u64;
-                    self.chunk = if left == 0 {
-                        Chunk::DataCr
-                    } else {
-                        Chunk::Data { left }
-                    };
-                }
-                Chunk::DataCr => {
-                    i += 1;
-                    self.chunk = if b == b'\n' {
-                        Chunk::Size {
-                            size: 0,
-                            ext: false,
-                        }
-                    } else {
-                        Chunk::DataLf
-                    };
-                }
-                Chunk::DataLf => {
-                    i += 1;
-                    self.chunk = Chunk::Size {
-                        size: 0,
-                        ext: false,
-                    };
-                }
-                Chunk::Done => return,
+        let tail = &mut self.tail;
+        let fed = self.chunk.feed_data(bytes, |data| {
+            keep_tail(tail, data);
+            if let Some(out) = out.as_deref_mut() {
+                out.extend_from_slice(data);
             }
+        });
+        if fed.is_none() {
+            self.broken = true;
         }
-    }
-
-    fn after_size(&mut self, size: u64) {
-        self.chunk = if size == 0 {
-            Chunk::Done
-        } else {
-            Chunk::Data { left: size }
-        };
     }
 
     /// Whether a comment may go now: between events, and (chunked) between chunks of an
@@ -201,14 +127,7 @@ impl SseEdge {
         let blank = self.tail[1..] == *b"\n\n" || self.tail == *b"\n\r\n";
         match self.framing {
             Framing::Payload => blank,
-            Framing::Chunked => {
-                blank
-                    && self.chunk
-                        == Chunk::Size {
-                            size: 0,
-                            ext: false,
-                        }
-            }
+            Framing::Chunked => blank && !self.broken && self.chunk.between_chunks(),
         }
     }
 
@@ -219,6 +138,13 @@ impl SseEdge {
             Framing::Payload => COMMENT,
             Framing::Chunked => COMMENT_CHUNK,
         }
+    }
+}
+
+/// Keep the last three bytes of what was `seen` so far in `tail`.
+fn keep_tail(tail: &mut [u8; 3], seen: &[u8]) {
+    for &b in &seen[seen.len().saturating_sub(3)..] {
+        *tail = [tail[1], tail[2], b];
     }
 }
 

@@ -206,6 +206,7 @@ pub enum Framing {
 
 /// Where a reply body ends, fed its bytes as they come (the bytes are passed on unchanged,
 /// chunked coding included).
+#[derive(Debug)]
 pub struct Body {
     pub framing: Framing,
     remaining: u64,
@@ -256,19 +257,49 @@ impl Body {
     /// Feed the next bytes: Some(Some(n)) when the body ends after `n` of them, Some(None) when
     /// it goes on past them, None when the chunked coding is broken.
     pub fn feed(&mut self, bytes: &[u8]) -> Option<Option<usize>> {
+        self.feed_data(bytes, |_| {})
+    }
+
+    /// [`Body::feed`], handing `data` the body's own bytes among them as they are passed
+    /// (chunked coding's sizes and line ends left out), in order: the one chunked decoder, which
+    /// the keep-alive tracker follows too.
+    pub fn feed_data(
+        &mut self,
+        bytes: &[u8],
+        mut data: impl FnMut(&[u8]),
+    ) -> Option<Option<usize>> {
         match self.framing {
             Framing::None => Some(Some(0)),
-            Framing::UntilClose => Some(None),
+            Framing::UntilClose => {
+                data(bytes);
+                Some(None)
+            }
             Framing::Length(_) => {
                 let take = (bytes.len() as u64).min(self.remaining);
                 self.remaining -= take;
+                data(&bytes[..take as usize]);
                 Some((self.remaining == 0).then_some(take as usize))
             }
-            Framing::Chunked => self.feed_chunked(bytes),
+            Framing::Chunked => self.feed_chunked(bytes, &mut data),
         }
     }
 
-    fn feed_chunked(&mut self, bytes: &[u8]) -> Option<Option<usize>> {
+    /// Whether a chunked body stands between two chunks (at the start of a size line, the
+    /// last chunk not yet begun).
+    pub fn between_chunks(&self) -> bool {
+        self.chunk
+            == ChunkState::Size {
+                size: 0,
+                digits: false,
+                ext: false,
+            }
+    }
+
+    fn feed_chunked(
+        &mut self,
+        bytes: &[u8],
+        data: &mut impl FnMut(&[u8]),
+    ) -> Option<Option<usize>> {
         let mut i = 0;
         while i < bytes.len() {
             let b = bytes[i];
@@ -317,6 +348,7 @@ impl Body {
                 ChunkState::Data => {
                     let take = ((bytes.len() - i) as u64).min(self.remaining);
                     self.remaining -= take;
+                    data(&bytes[i..i + take as usize]);
                     i += take as usize;
                     if self.remaining == 0 {
                         self.chunk = ChunkState::DataCr;
