@@ -21,7 +21,8 @@ use abi_stable::std_types::{RErr, ROk, RResult, RSlice, RStr, RString};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::types::{BackendReply, BackendRequest, PlanOutcome};
+use crate::calls::{BackendReply, BackendRequest};
+use crate::types::PlanOutcome;
 use crate::{
     DeviceRoute, HostApi, HostServices, LineVerdict, ReplySink, RouteMod, RouteModRef, SinkApi,
     SinkError,

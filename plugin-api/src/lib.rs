@@ -22,7 +22,9 @@
 // abi_stable's derives and macros for the root module below write unsafe code.
 #![allow(unsafe_code)]
 
+pub mod calls;
 pub mod process;
+pub mod rules;
 pub mod types;
 
 #[cfg(feature = "host")]
@@ -44,6 +46,8 @@ use abi_stable::{
     std_types::{RResult, RSlice, RStr, RString},
 };
 
+pub use calls::*;
+pub use rules::*;
 pub use types::*;
 
 /// This crate's version, which is the ABI version a route built against it reports.

@@ -17,6 +17,7 @@ use semver::Version;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::calls::*;
 use crate::types::*;
 use crate::{ABI_VERSION, HostApi, ReplySink, RouteModRef, SinkApi};
 
