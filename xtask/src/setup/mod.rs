@@ -1,6 +1,7 @@
 //! `cargo xtask setup`: installs the pinned llama-server and models into the cache, or confirms in well under a second that they are there.
 
 mod build_target;
+mod cmake;
 mod llama_cpp;
 mod models;
 pub mod openai_sdk;
