@@ -4,7 +4,10 @@
 //! assert on what a client sees.
 #![forbid(unsafe_code)]
 
+mod fake_lemonade;
 pub mod inproc_addon;
+mod processes;
+mod prometheus;
 pub mod route_fixture;
 pub mod rpc_worker;
 
@@ -14,6 +17,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+pub use fake_lemonade::{FakeLemonade, LemonadeAnswer};
+pub use processes::{
+    alive, children_of, cmdline, connections_to, descendants, kill9_leaves_nothing, run_dir_of,
+};
+pub use prometheus::{Sample, parse_prometheus, requests_total, requests_total_in, sample};
 
 /// Put the library `built` into the plugin folder `dir` under its own file name. Each test
 /// process does this while other tests' serve may have that file mapped: a copy over it in
@@ -344,115 +353,6 @@ pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// The direct children of `pid`, from /proc.
-pub fn children_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for task in tasks.flatten() {
-            if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
-                out.extend(
-                    text.split_whitespace()
-                        .filter_map(|p| p.parse::<u32>().ok()),
-                );
-            }
-        }
-    }
-    out
-}
-
-/// Whether `pid` is a live process (not gone, not a zombie).
-pub fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().next())
-                .unwrap_or("X");
-            state != "Z" && state != "X"
-        }
-        Err(_) => false,
-    }
-}
-
-/// Every process below `pid` (its children, theirs, and so on), from /proc.
-pub fn descendants(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    let mut next = vec![pid];
-    while let Some(p) = next.pop() {
-        for child in children_of(p) {
-            out.push(child);
-            next.push(child);
-        }
-    }
-    out
-}
-
-/// A process's command line, for a failure's message.
-pub fn cmdline(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
-        .unwrap_or_default()
-}
-
-/// serve's temporary folder (`1bit-serve-PID` in the temporary directory).
-pub fn run_dir_of(pid: u32) -> PathBuf {
-    std::env::temp_dir().join(format!("1bit-serve-{pid}"))
-}
-
-/// `kill -9` of `serve` with everything below it recorded first; then: no process of that tree
-/// is alive 2 s later, and the next serve that starts removes the dead one's temporary folder.
-/// Panics with the survivors' command lines, or the folder, otherwise.
-pub fn kill9_leaves_nothing(mut serve: Serve) {
-    let tree = descendants(serve.pid());
-    let run_dir = run_dir_of(serve.pid());
-    assert!(run_dir.is_dir(), "serve made no {}", run_dir.display());
-    serve.signal(nix::sys::signal::Signal::SIGKILL);
-    let _ = serve.wait_exit(Duration::from_secs(2));
-    let gone = wait_until(Duration::from_secs(2), || tree.iter().all(|p| !alive(*p)));
-    let left: Vec<String> = tree
-        .iter()
-        .filter(|p| alive(**p))
-        .map(|p| format!("{p}: {}", cmdline(*p)))
-        .collect();
-    for p in tree.iter().filter(|p| alive(**p)) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(*p as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-    }
-    assert!(
-        gone,
-        "alive 2 s after kill -9 of serve:\n{}",
-        left.join("\n")
-    );
-    let dir = temp_dir("next-serve");
-    let model = dummy_model(&dir, "next.gguf");
-    let next = Serve::with_fake(&model, &[], &[]);
-    next.ready();
-    assert!(
-        !run_dir.exists(),
-        "the next serve left {} in place:\n{}",
-        run_dir.display(),
-        next.output()
-    );
-}
-
-/// Established TCP connections on this machine whose remote end is 127.0.0.1:`port`.
-pub fn connections_to(port: u16) -> usize {
-    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
-        return 0;
-    };
-    let remote = format!("0100007F:{port:04X}");
-    table
-        .lines()
-        .skip(1)
-        .filter(|line| {
-            let cols: Vec<&str> = line.split_whitespace().collect();
-            cols.len() > 3 && cols[2] == remote && cols[3] == "01"
-        })
-        .count()
-}
-
 fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -584,233 +484,6 @@ pub fn rss_kib(pid: u32) -> u64 {
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
         })
         .unwrap_or(0)
-}
-
-/// One sample of a Prometheus text exposition, as a real parser read it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: std::collections::BTreeMap<String, String>,
-    pub value: f64,
-}
-
-/// Parse Prometheus text (format 0.0.4) with the reference parser, Python's `prometheus_client`
-/// (installed by `cargo xtask setup`), and return its samples in order; panics with the
-/// parser's complaint when the text does not parse.
-pub fn parse_prometheus(text: &str) -> Vec<Sample> {
-    use std::io::Write;
-    const SCRIPT: &str = r#"
-import json, sys
-from prometheus_client.parser import text_string_to_metric_families
-out = []
-for family in text_string_to_metric_families(sys.stdin.read()):
-    for s in family.samples:
-        v = s.value if s.value == s.value and abs(s.value) != float('inf') else None
-        out.append([s.name, s.labels, v])
-print(json.dumps(out))
-"#;
-    let mut child = Command::new("python3")
-        .args(["-c", SCRIPT])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3 runs (cargo xtask setup installs prometheus_client)");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "the Prometheus parser refused the text: {}\n{text}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<(
-        String,
-        std::collections::BTreeMap<String, String>,
-        Option<f64>,
-    )> = serde_json::from_slice(&out.stdout).expect("the parser's JSON");
-    rows.into_iter()
-        .map(|(name, labels, value)| Sample {
-            name,
-            labels,
-            value: value.unwrap_or(f64::NAN),
-        })
-        .collect()
-}
-
-/// The value of the sample `name` whose labels include `labels`, if present.
-pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    samples
-        .iter()
-        .find(|s| {
-            s.name == name
-                && labels
-                    .iter()
-                    .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
-        })
-        .map(|s| s.value)
-}
-
-/// `onebit_requests_total` from serve's `/metrics`, summed over the series whose labels
-/// include `labels` (e.g. `[("engine", "fast"), ("path_class", "chat")]`). Read with a plain
-/// line parser, so the relay tests need no Python.
-pub fn requests_total(serve: &Serve, labels: &[(&str, &str)]) -> u64 {
-    let (status, text) = get(&serve.url("/metrics"));
-    assert_eq!(status, 200, "{text}");
-    requests_total_in(&text, labels)
-}
-
-/// [`requests_total`] of a `/metrics` text already read.
-pub fn requests_total_in(text: &str, labels: &[(&str, &str)]) -> u64 {
-    let mut total = 0;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("onebit_requests_total{") else {
-            continue;
-        };
-        let Some((set, value)) = rest.split_once("} ") else {
-            continue;
-        };
-        let matches = labels
-            .iter()
-            .all(|(k, v)| set.split(',').any(|pair| pair == format!("{k}=\"{v}\"")));
-        if matches {
-            total += value.trim().parse::<f64>().unwrap_or(0.0) as u64;
-        }
-    }
-    total
-}
-
-/// How [`FakeLemonade`] answers a chat.
-#[derive(Clone, Debug)]
-pub enum LemonadeAnswer {
-    /// 200 with this text as `choices[0].message.content`.
-    Text(String),
-    /// This status with `{"error":{"message": …}}`.
-    Status(u16, String),
-    /// 200 with an empty content.
-    Empty,
-    /// The request is read and recorded, and no answer comes for 30 s (a delegation in flight).
-    Hold,
-}
-
-/// A stand-in for Lemonade's chat route, for `--pm`: a loopback HTTP/1.1 server on a thread
-/// that records each request body it receives and answers as told. Dropping it stops it.
-pub struct FakeLemonade {
-    pub port: u16,
-    answer: Arc<Mutex<LemonadeAnswer>>,
-    received: Arc<Mutex<Vec<(String, serde_json::Value)>>>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl FakeLemonade {
-    pub fn start(answer: LemonadeAnswer) -> FakeLemonade {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-        let port = listener.local_addr().unwrap().port();
-        let answer = Arc::new(Mutex::new(answer));
-        let received = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (a, r, s) = (answer.clone(), received.clone(), stop.clone());
-        std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                if s.load(std::sync::atomic::Ordering::Acquire) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
-                let answer = a.lock().unwrap().clone();
-                lemonade_reply(conn, &answer, &r);
-            }
-        });
-        FakeLemonade {
-            port,
-            answer,
-            received,
-            stop,
-        }
-    }
-
-    pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    pub fn set(&self, answer: LemonadeAnswer) {
-        *self.answer.lock().unwrap() = answer;
-    }
-
-    /// Each request so far: (path, JSON body).
-    pub fn received(&self) -> Vec<(String, serde_json::Value)> {
-        self.received.lock().unwrap().clone()
-    }
-}
-
-impl Drop for FakeLemonade {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
-        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
-    }
-}
-
-fn lemonade_reply(
-    mut conn: std::net::TcpStream,
-    answer: &LemonadeAnswer,
-    received: &Mutex<Vec<(String, serde_json::Value)>>,
-) {
-    use std::io::Write;
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-    let mut reader = BufReader::new(conn.try_clone().expect("a socket clone"));
-    let mut line = String::new();
-    if reader.read_line(&mut line).unwrap_or(0) == 0 {
-        return;
-    }
-    let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
-    let mut length = 0usize;
-    loop {
-        let mut header = String::new();
-        if reader.read_line(&mut header).unwrap_or(0) == 0 || header.trim().is_empty() {
-            break;
-        }
-        if let Some((name, value)) = header.split_once(':')
-            && name.trim().eq_ignore_ascii_case("content-length")
-        {
-            length = value.trim().parse().unwrap_or(0);
-        }
-    }
-    let mut body = vec![0u8; length];
-    if reader.read_exact(&mut body).is_err() {
-        return;
-    }
-    received.lock().unwrap().push((
-        path,
-        serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
-    ));
-    let (status, reply) = match answer {
-        LemonadeAnswer::Hold => {
-            std::thread::sleep(Duration::from_secs(30));
-            return;
-        }
-        LemonadeAnswer::Text(text) => (
-            200,
-            serde_json::json!({"choices": [{"index": 0, "finish_reason": "stop",
-                "message": {"role": "assistant", "content": text}}]}),
-        ),
-        LemonadeAnswer::Empty => (
-            200,
-            serde_json::json!({"choices": [{"index": 0, "finish_reason": "stop",
-                "message": {"role": "assistant", "content": ""}}]}),
-        ),
-        LemonadeAnswer::Status(code, message) => {
-            (*code, serde_json::json!({"error": {"message": message}}))
-        }
-    };
-    let reply = reply.to_string();
-    let _ = write!(
-        conn,
-        "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reply}",
-        reply.len()
-    );
 }
 
 /// The pinned llama.cpp source tree (the one `cargo xtask setup` built llama-server from):
