@@ -40,6 +40,10 @@ const PROMPTS: [&str; 3] = [
     "Count from one to ten.",
 ];
 const MAX_TOKENS: u32 = 32;
+/// How long a client waits for the next bytes of its reply (the first ones included) before it
+/// counts the request as unanswered: 4 slots serve 6 clients, so a request may wait for a slot
+/// behind others, longer on a loaded machine.
+const REPLY_WITHIN: Duration = Duration::from_secs(60);
 /// RSS growth allowed after warm-up (first sample to last).
 const GROWTH_LIMIT_KIB: i64 = 1024;
 /// The warm-up: RSS is judged on what follows the first minute of a phase.
@@ -768,7 +772,7 @@ fn one(port: u16, kind: Kind, prompt: &str, reference: &str) -> (u16, bool) {
             let Ok(mut tcp) = TcpStream::connect(("127.0.0.1", port)) else {
                 return (0, false);
             };
-            let _ = tcp.set_read_timeout(Some(Duration::from_secs(30)));
+            let _ = tcp.set_read_timeout(Some(REPLY_WITHIN));
             let _ = tcp.write_all(&chat_request(prompt, true, "127.0.0.1"));
             (status_of(&read_to_first_event(&mut tcp)), false)
         }
@@ -840,7 +844,7 @@ fn exchange(port: u16, request: &[u8], pace: Option<Duration>) -> String {
     let Ok(mut tcp) = TcpStream::connect(("127.0.0.1", port)) else {
         return String::new();
     };
-    let _ = tcp.set_read_timeout(Some(Duration::from_secs(60)));
+    let _ = tcp.set_read_timeout(Some(REPLY_WITHIN));
     if tcp.write_all(request).is_err() {
         return String::new();
     }

@@ -14,6 +14,8 @@ use std::ptr::NonNull;
 
 use libloading::Library;
 
+use crate::state_buffer::StateBuffer;
+
 /// `llama_token`.
 pub type Token = i32;
 
@@ -440,14 +442,11 @@ impl Session<'_> {
 
     /// A copy of sequence `seq`'s state (its cells in every cache), for the prompt cache in
     /// RAM; None when llama.cpp copies nothing.
-    pub fn save_sequence(&self, seq: i32) -> Option<Vec<u8>> {
+    pub fn save_sequence(&self, seq: i32) -> Option<StateBuffer> {
         let context = self.context.as_ptr();
         // SAFETY: the context is live; the size is what the copy below needs.
         let size = unsafe { (self.f().state_seq_get_size)(context, seq) };
-        if size == 0 {
-            return None;
-        }
-        let mut state = vec![0u8; size];
+        let mut state = StateBuffer::zeroed(size)?;
         // SAFETY: `state` holds `size` writable bytes for the call.
         let written =
             unsafe { (self.f().state_seq_get_data)(context, state.as_mut_ptr(), size, seq) };

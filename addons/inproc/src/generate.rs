@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::ffi::{SamplerChain, Session, Token, TokenBatch};
+use crate::state_buffer::StateBuffer;
 
 /// How one request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -115,7 +116,7 @@ pub struct PromptCache {
 
 struct Kept {
     tokens: Vec<Token>,
-    state: Vec<u8>,
+    state: StateBuffer,
 }
 
 impl PromptCache {
@@ -132,7 +133,7 @@ impl PromptCache {
 
     /// Keep `tokens`' state, dropping what it makes useless (a kept prompt it starts with)
     /// and then the oldest until it fits; a state larger than the whole budget is not kept.
-    fn keep(&mut self, tokens: Vec<Token>, state: Vec<u8>) {
+    fn keep(&mut self, tokens: Vec<Token>, state: StateBuffer) {
         if state.len() > self.budget {
             return;
         }
@@ -685,6 +686,11 @@ fn user_starts(tokens: &[Token], marker: &[Token]) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::{PromptCache, StopScan, prompt_breaks, prompt_chunk_end, user_starts};
+    use crate::state_buffer::StateBuffer;
+
+    fn state(len: usize) -> StateBuffer {
+        StateBuffer::zeroed(len).expect("mapped")
+    }
 
     #[test]
     fn a_chats_batches_also_end_where_user_messages_start() {
@@ -707,20 +713,20 @@ mod tests {
     #[test]
     fn the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_match() {
         let mut cache = PromptCache::new(100);
-        cache.keep(vec![1, 2, 3], vec![0; 40]);
-        cache.keep(vec![4, 5, 6], vec![0; 40]);
+        cache.keep(vec![1, 2, 3], state(40));
+        cache.keep(vec![4, 5, 6], state(40));
         // A third does not fit beside both: the oldest goes.
-        cache.keep(vec![7, 8, 9], vec![0; 40]);
+        cache.keep(vec![7, 8, 9], state(40));
         assert_eq!(cache.bytes(), 80);
         assert!(
             cache.take_best(&[1, 2, 3, 4], 0).is_none(),
             "[1, 2, 3] was dropped"
         );
         // A prompt that starts with a kept one makes it useless.
-        cache.keep(vec![4, 5, 6, 10], vec![0; 10]);
+        cache.keep(vec![4, 5, 6, 10], state(10));
         assert_eq!(cache.bytes(), 50);
         // Larger than the whole budget: not kept.
-        cache.keep(vec![11], vec![0; 101]);
+        cache.keep(vec![11], state(101));
         assert_eq!(cache.bytes(), 50);
         // Only a match longer than the slot's own is taken out.
         assert!(cache.take_best(&[4, 5, 6, 10, 12], 4).is_none());

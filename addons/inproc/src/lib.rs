@@ -8,6 +8,7 @@ pub mod chat;
 pub mod ffi;
 pub mod generate;
 pub mod openai;
+pub mod state_buffer;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
