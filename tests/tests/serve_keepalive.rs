@@ -227,3 +227,43 @@ fn zero_turns_keep_alive_off() {
     assert_eq!(assert_between_events(&reply), 0, "{:?}", reply.chunks);
     assert_eq!(keepalives_counted(&serve), 0.0);
 }
+
+#[test]
+fn a_whole_chat_in_router_mode_gets_its_json_and_no_comments() {
+    // In router mode serve does not name the model in replies, so the fast engine carries a
+    // whole chat too; a silent backend must not turn its reply into an event stream.
+    let fake = fake_backend();
+    let serve = Serve::start(
+        &[
+            "--llama-router",
+            "--device",
+            "cpu",
+            "--llama-server",
+            fake.to_str().unwrap(),
+            "--sse-keepalive-s",
+            "1",
+        ],
+        &[],
+    );
+    serve.ready();
+    let body = r#"{"messages":[{"role":"user","content":"fake_slow_ms=2500"}]}"#;
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        serve.port,
+        body.len()
+    );
+    let mut tcp = TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    tcp.write_all(raw.as_bytes()).unwrap();
+    let mut text = String::new();
+    let _ = tcp.read_to_string(&mut text);
+    let (head, body) = text.split_once("\r\n\r\n").expect("a reply head");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("application/json"),
+        "not the backend's JSON head: {head}"
+    );
+    assert!(!body.contains(KEEPALIVE), "{body:?}");
+    assert!(body.contains(r#""choices""#), "{body}");
+    assert_eq!(keepalives_counted(&serve), 0.0);
+}

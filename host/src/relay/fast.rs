@@ -142,8 +142,12 @@ struct Fast {
     consumed: usize,
     /// The client asked to close after this reply.
     close: bool,
-    /// For the watchdog: an inference request, streamed.
+    /// For the watchdog: an inference request (its method, path and body's length).
     watched: Option<(String, String, usize)>,
+    /// A streamed inference request: keep-alive comments in its silences, its events timed.
+    /// (A whole one is the general engine's when serve names the model in replies; in router
+    /// mode, where it does not, the fast engine carries it too, and it gets neither.)
+    streamed: bool,
     /// For `onebit_requests_total`.
     path: PathClass,
     /// The backend abandons it at its stop, so the drain does not wait for it (`in_flight`).
@@ -270,6 +274,7 @@ fn qualify(app: &App, buf: &[u8]) -> Verdict {
         watched: plan
             .watched
             .then(|| (method.to_string(), path.to_string(), body_len)),
+        streamed: plan.inference && plan.streamed,
         path: PathClass::of(path),
         abandoned_at_stop: crate::relay::in_flight::abandoned_at_stop(path),
         id,
@@ -296,14 +301,12 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     buf.advance(fast.consumed);
     let ticket = match (&fast.watched, app.watchdog.get()) {
         (Some((method, path, bytes)), Some(dog)) => {
-            Some(dog.track(method, path, true, fast.backend, *bytes))
+            Some(dog.track(method, path, fast.streamed, fast.backend, *bytes))
         }
         _ => None,
     };
-    // A watched request here is a streamed inference request (a whole one is the general
-    // engine's, to name its reply): it gets comments in its backend's silences (keep-alive
-    // on).
-    let keepalive = fast.watched.as_ref().and(sse_keepalive::every());
+    // A streamed inference request gets comments in its backend's silences (keep-alive on).
+    let keepalive = sse_keepalive::every().filter(|_| fast.streamed);
     let sent = match send(app, client, &fast, keepalive, began).await {
         Ok(sent) => sent,
         Err(outcome) => return outcome,
@@ -314,8 +317,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     }
     // A streamed inference request's events are timed as they are written.
     let clock = fast
-        .watched
-        .is_some()
+        .streamed
         .then(|| StreamClock::new(began, fast.path, Engine::Fast));
     let tracking = Tracking {
         keepalive,
