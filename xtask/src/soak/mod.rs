@@ -285,7 +285,11 @@ fn soak_phases(ws: &Workspace, minutes: f64, only: Option<Engine>) -> Result<boo
         (Ok(_), None) => Some(watchdog_phase(&kit)),
         _ => None,
     };
-    let _ = std::fs::remove_dir_all(&kit.scratch);
+    // A phase that could not run names serve's log in the scratch folder: kept then.
+    let ran = phases.is_ok() && watchdog.as_ref().is_none_or(|w| w.is_ok());
+    if ran {
+        let _ = std::fs::remove_dir_all(&kit.scratch);
+    }
     let phases = phases?;
     let mut met = true;
     for phase in &phases {
