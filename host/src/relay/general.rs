@@ -81,7 +81,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             .get(header::CONTENT_TYPE)
             .map(|v| v.as_bytes());
         match plan::check_body(plan.body, content_type, &body) {
-            Ok(streamed) => plan.with_body(&app, streamed),
+            Ok(streamed) => plan.with_body(&app, streamed, body.len()),
             Err(e) => return e.into_response(),
         }
     } else {
@@ -102,6 +102,22 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     } else {
         body
     };
+
+    // Slot preparation: the persistent prompt cache restores a saved prefix of the prompt into
+    // the slot the request is pinned to; the slot is released (and its state saved) when the
+    // reply body is dropped.
+    let mut release = None;
+    let body = match &app.prompt_cache {
+        Some(cache) if plan.prompt_cache => match cache.prepare(parts.uri.path(), &body).await {
+            Some((pinned, prepared)) => {
+                release = Some(Release(Some((cache.clone(), prepared))));
+                pinned
+            }
+            None => body,
+        },
+        _ => body,
+    };
+    let restored = release.as_ref().and_then(Release::restored);
 
     // For a route that asks to, its forwards take turns: the turn is held from asking the
     // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
@@ -190,7 +206,10 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             let added = began.elapsed().saturating_sub(sent_at.elapsed());
             app.requests.added(path, Engine::General, added);
             let streamed = Streamed::new(&app, &plan, began, path);
-            let wrap = move |body| watched(body, ticket, on_first_byte, in_flight, streamed);
+            let wrap = move |body| {
+                let body = watched(body, ticket, on_first_byte, in_flight, streamed, release);
+                noted_stream(body, restored)
+            };
             let mut response = sse_keepalive::early_stream(pending, wrap, app.device.clone());
             response.extensions_mut().insert(Relayed { backend, added });
             return response;
@@ -208,7 +227,14 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         reply_parts.headers.insert("x-1bit-route", why.clone());
     }
     let streamed = Streamed::new(&app, &plan, began, path);
-    let reply_body = watched(reply_body, ticket, on_first_byte, in_flight, streamed);
+    let reply_body = watched(
+        reply_body,
+        ticket,
+        on_first_byte,
+        in_flight,
+        streamed,
+        release,
+    );
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -231,6 +257,10 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
             }
         };
         let bytes = served_name::in_reply(bytes, &app.served_name);
+        let bytes = match &restored {
+            Some(restored) => crate::prompt_cache::noted_in_reply(bytes, restored),
+            None => bytes,
+        };
         reply_parts.headers.remove(header::CONTENT_LENGTH);
         reply_parts.extensions.insert(added(backend_time));
         return Response::from_parts(reply_parts, Body::from(bytes));
@@ -242,6 +272,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         // every event as it passes.
         reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
+        let renamed = noted_stream(renamed.boxed_unsync(), restored);
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
     reply_parts.extensions.insert(added(backend_time));
@@ -250,10 +281,54 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let reply_body = noted_stream(reply_body, restored);
     Response::from_parts(
         reply_parts,
         sse_keepalive::during(reply_body, plan.inference && plan.streamed && event_stream),
     )
+}
+
+/// A prepared request's slot, released when the reply body that carries it is dropped
+/// (finished, or the client left): the prompt cache then saves the slot's state.
+struct Release(
+    Option<(
+        Arc<crate::prompt_cache::PromptCache>,
+        crate::prompt_cache::Prepared,
+    )>,
+);
+
+impl Release {
+    fn restored(&self) -> Option<crate::prompt_cache::Restored> {
+        self.0.as_ref().and_then(|(_, p)| p.restored)
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let Some((cache, prepared)) = self.0.take() {
+            cache.released(prepared);
+        }
+    }
+}
+
+/// A streamed reply whose prefix came from the disk: the event that carries `timings` (the
+/// last) says so (`prompt_cache::note`). Any other reply passes as it is.
+fn noted_stream(
+    body: http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error>,
+    restored: Option<crate::prompt_cache::Restored>,
+) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
+    let Some(restored) = restored else {
+        return body;
+    };
+    served_name::each_event(body, move |event| {
+        // Only the last event carries `timings`; the others pass unparsed.
+        if event.windows(9).any(|w| w == b"\"timings\"") {
+            crate::prompt_cache::noted_in_reply(event, &restored)
+        } else {
+            event
+        }
+    })
+    .boxed_unsync()
 }
 
 /// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
@@ -301,6 +376,7 @@ fn watched(
     first_byte: Option<FirstByte>,
     in_flight: InFlight,
     mut streamed: Option<Streamed>,
+    release: Option<Release>,
 ) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
     if let Some(ticket) = &ticket {
         ticket.progress(0);
@@ -308,6 +384,7 @@ fn watched(
     let mut first_byte = first_byte;
     body.map_frame(move |frame| {
         let _counted = &in_flight;
+        let _released_with_the_body = &release;
         if let Some(data) = frame.data_ref() {
             if let Some(ticket) = &ticket {
                 ticket.progress(data.len());
