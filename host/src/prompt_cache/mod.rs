@@ -41,6 +41,10 @@ pub struct Setup {
     pub dir: PathBuf,
     pub budget_bytes: u64,
     pub min_tokens: usize,
+    /// llama-server's micro-batch (`-ub`, 512): a cold prefill decodes the prompt in runs of
+    /// this many tokens from its start, so a restore that stops at a multiple of it leaves the
+    /// rest to be decoded in the very runs a cold prefill decodes, bit for bit.
+    pub ubatch: usize,
     /// The model file and the backend's command line, for the identity.
     pub model: PathBuf,
     pub argv: Vec<String>,
@@ -199,7 +203,7 @@ impl PromptCache {
             self.said_discard(d);
         }
         tracing::info!(
-            "1bit serve: prompt cache: {} ({} states, {:.1} of {:.1} GiB; prompts of {} tokens or more)",
+            "1bit serve: prompt cache: {} (states: {}, {:.2} of {:.2} GiB; prompts of {} tokens or more)",
             self.setup.dir.display(),
             store.len(),
             store.total_bytes() as f64 / GIB,
@@ -260,11 +264,24 @@ impl PromptCache {
             .store
             .lock()
             .ok()?
-            .as_ref()?
-            .best(&tokens)
-            .filter(|(_, n)| *n >= self.setup.min_tokens && *n > held);
+            .as_mut()
+            .and_then(|store| {
+                let (entry, shared) = store.best(&tokens)?;
+                // llama-server evaluates at least the prompt's last token; the restore stops
+                // at a micro-batch boundary, so what is prefilled is what a cold prefill
+                // decodes in its last runs, and the reply is the cold one's.
+                let unit = self.setup.ubatch.max(1);
+                let k = shared.min(tokens.len() - 1) / unit * unit;
+                // A prefix the slot already holds is a use of its state too (least recently
+                // used is what the budget evicts).
+                if k >= self.setup.min_tokens && k <= held {
+                    store.touch(&entry);
+                }
+                Some((entry, k, shared.min(tokens.len() - 1)))
+            })
+            .filter(|(_, k, _)| *k >= self.setup.min_tokens && *k > held);
         let restored = match best {
-            Some((entry, n)) => self.restore(slot, entry, n).await,
+            Some((entry, k, reusable)) => self.restore(slot, entry, k, reusable).await,
             None => None,
         };
         let object = value.as_object_mut()?;
@@ -307,9 +324,15 @@ impl PromptCache {
                             .is_none_or(|idle| idle.get(*i) != Some(&false))
                 })
                 .max_by_key(|i| {
+                    // A slot holding a prefix worth keeping, else the least recently used.
                     let s = &slots[*i];
+                    let held = store::common_prefix(&s.tokens, tokens);
                     (
-                        store::common_prefix(&s.tokens, tokens),
+                        if held >= self.setup.min_tokens {
+                            held
+                        } else {
+                            0
+                        },
                         std::cmp::Reverse(s.used),
                     )
                 })
@@ -326,7 +349,13 @@ impl PromptCache {
 
     /// Check a state file and restore it into `slot`; a file that fails the check or that the
     /// backend refuses is discarded with its line, and the request goes on without it.
-    async fn restore(&self, slot: usize, entry: store::Entry, shared: usize) -> Option<Restored> {
+    async fn restore(
+        &self,
+        slot: usize,
+        entry: store::Entry,
+        k: usize,
+        reusable: usize,
+    ) -> Option<Restored> {
         let began = Instant::now();
         let store = self.store.clone();
         let checked_entry = entry.clone();
@@ -342,6 +371,12 @@ impl PromptCache {
             return None;
         }
         let file = Store::file_name(&entry);
+        // The token list ends its match at k for this restore (the file is put back after).
+        let mark = self
+            .store
+            .lock()
+            .ok()
+            .and_then(|s| s.as_ref().and_then(|s| s.mark_end(&entry, k)));
         let request = serde_json::json!({ "filename": file }).to_string();
         let reply = self
             .post_json(
@@ -350,6 +385,10 @@ impl PromptCache {
                 STATE_TIMEOUT,
             )
             .await;
+        let whole = mark.is_none();
+        if let Some(mark) = mark {
+            Store::unmark(mark);
+        }
         let n_restored = reply
             .as_ref()
             .ok()
@@ -377,20 +416,27 @@ impl PromptCache {
         {
             store.touch(&entry);
         }
+        // A file serve could not mark (a read-only directory) is restored whole: llama-server
+        // then reuses all the prompt shares with it, the path a follow-up turn takes.
+        let k = if whole { reusable } else { k };
         if let Ok(mut slots) = self.slots.lock()
             && let Some(s) = slots.get_mut(slot)
         {
-            s.tokens = entry.tokens.clone();
+            s.tokens = if whole {
+                entry.tokens.clone()
+            } else {
+                entry.tokens[..k].to_vec()
+            };
         }
         let restore_ms = began.elapsed().as_secs_f64() * 1000.0;
         self.counts.restores.inc();
         self.counts.restored_bytes.inc_by(entry.bytes);
         tracing::info!(
-            "1bit serve: prompt cache: restored {shared} of the prompt's tokens into slot {slot} from {file} ({} MiB) in {restore_ms:.0} ms",
+            "1bit serve: prompt cache: restored {k} of the prompt's tokens into slot {slot} from {file} ({} MiB) in {restore_ms:.0} ms",
             entry.bytes / (1 << 20)
         );
         Some(Restored {
-            n_tokens: shared,
+            n_tokens: k,
             restore_ms,
         })
     }
@@ -473,7 +519,7 @@ impl PromptCache {
     fn stop_saving(&self, why: &str) {
         if self.saving.swap(false, Ordering::Relaxed) {
             tracing::warn!(
-                "1bit serve: prompt cache: saving stopped: {why}; serving continues, restores too (free space in {} or pass --no-prompt-cache)",
+                "1bit serve: prompt cache: saving stopped: {why}; serving continues, restores too (make {} writable, with free space, or pass --no-prompt-cache)",
                 self.setup.dir.display()
             );
         }

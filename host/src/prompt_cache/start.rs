@@ -94,9 +94,25 @@ pub fn setup(args: &ServeArgs, plan: &mut Plan) -> Result<Option<Setup>, Fatal> 
         dir,
         budget_bytes: (args.prompt_cache_gib * (1u64 << 30) as f64) as u64,
         min_tokens: args.prompt_cache_min_tokens as usize,
+        ubatch: flag_value(&backend.argv, &["-ub", "--ubatch-size"]).unwrap_or(512),
         model: args.model().to_path_buf(),
         argv: backend.argv.clone(),
     }))
+}
+
+/// The last value of a numeric flag on a command line (`-ub 256`, `--ubatch-size=256`).
+fn flag_value(argv: &[String], names: &[&str]) -> Option<usize> {
+    let mut value = None;
+    for (i, arg) in argv.iter().enumerate() {
+        for name in names {
+            if arg == name {
+                value = argv.get(i + 1).and_then(|v| v.parse().ok());
+            } else if let Some(v) = arg.strip_prefix(name).and_then(|r| r.strip_prefix('=')) {
+                value = v.parse().ok();
+            }
+        }
+    }
+    value
 }
 
 /// Why this serve cannot keep a prompt cache, or None when it can.

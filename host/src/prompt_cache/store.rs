@@ -74,6 +74,14 @@ struct Description {
     tokens: Vec<i32>,
 }
 
+/// A token of a state file changed for one restore, and what it was.
+#[derive(Debug)]
+pub struct Mark {
+    path: PathBuf,
+    offset: u64,
+    original: [u8; 4],
+}
+
 /// What [`Store::admit`] did with a state llama-server saved.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Admitted {
@@ -251,6 +259,54 @@ impl Store {
             file: self.dir.join(Self::file_name(entry)),
             reason,
             why,
+        }
+    }
+
+    /// Make the state file's token list end its match at `k` (a token there that no prompt
+    /// has: llama-server then keeps the first `k` cells it restores and prefills the rest),
+    /// and return what undoes it ([`unmark`](Self::unmark)). The KV data is untouched; the
+    /// CRC-32 was checked before. None when the file cannot be written (a read-only
+    /// directory): the whole state is restored then.
+    pub fn mark_end(&self, entry: &Entry, k: usize) -> Option<Mark> {
+        use std::os::unix::fs::FileExt;
+        let original = *entry.tokens.get(k)?;
+        let path = self.dir.join(Self::file_name(entry));
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .ok()?;
+        let mut head = [0u8; 20];
+        file.read_exact_at(&mut head, 0).ok()?;
+        let word = |i: usize| {
+            u32::from_le_bytes([
+                head[i * 4],
+                head[i * 4 + 1],
+                head[i * 4 + 2],
+                head[i * 4 + 3],
+            ])
+        };
+        let packed = word(3) == u32::MAX && word(4) == 1;
+        let offset = 12 + 4 * (k as u64 + if packed { 3 } else { 0 });
+        let mut at = [0u8; 4];
+        file.read_exact_at(&mut at, offset).ok()?;
+        if i32::from_le_bytes(at) != original {
+            return None;
+        }
+        let other: i32 = if original == 0 { 1 } else { 0 };
+        file.write_all_at(&other.to_le_bytes(), offset).ok()?;
+        Some(Mark {
+            path,
+            offset,
+            original: at,
+        })
+    }
+
+    /// Put back the token [`mark_end`](Self::mark_end) changed.
+    pub fn unmark(mark: Mark) {
+        use std::os::unix::fs::FileExt;
+        if let Ok(file) = std::fs::File::options().write(true).open(&mark.path) {
+            let _ = file.write_all_at(&mark.original, mark.offset);
         }
     }
 
