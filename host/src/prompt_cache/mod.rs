@@ -205,7 +205,7 @@ impl PromptCache {
         tracing::info!(
             "1bit serve: prompt cache: {} (states: {}, {:.2} of {:.2} GiB; prompts of {} tokens or more)",
             self.setup.dir.display(),
-            store.len(),
+            store.count(),
             store.total_bytes() as f64 / GIB,
             self.setup.budget_bytes as f64 / GIB,
             self.setup.min_tokens
@@ -596,7 +596,7 @@ impl PromptCache {
             .store
             .lock()
             .ok()
-            .and_then(|s| s.as_ref().map(|s| (s.total_bytes(), s.len())))
+            .and_then(|s| s.as_ref().map(|s| (s.total_bytes(), s.count())))
             .unwrap_or((0, 0));
         let on_disk = Gauge::<i64>::default();
         on_disk.set(i64::try_from(bytes).unwrap_or(i64::MAX));

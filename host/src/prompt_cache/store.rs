@@ -442,7 +442,8 @@ impl Store {
         self.entries.iter().map(|e| e.bytes).sum()
     }
 
-    pub fn len(&self) -> usize {
+    /// How many states it holds.
+    pub fn count(&self) -> usize {
         self.entries.len()
     }
 }

@@ -123,7 +123,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
     assert_eq!(store.best(&[10, 1, 2]).unwrap().1, 3);
     // Across a restart the order holds (the description's mtime).
     let (store, _) = Store::open(&d, 500, identity(2048));
-    assert_eq!(store.len(), 2);
+    assert_eq!(store.count(), 2);
     assert_eq!(store.best(&[10, 1, 2]).unwrap().1, 3);
     assert!(store.best(&[30, 1, 2]).is_none_or(|(_, n)| n == 0));
     // A longer state of the same conversation replaces the shorter.
@@ -133,7 +133,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
         store.admit(&t, 1).unwrap(),
         Admitted::Kept { evicted: 1, .. }
     ));
-    assert_eq!(store.len(), 2);
+    assert_eq!(store.count(), 2);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -147,7 +147,7 @@ fn foreign_truncated_and_corrupt_files_are_discarded_with_a_reason() {
     }
     // Another ctx: every file is foreign.
     let (other, gone) = Store::open(&d, 1 << 20, identity(4096));
-    assert_eq!(other.len(), 0);
+    assert_eq!(other.count(), 0);
     assert_eq!(gone.len(), 3);
     assert!(gone.iter().all(|g| g.reason == Reason::Foreign), "{gone:?}");
     assert!(gone[0].why.contains("ctx per slot 2048"), "{gone:?}");
@@ -177,7 +177,7 @@ fn foreign_truncated_and_corrupt_files_are_discarded_with_a_reason() {
     assert!(gone[0].file.ends_with(Store::file_name(&one)));
     let bad = store.verify(&two).unwrap_err();
     assert_eq!(bad.reason, Reason::Corrupt);
-    assert_eq!(store.len(), 0);
+    assert_eq!(store.count(), 0);
     assert!(files(&d).is_empty());
     std::fs::remove_dir_all(&d).unwrap();
 }
