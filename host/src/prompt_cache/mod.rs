@@ -29,6 +29,13 @@ use identity::Identity;
 use store::{Admitted, Discarded, Reason, Store};
 
 /// A tokenize or template call; a long prompt's takes milliseconds.
+mod backend_calls;
+mod note;
+mod series;
+
+pub use note::noted_in_reply;
+use series::{Counts, ReasonLabel};
+
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A save or restore reads or writes the whole state (tens of MB for a long prompt).
 const STATE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -97,21 +104,6 @@ struct Slot {
     tokens: Vec<i32>,
     used: u64,
     busy: usize,
-}
-
-#[derive(Default)]
-struct Counts {
-    saves: Counter,
-    restores: Counter,
-    discards: Family<ReasonLabel, Counter>,
-    saved_bytes: Counter,
-    restored_bytes: Counter,
-    evictions: Counter,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-struct ReasonLabel {
-    reason: &'static str,
 }
 
 /// The cache of one backend (backend 0 of a llama-server route). Made by `serve`; opened once
@@ -553,149 +545,6 @@ impl PromptCache {
             d.why
         );
     }
-
-    /// The cache's series for `/metrics` (front's scrape appends them).
-    pub fn render(&self) -> String {
-        let mut registry = Registry::default();
-        registry.register(
-            "onebit_prompt_cache_saves",
-            "KV states the persistent prompt cache saved to disk",
-            self.counts.saves.clone(),
-        );
-        registry.register(
-            "onebit_prompt_cache_restores",
-            "KV states the persistent prompt cache restored into a slot",
-            self.counts.restores.clone(),
-        );
-        for reason in Reason::ALL {
-            let _ = self.counts.discards.get_or_create(&ReasonLabel {
-                reason: reason.label(),
-            });
-        }
-        registry.register(
-            "onebit_prompt_cache_discards",
-            "State files the persistent prompt cache discarded, by reason",
-            self.counts.discards.clone(),
-        );
-        registry.register(
-            "onebit_prompt_cache_evictions",
-            "States removed to keep the budget, or replaced by a longer one",
-            self.counts.evictions.clone(),
-        );
-        registry.register(
-            "onebit_prompt_cache_saved_bytes",
-            "Bytes of the states saved",
-            self.counts.saved_bytes.clone(),
-        );
-        registry.register(
-            "onebit_prompt_cache_restored_bytes",
-            "Bytes of the states restored",
-            self.counts.restored_bytes.clone(),
-        );
-        let (bytes, entries) = self
-            .store
-            .lock()
-            .ok()
-            .and_then(|s| s.as_ref().map(|s| (s.total_bytes(), s.count())))
-            .unwrap_or((0, 0));
-        let on_disk = Gauge::<i64>::default();
-        on_disk.set(i64::try_from(bytes).unwrap_or(i64::MAX));
-        registry.register(
-            "onebit_prompt_cache_disk_bytes",
-            "Bytes of the states on disk",
-            on_disk,
-        );
-        let held = Gauge::<i64>::default();
-        held.set(entries as i64);
-        registry.register(
-            "onebit_prompt_cache_states",
-            "States on disk this serve can restore",
-            held,
-        );
-        let mut out = String::new();
-        let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
-        out
-    }
-
-    async fn get_json(&self, path: &str) -> Result<Value, String> {
-        let request = hyper::Request::get(format!("http://127.0.0.1:{}{path}", self.port))
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
-        self.call(request, CALL_TIMEOUT).await
-    }
-
-    async fn post_json(&self, path: &str, body: Bytes, limit: Duration) -> Result<Value, String> {
-        let request = hyper::Request::post(format!("http://127.0.0.1:{}{path}", self.port))
-            .header("content-type", "application/json")
-            .body(Full::new(body))
-            .map_err(|e| e.to_string())?;
-        self.call(request, limit).await
-    }
-
-    async fn call(
-        &self,
-        request: hyper::Request<Full<Bytes>>,
-        limit: Duration,
-    ) -> Result<Value, String> {
-        let call = async {
-            let reply = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| e.to_string())?;
-            let status = reply.status();
-            let body = reply
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-            let value: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-            if status.is_success() {
-                Ok(value)
-            } else {
-                let message = value["error"]["message"]
-                    .as_str()
-                    .map(str::to_string)
-                    .unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(200).collect());
-                Err(format!("status {}: {message}", status.as_u16()))
-            }
-        };
-        tokio::time::timeout(limit, call)
-            .await
-            .map_err(|_| format!("no answer within {} s", limit.as_secs()))?
-    }
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// The reply of a request whose prefix came from the disk: `timings.cache` says so (how many
-/// tokens, the restore's time), beside llama-server's `cache_n` and
-/// `usage.prompt_tokens_details.cached_tokens`, which count them as reused. A reply that is not a JSON
-/// object is returned as it is. Called by the general engine on a whole reply.
-pub fn noted_in_reply(reply: Bytes, restored: &Restored) -> Bytes {
-    let Ok(mut value) = serde_json::from_slice::<Value>(&reply) else {
-        return reply;
-    };
-    if !note(&mut value, restored) {
-        return reply;
-    }
-    serde_json::to_vec(&value).map(Bytes::from).unwrap_or(reply)
-}
-
-/// Put the disk cache's note into one reply object (a whole reply, or a stream's event that
-/// carries `timings`); false when it has no `timings`.
-pub fn note(value: &mut Value, restored: &Restored) -> bool {
-    let Some(timings) = value.get_mut("timings").and_then(Value::as_object_mut) else {
-        return false;
-    };
-    timings.insert(
-        "cache".to_string(),
-        serde_json::json!({
-            "source": "disk",
-            "n": restored.n_tokens,
-            "restore_ms": (restored.restore_ms * 1000.0).round() / 1000.0,
-        }),
-    );
-    true
-}

@@ -458,7 +458,7 @@ impl Drop for Release {
 }
 
 /// A streamed reply whose prefix came from the disk: the event that carries `timings` (the
-/// last) says so (`prompt_cache::note`). Any other reply passes as it is.
+/// last) says so (`prompt_cache::noted_in_reply`). Any other reply passes as it is.
 fn noted_stream(
     body: http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error>,
     restored: Option<crate::prompt_cache::Restored>,
