@@ -79,6 +79,8 @@ impl PromptCache {
         );
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
-        out
+        // Strict 0.0.4 as the rest of serve's text: a counter's HELP and TYPE under its
+        // `_total` name, no `# EOF`.
+        crate::metrics::text::strict_004(&out)
     }
 }

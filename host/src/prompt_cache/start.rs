@@ -87,9 +87,19 @@ pub fn setup(args: &ServeArgs, plan: &mut Plan) -> Result<Option<Setup>, Fatal> 
         return Ok(None);
     }
     let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
+    // Before the user's own llama-server arguments, which stay last (Lemonade's, as it gave
+    // them; a later flag of theirs wins).
     let backend = &mut plan.backends[0];
-    backend.argv.push("--slot-save-path".to_string());
-    backend.argv.push(dir.to_string_lossy().into_owned());
+    let user = &args.backend_args;
+    let at = if backend.argv.ends_with(user) {
+        backend.argv.len() - user.len()
+    } else {
+        backend.argv.len()
+    };
+    backend.argv.splice(
+        at..at,
+        ["--slot-save-path".to_string(), dir.to_string_lossy().into_owned()],
+    );
     Ok(Some(Setup {
         dir,
         budget_bytes: (args.prompt_cache_gib * (1u64 << 30) as f64) as u64,
