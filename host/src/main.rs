@@ -25,7 +25,6 @@ mod notify;
 mod plugin_check;
 mod pm;
 mod prepare;
-mod prompt_cache;
 mod relay;
 mod routes;
 mod rpc;
