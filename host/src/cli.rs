@@ -11,6 +11,10 @@ pub const SSE_KEEPALIVE_DEFAULT_S: u64 = 15;
 /// `--drain-s`'s default: with llama-server's own stop (well under a second) it fits the 5 s
 /// Lemonade leaves between SIGTERM and SIGKILL.
 pub const DRAIN_DEFAULT_S: f64 = 3.0;
+/// The persistent prompt cache's disk budget, GiB (`--prompt-cache-gib`).
+pub const PROMPT_CACHE_GIB_DEFAULT: f64 = 8.0;
+/// The shortest prefix the prompt cache keeps, tokens (`--prompt-cache-min-tokens`).
+pub const PROMPT_CACHE_MIN_TOKENS_DEFAULT: u64 = 1024;
 /// llama-server's defaults for `--cors-methods` and `--cors-headers` (common/common.h).
 pub const CORS_METHODS_DEFAULT: &str = "GET, POST, DELETE, OPTIONS";
 pub const CORS_HEADERS_DEFAULT: &str = "*";
@@ -320,6 +324,19 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
+    /// Keep the KV state of long prompts in DIR across serve's restarts (default: `prompt-cache/`
+    /// under serve's state directory, one folder per model file; docs/serve.md).
+    #[arg(long, value_name = "DIR")]
+    pub prompt_cache_dir: Option<PathBuf>,
+    /// No persistent prompt cache: nothing is saved or restored.
+    #[arg(long)]
+    pub no_prompt_cache: bool,
+    /// The prompt cache's disk budget in GiB; the least recently used states go first.
+    #[arg(long, value_name = "N", default_value_t = PROMPT_CACHE_GIB_DEFAULT)]
+    pub prompt_cache_gib: f64,
+    /// The shortest prompt prefix, in tokens, whose state is worth keeping on disk.
+    #[arg(long, value_name = "N", default_value_t = PROMPT_CACHE_MIN_TOKENS_DEFAULT)]
+    pub prompt_cache_min_tokens: u64,
     #[command(flatten)]
     pub env: EnvSettings,
     /// Require `Authorization: Bearer KEY` on every route but /health.
@@ -500,6 +517,7 @@ impl ServeArgs {
             (self.laya_model.is_some(), "--laya-model"),
             (self.embed.is_some(), "--embed"),
             (self.rerank.is_some(), "--rerank"),
+            (self.prompt_cache_dir.is_some(), "--prompt-cache-dir"),
         ]
         .into_iter()
         .find(|(set, _)| *set)

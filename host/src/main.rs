@@ -25,6 +25,7 @@ mod notify;
 mod plugin_check;
 mod pm;
 mod prepare;
+mod prompt_cache;
 mod relay;
 mod routes;
 mod rpc;

@@ -41,6 +41,8 @@ pub struct ServePlan {
     /// follow `plan`'s in serve's order).
     pub laya: Option<(crate::laya::Policy, Vec<Placed>)>,
     pub api_key: Option<ApiKey>,
+    /// The persistent prompt cache of backend 0, when this serve keeps one.
+    pub prompt_cache: Option<crate::prompt_cache::Setup>,
 }
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
@@ -156,6 +158,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if printing {
         return print_backend(args, &plan).map(Prepared::Exit);
     }
+    let prompt_cache = crate::prompt_cache::start::setup(args, &mut plan)?;
     Ok(Prepared::Serve(Box::new(ServePlan {
         args: args.clone(),
         route,
@@ -165,6 +168,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         pm,
         laya,
         api_key,
+        prompt_cache,
     })))
 }
 
@@ -265,6 +269,7 @@ fn checked_flags(args: &ServeArgs, printing: bool) -> Result<Option<ApiKey>, Fat
             args.drain_s
         )));
     }
+    crate::prompt_cache::start::checked(args)?;
     if printing && let Some(flag) = args.needs_serve_in_path() {
         return Err(needs_serve(flag.to_string()));
     }

@@ -89,6 +89,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         pm,
         laya,
         api_key,
+        prompt_cache,
     } = p;
     crate::relay::sse_keepalive::configure(args.sse_keepalive_s);
     crate::relay::busy_poll::configure(args.env.busy_poll_us.as_deref());
@@ -153,6 +154,14 @@ async fn serve_plan(p: ServePlan) -> i32 {
         laya: policy.map(|policy| {
             let policy_file = args.route_policy.as_deref();
             Arc::new(crate::laya::start::router(policy, &placed, policy_file))
+        }),
+        prompt_cache: prompt_cache.map(|setup| {
+            let port = plan.backends[0].port;
+            Arc::new(crate::prompt_cache::PromptCache::new(
+                setup,
+                port,
+                client.clone(),
+            ))
         }),
     });
     install_host_services(
@@ -401,6 +410,9 @@ async fn supervise(
     if let Err(code) = start_routes(placed, &backends, client, grace).await {
         return code;
     }
+    if let Some(cache) = &app.prompt_cache {
+        cache.open().await;
+    }
     app.set_status(Status::Ready);
     let url = format!(
         "http://{}:{}",
@@ -444,6 +456,10 @@ async fn supervise(
         Ended::Signal(what) => {
             notify::draining(what, Duration::from_secs_f64(args.drain_s));
             drain.run(what).await;
+            // The states of the replies just ended are saved before the backend stops.
+            if let Some(cache) = &app.prompt_cache {
+                cache.settle().await;
+            }
             stop(&backends, grace, what).await
         }
         Ended::PortTaken(line) => {

@@ -288,6 +288,9 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         Err(_) => {}
     }
     metrics::append(&mut body, &crate::rpc::watch::render());
+    if let Some(cache) = &app.prompt_cache {
+        metrics::append(&mut body, &cache.render());
+    }
     for text in backend_texts.into_iter().flatten() {
         metrics::append(&mut body, &text);
     }

@@ -37,6 +37,9 @@ pub struct App {
     /// `--laya`: an inference request's backend is its conversation's device's
     /// (`DeviceChoice::ByConversation`); holds the conversations decided.
     pub laya: Option<Arc<crate::laya::Laya>>,
+    /// The persistent prompt cache of backend 0 (`--prompt-cache-dir`): a chat or completion
+    /// whose plan says so is prepared by it before it is forwarded.
+    pub prompt_cache: Option<Arc<crate::prompt_cache::PromptCache>>,
 }
 
 impl std::ops::Deref for App {

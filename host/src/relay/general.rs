@@ -56,6 +56,11 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         Ok(planned) => planned,
         Err(response) => return response,
     };
+    // Slot preparation: the persistent prompt cache restores a saved prefix of the prompt into
+    // the slot the request is pinned to; the slot is released (and its state saved) when the
+    // reply body is dropped.
+    let (body, release) = prepare_slot(&app, &plan, &parts, body).await;
+    let restored = release.as_ref().and_then(Release::restored);
     let chosen = match backend_for(&app, &plan, &parts, body).await {
         Chosen::Backend(chosen) => chosen,
         Chosen::InProcess(body) => {
@@ -98,6 +103,8 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         ticket,
         on_first_byte: chosen.on_first_byte,
         in_flight,
+        release,
+        restored,
     };
     sent(&relaying, upstream, carried).await
 }
@@ -112,11 +119,32 @@ struct Relaying<'a> {
 }
 
 /// What rides on a relayed reply's body: the watchdog's ticket, the route's first-byte line,
-/// the in-flight count.
+/// the in-flight count, the prompt cache's slot (released with the body), and what the
+/// cache restored (said in the reply).
 struct Carried {
     ticket: Option<Ticket>,
     on_first_byte: Option<FirstByte>,
     in_flight: InFlight,
+    release: Option<Release>,
+    restored: Option<crate::prompt_cache::Restored>,
+}
+
+/// The persistent prompt cache's step before forwarding: a saved prefix of the prompt restored
+/// into the slot the request is then pinned to (the body says which), when the plan uses the
+/// cache and one is found; else the body as it was.
+async fn prepare_slot(
+    app: &Arc<App>,
+    plan: &RelayPlan,
+    parts: &axum::http::request::Parts,
+    body: Bytes,
+) -> (Bytes, Option<Release>) {
+    match &app.prompt_cache {
+        Some(cache) if plan.prompt_cache => match cache.prepare(parts.uri.path(), &body).await {
+            Some((pinned, prepared)) => (pinned, Some(Release(Some((cache.clone(), prepared))))),
+            None => (body, None),
+        },
+        _ => (body, None),
+    }
 }
 
 /// The request's plan (the one handed over, or made here from the head), and its body read
@@ -160,7 +188,7 @@ async fn planned(
             .get(header::CONTENT_TYPE)
             .map(|v| v.as_bytes());
         match plan::check_body(plan.body, content_type, &body) {
-            Ok(streamed) => plan.with_body(app, streamed),
+            Ok(streamed) => plan.with_body(app, streamed, body.len()),
             Err(e) => return Err(e.into_response()),
         }
     } else {
@@ -303,8 +331,13 @@ async fn sent(
                 ticket,
                 on_first_byte,
                 in_flight,
+                release,
+                restored,
             } = carried;
-            let wrap = move |body| watched(body, ticket, on_first_byte, in_flight, streamed);
+            let wrap = move |body| {
+                let body = watched(body, ticket, on_first_byte, in_flight, streamed, release);
+                noted_stream(body, restored)
+            };
             let mut response = sse_keepalive::early_stream(pending, wrap, app.device.clone());
             response.extensions_mut().insert(Relayed { backend, added });
             response
@@ -339,12 +372,14 @@ async fn reply(
         reply_parts.headers.insert("x-1bit-route", why.clone());
     }
     let streamed = Streamed::new(app, plan, began, path);
+    let restored = carried.restored;
     let reply_body = watched(
         reply_body,
         carried.ticket,
         carried.on_first_byte,
         carried.in_flight,
         streamed,
+        carried.release,
     );
     let json_reply = reply_parts
         .headers
@@ -368,6 +403,10 @@ async fn reply(
             }
         };
         let bytes = served_name::in_reply(bytes, &app.served_name);
+        let bytes = match &restored {
+            Some(restored) => crate::prompt_cache::noted_in_reply(bytes, restored),
+            None => bytes,
+        };
         reply_parts.headers.remove(header::CONTENT_LENGTH);
         reply_parts.extensions.insert(added(backend_time));
         return Response::from_parts(reply_parts, Body::from(bytes));
@@ -379,6 +418,7 @@ async fn reply(
         // every event as it passes.
         reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
+        let renamed = noted_stream(renamed.boxed_unsync(), restored);
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
     reply_parts.extensions.insert(added(backend_time));
@@ -387,10 +427,54 @@ async fn reply(
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let reply_body = noted_stream(reply_body, restored);
     Response::from_parts(
         reply_parts,
         sse_keepalive::during(reply_body, plan.inference && plan.streamed && event_stream),
     )
+}
+
+/// A prepared request's slot, released when the reply body that carries it is dropped
+/// (finished, or the client left): the prompt cache then saves the slot's state.
+struct Release(
+    Option<(
+        Arc<crate::prompt_cache::PromptCache>,
+        crate::prompt_cache::Prepared,
+    )>,
+);
+
+impl Release {
+    fn restored(&self) -> Option<crate::prompt_cache::Restored> {
+        self.0.as_ref().and_then(|(_, p)| p.restored)
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let Some((cache, prepared)) = self.0.take() {
+            cache.released(prepared);
+        }
+    }
+}
+
+/// A streamed reply whose prefix came from the disk: the event that carries `timings` (the
+/// last) says so (`prompt_cache::noted_in_reply`). Any other reply passes as it is.
+fn noted_stream(
+    body: http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error>,
+    restored: Option<crate::prompt_cache::Restored>,
+) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
+    let Some(restored) = restored else {
+        return body;
+    };
+    served_name::each_event(body, move |event| {
+        // Only the last event carries `timings`; the others pass unparsed.
+        if event.windows(9).any(|w| w == b"\"timings\"") {
+            crate::prompt_cache::noted_in_reply(event, &restored)
+        } else {
+            event
+        }
+    })
+    .boxed_unsync()
 }
 
 /// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
@@ -438,6 +522,7 @@ fn watched(
     first_byte: Option<FirstByte>,
     in_flight: InFlight,
     mut streamed: Option<Streamed>,
+    release: Option<Release>,
 ) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
     if let Some(ticket) = &ticket {
         ticket.progress(0);
@@ -445,6 +530,7 @@ fn watched(
     let mut first_byte = first_byte;
     body.map_frame(move |frame| {
         let _counted = &in_flight;
+        let _released_with_the_body = &release;
         if let Some(data) = frame.data_ref() {
             if let Some(ticket) = &ticket {
                 ticket.progress(data.len());

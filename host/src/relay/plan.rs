@@ -84,6 +84,12 @@ pub struct RelayPlan {
     pub rename_stream: bool,
     /// The request holds a watchdog ticket (when serve runs a watchdog).
     pub watched: bool,
+    /// The persistent prompt cache could prepare it: a chat or completion relayed to backend 0
+    /// by its rule, serve keeping a cache.
+    pub cacheable: bool,
+    /// The cache prepares it (cacheable, and a body long enough to hold a prefix worth a
+    /// state): the general engine asks `prompt_cache` before forwarding.
+    pub prompt_cache: bool,
     /// Which engine can carry it.
     pub engine: Engine,
 }
@@ -137,6 +143,11 @@ impl RelayPlan {
             },
         };
         let body = rule.body.for_method(method);
+        let cacheable = app.prompt_cache.is_some()
+            && rule.inference
+            && body == BodyKind::Json
+            && target == Target::Backend(0)
+            && crate::prompt_cache::takes(path);
         // --laya: an inference request goes to its conversation's device, read from its JSON.
         let device_choice = if app.laya.is_some()
             && rule.inference
@@ -158,14 +169,23 @@ impl RelayPlan {
             name_reply: false,
             rename_stream: false,
             watched: false,
+            cacheable,
+            prompt_cache: false,
             engine: Engine::General,
         }
         .settle(app.precise, app.rename_in_streams, app.names_model)
     }
 
-    /// The plan once the body's `stream` flag is known (false without a JSON body).
-    pub fn with_body(mut self, app: &App, streamed: bool) -> RelayPlan {
+    /// The plan once the body's `stream` flag and length are known (false, 0 without a JSON
+    /// body). A body shorter than the cache's minimum in bytes holds fewer tokens than that,
+    /// so the cache is not asked (and the fast engine may carry it).
+    pub fn with_body(mut self, app: &App, streamed: bool, body_len: usize) -> RelayPlan {
         self.streamed = streamed;
+        self.prompt_cache = self.cacheable
+            && app
+                .prompt_cache
+                .as_ref()
+                .is_some_and(|cache| body_len >= cache.min_tokens());
         self.settle(app.precise, app.rename_in_streams, app.names_model)
     }
 
@@ -185,12 +205,17 @@ impl RelayPlan {
         self.name_reply = inference && !self.streamed && names_model;
         self.rename_stream = inference && self.streamed && rename_in_streams;
         self.watched = relayed && self.inference;
+        self.prompt_cache &= !self.precise;
         // A choice made from the body (--laya) is the general engine's to make and carry.
         let by_rule = self.device_choice == DeviceChoice::Rule;
         self.engine = match self.target {
             Target::InProcess => Engine::InProcess,
             Target::Backend(_)
-                if by_rule && !self.precise && !self.name_reply && !self.rename_stream =>
+                if by_rule
+                    && !self.precise
+                    && !self.name_reply
+                    && !self.rename_stream
+                    && !self.prompt_cache =>
             {
                 Engine::Fast
             }
@@ -487,6 +512,8 @@ mod tests {
             name_reply: false,
             rename_stream: false,
             watched: false,
+            cacheable: false,
+            prompt_cache: false,
             engine: Engine::General,
         }
     }

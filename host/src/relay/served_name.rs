@@ -24,25 +24,60 @@ where
     })
 }
 
+/// `body`, an SSE stream, with each `data:` event's JSON object passed through `rewrite`
+/// (complete lines go out as they arrive, a partial line waits for the rest): the one event
+/// splitter, which the served-name rewrite and the prompt cache's note share.
+pub fn each_event<B>(
+    body: B,
+    rewrite: impl FnMut(Bytes) -> Bytes + Send + 'static,
+) -> impl HttpBody<Data = Bytes, Error = B::Error> + Unpin + Send + 'static
+where
+    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
+{
+    let mut events = SseEvents {
+        rewrite,
+        partial: Vec::new(),
+    };
+    body.map_frame(move |frame| match frame.into_data() {
+        Ok(data) => hyper::body::Frame::data(events.feed(&data)),
+        Err(frame) => frame,
+    })
+}
+
 /// Rewrites the model each SSE `data:` event names to the served name, where the reply's
 /// shape names it (OpenAI's: every event's `model`; Anthropic's: `message.model` of its
 /// `message_start`), event by event: complete lines go out as they arrive, a partial line
 /// waits for the rest of it.
 struct SseRenamer {
-    served: String,
-    shape: ReplyShape,
-    partial: Vec<u8>,
+    events: SseEvents<Box<dyn FnMut(Bytes) -> Bytes + Send>>,
 }
 
 impl SseRenamer {
     fn new(served: String, shape: ReplyShape) -> Self {
+        let rewrite = move |body: Bytes| match shape {
+            ReplyShape::OpenAi => in_reply(body, &served),
+            ReplyShape::Anthropic => with_message_model_name(body, &served),
+        };
         SseRenamer {
-            served,
-            shape,
-            partial: Vec::new(),
+            events: SseEvents {
+                rewrite: Box::new(rewrite),
+                partial: Vec::new(),
+            },
         }
     }
 
+    fn feed(&mut self, data: &[u8]) -> Bytes {
+        self.events.feed(data)
+    }
+}
+
+/// The event splitter: each complete `data: {...}` line's JSON goes through `rewrite`.
+struct SseEvents<F> {
+    rewrite: F,
+    partial: Vec<u8>,
+}
+
+impl<F: FnMut(Bytes) -> Bytes> SseEvents<F> {
     fn feed(&mut self, data: &[u8]) -> Bytes {
         self.partial.extend_from_slice(data);
         let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
@@ -57,10 +92,7 @@ impl SseRenamer {
                     let body = json.strip_suffix(b"\n").unwrap_or(json);
                     let body = body.strip_suffix(b"\r").unwrap_or(body);
                     let body = Bytes::copy_from_slice(body);
-                    let renamed = match self.shape {
-                        ReplyShape::OpenAi => in_reply(body, &self.served),
-                        ReplyShape::Anthropic => with_message_model_name(body, &self.served),
-                    };
+                    let renamed = (self.rewrite)(body);
                     out.extend_from_slice(b"data: ");
                     out.extend_from_slice(&renamed);
                     out.push(b'\n');

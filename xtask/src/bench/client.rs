@@ -40,6 +40,11 @@ impl Conn {
         })
     }
 
+    /// A longer (or shorter) limit on each read than the default 30 s.
+    pub fn set_read_timeout(&mut self, limit: Duration) -> io::Result<()> {
+        self.stream.set_read_timeout(Some(limit))
+    }
+
     /// Writes `request` whole and reads the reply whole, discarding its body.
     pub fn exchange(&mut self, request: &[u8]) -> io::Result<Reply> {
         self.stream.write_all(request)?;

@@ -25,7 +25,7 @@ const PROMPTS: [&str; 5] = [
 const MAX_TOKENS: u32 = 64;
 
 /// A child killed when dropped.
-struct Running(Child);
+pub(super) struct Running(pub(super) Child);
 
 impl Drop for Running {
     fn drop(&mut self) {
@@ -309,7 +309,7 @@ fn arm_command(
 
 /// A pause before each timed request, so the threads of the arm that ran last have stopped
 /// spinning (ggml's workers poll for a while after a decode) and idle the cores.
-fn settle() {
+pub(super) fn settle() {
     std::thread::sleep(Duration::from_millis(30));
 }
 
@@ -322,19 +322,19 @@ struct Timed {
     last: Instant,
 }
 
-fn median(values: &mut [f64]) -> f64 {
+pub(super) fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
 }
 
-fn free_port() -> Result<u16, Failure> {
+pub(super) fn free_port() -> Result<u16, Failure> {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .map_err(|e| Failure::new(e, "no free loopback port"))
 }
 
-fn wait_ready(port: u16, arm: &str) -> Result<(), Failure> {
+pub(super) fn wait_ready(port: u16, arm: &str) -> Result<(), Failure> {
     let began = Instant::now();
     loop {
         let ok = TcpStream::connect(("127.0.0.1", port)).and_then(|mut tcp| {

@@ -6,7 +6,8 @@
 //! `startup` (launch to /health 200), `rss` (serve's own memory), `mem-check` (admission time),
 //! `rpc` (tokens/s and time to first token, local against split over RPC workers);
 //! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`); `stop` alone
-//! (SIGTERM to exit on every kind of route, idle and with a stream in flight, `stop.rs`).
+//! (SIGTERM to exit on every kind of route, idle and with a stream in flight, `stop.rs`);
+//! `prompt-cache` alone (a conversation's second request after a restart, `prompt_cache.rs`).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
 
@@ -17,6 +18,7 @@ mod inproc;
 mod inproc_llama;
 mod measures;
 mod mem_check;
+mod prompt_cache;
 mod report;
 mod rpc;
 mod stop;
@@ -33,7 +35,7 @@ use report::Report;
 
 use crate::{Failure, Workspace, process, setup};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench inproc [--quick]` or `cargo xtask bench stop [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]` or `cargo xtask bench prompt-cache [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -120,6 +122,10 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
     if args.iter().any(|a| a == "inproc-llama") {
         // The inproc add-on against --device cpu and llama-server direct: its own table.
         return inproc_llama::run(ws, args.iter().any(|a| a == "--quick"));
+    }
+    if args.iter().any(|a| a == "prompt-cache") {
+        // The persistent prompt cache after a restart: its own table.
+        return prompt_cache::run(ws, args.iter().any(|a| a == "--quick"));
     }
     if args.iter().any(|a| a == "stop") {
         // SIGTERM to exit against Lemonade's window: its own table.

@@ -121,7 +121,7 @@ pub(super) fn qualify(app: &App, buf: &[u8]) -> Verdict {
             Err(_) => return decided(plan, false),
         }
     }
-    let plan = plan.with_body(app, streamed);
+    let plan = plan.with_body(app, streamed, body.len());
     let Some(port) = app.ports.get(backend).copied().filter(|_| plan.fast()) else {
         return decided(plan, has_body);
     };

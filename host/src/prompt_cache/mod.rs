@@ -1,0 +1,550 @@
+//! The persistent prompt cache of the llama-server routes (`--prompt-cache-dir`): the KV state
+//! of a long prompt saved to disk when its reply ends, and restored, after a restart of serve,
+//! into the slot a later request with the same prefix is pinned to, before it is forwarded.
+//! Slot preparation of the relay plan, as the hybrid handoff is; the state's identity is checked
+//! by `identity`, the files kept by `store` (docs/serve.md, Prompt cache).
+//!
+//! Below the relay (which calls [`PromptCache::prepare`] and [`PromptCache::released`]); it
+//! calls its backend with serve's probe client, and renders its own series for `/metrics`.
+
+pub mod identity;
+pub mod start;
+pub mod store;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+
+use crate::backends::health::ProbeClient;
+use identity::Identity;
+use store::{Admitted, Discarded, Reason, Store};
+
+/// A tokenize or template call; a long prompt's takes milliseconds.
+mod backend_calls;
+mod note;
+mod series;
+
+pub use note::noted_in_reply;
+use series::{Counts, ReasonLabel};
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// A save or restore reads or writes the whole state (tens of MB for a long prompt).
+const STATE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the drain waits for saves under way.
+const SETTLE_LIMIT: Duration = Duration::from_secs(30);
+
+/// What the flags asked for, settled before the backend starts (`start::setup`).
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub dir: PathBuf,
+    pub budget_bytes: u64,
+    pub min_tokens: usize,
+    /// llama-server's micro-batch (`-ub`, 512): a cold prefill decodes the prompt in runs of
+    /// this many tokens from its start, so a restore that stops at a multiple of it leaves the
+    /// rest to be decoded in the very runs a cold prefill decodes, bit for bit.
+    pub ubatch: usize,
+    /// The model file and the backend's command line, for the identity.
+    pub model: PathBuf,
+    pub argv: Vec<String>,
+}
+
+/// The request kinds whose prompt the cache reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// A chat: templated by the backend (`/apply-template`), then tokenized.
+    Chat,
+    /// A completion with one string prompt.
+    Completion,
+}
+
+impl Kind {
+    fn of(path: &str) -> Option<Kind> {
+        match path {
+            "/v1/chat/completions" | "/chat/completions" => Some(Kind::Chat),
+            "/v1/completions" | "/completions" | "/completion" => Some(Kind::Completion),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a request to `path` is one the cache can prepare (the relay plan asks).
+pub fn takes(path: &str) -> bool {
+    Kind::of(path).is_some()
+}
+
+/// What the cache did for one request before it was forwarded; handed back to
+/// [`PromptCache::released`] when its reply ends.
+#[derive(Debug)]
+pub struct Prepared {
+    pub slot: usize,
+    tokens: Vec<i32>,
+    /// Tokens restored from the disk (the prefix the prompt shares with the state), and the
+    /// restore's time.
+    pub restored: Option<Restored>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Restored {
+    pub n_tokens: usize,
+    pub restore_ms: f64,
+}
+
+/// What a slot holds, as far as serve knows: the tokens of the last prompt it was given.
+#[derive(Clone, Debug, Default)]
+struct Slot {
+    tokens: Vec<i32>,
+    used: u64,
+    busy: usize,
+}
+
+/// The cache of one backend (backend 0 of a llama-server route). Made by `serve`; opened once
+/// the backend is ready; shared by every request handler.
+pub struct PromptCache {
+    setup: Setup,
+    port: u16,
+    client: ProbeClient,
+    store: Arc<Mutex<Option<Store>>>,
+    slots: Mutex<Vec<Slot>>,
+    clock: AtomicU64,
+    saving: AtomicBool,
+    seq: AtomicU64,
+    pending: AtomicUsize,
+    settled: tokio::sync::Notify,
+    counts: Counts,
+}
+
+impl PromptCache {
+    pub fn new(setup: Setup, port: u16, client: ProbeClient) -> PromptCache {
+        PromptCache {
+            setup,
+            port,
+            client,
+            store: Arc::new(Mutex::new(None)),
+            slots: Mutex::new(Vec::new()),
+            clock: AtomicU64::new(0),
+            saving: AtomicBool::new(true),
+            seq: AtomicU64::new(0),
+            pending: AtomicUsize::new(0),
+            settled: tokio::sync::Notify::new(),
+            counts: Counts::default(),
+        }
+    }
+
+    /// The shortest prompt (in tokens) worth a state on disk; the relay plan sends a body
+    /// shorter than this many bytes on without asking.
+    pub fn min_tokens(&self) -> usize {
+        self.setup.min_tokens
+    }
+
+    /// Once the backend is ready: its identity (its `/props`, the model's header, the
+    /// llama-server executable), then the directory read, each file that is not this
+    /// identity's, or does not fit its description, discarded with its line. Called once by
+    /// `serve` before it says ready; a failure says one line and leaves the cache off.
+    pub async fn open(&self) {
+        let props = match self.get_json("/props").await {
+            Ok(props) => props,
+            Err(e) => {
+                tracing::warn!(
+                    "1bit serve: prompt cache off: the backend's /props did not answer ({e}); serving continues"
+                );
+                return;
+            }
+        };
+        let setup = self.setup.clone();
+        let opened = tokio::task::spawn_blocking(move || {
+            let (model_path, model_bytes, model_header_sha256) =
+                identity::model_part(&setup.model)?;
+            let program = setup.argv.first().map(PathBuf::from).unwrap_or_default();
+            let identity = Identity {
+                model_path,
+                model_bytes,
+                model_header_sha256,
+                llama_build: props["build_info"].as_str().unwrap_or("").to_string(),
+                llama_sha256: identity::file_sha256(&program)?,
+                n_ctx_slot: props["default_generation_settings"]["n_ctx"]
+                    .as_u64()
+                    .unwrap_or(0),
+                total_slots: props["total_slots"].as_u64().unwrap_or(1),
+                kv_settings: identity::kv_settings(&setup.argv),
+            };
+            let slots = identity.total_slots.max(1) as usize;
+            let (store, discarded) = Store::open(&setup.dir, setup.budget_bytes, identity);
+            Ok::<_, std::io::Error>((store, discarded, slots))
+        })
+        .await;
+        let (store, discarded, slots) = match opened {
+            Ok(Ok(opened)) => opened,
+            Ok(Err(e)) => {
+                tracing::warn!(
+                    "1bit serve: prompt cache off: cannot read what made its states ({e}); serving continues"
+                );
+                return;
+            }
+            Err(_) => return,
+        };
+        for d in &discarded {
+            self.said_discard(d);
+        }
+        tracing::info!(
+            "1bit serve: prompt cache: {} (states: {}, {:.2} of {:.2} GiB; prompts of {} tokens or more)",
+            self.setup.dir.display(),
+            store.count(),
+            store.total_bytes() as f64 / GIB,
+            self.setup.budget_bytes as f64 / GIB,
+            self.setup.min_tokens
+        );
+        if let Ok(mut s) = self.slots.lock() {
+            *s = vec![Slot::default(); slots];
+        }
+        if let Ok(mut s) = self.store.lock() {
+            *s = Some(store);
+        }
+    }
+
+    /// Slot preparation of one request (a chat or completion the plan marked): its prompt
+    /// tokenized by the backend; a slot chosen and, when a saved state shares a prefix of at
+    /// least the minimum with the prompt and the slot holds less of it, the state restored into
+    /// it; the body pinned to that slot (`id_slot`). None when the prompt is not the cache's
+    /// (short, not text, the cache not open): the body goes as it came. Runs on the request's
+    /// task; the file check goes to a blocking thread.
+    pub async fn prepare(&self, path: &str, body: &Bytes) -> Option<(Bytes, Prepared)> {
+        let kind = Kind::of(path)?;
+        if self.store.lock().ok()?.is_none() {
+            return None;
+        }
+        let mut value: Value = serde_json::from_slice(body).ok()?;
+        let asked_slot = value
+            .get("id_slot")
+            .and_then(Value::as_i64)
+            .filter(|n| *n >= 0);
+        let prompt = match kind {
+            Kind::Chat => {
+                value.get("messages")?.as_array()?;
+                let templated = self
+                    .post_json("/apply-template", body.clone(), CALL_TIMEOUT)
+                    .await
+                    .ok()?;
+                templated["prompt"].as_str()?.to_string()
+            }
+            Kind::Completion => value.get("prompt")?.as_str()?.to_string(),
+        };
+        let request =
+            serde_json::json!({"content": prompt, "add_special": true, "parse_special": true});
+        let tokenized = self
+            .post_json("/tokenize", Bytes::from(request.to_string()), CALL_TIMEOUT)
+            .await
+            .ok()?;
+        let tokens: Vec<i32> = tokenized["tokens"]
+            .as_array()?
+            .iter()
+            .map(|t| t.as_i64().map(|t| t as i32))
+            .collect::<Option<_>>()?;
+        if tokens.len() < self.setup.min_tokens {
+            return None;
+        }
+        let (slot, held) = self.choose_slot(asked_slot, &tokens).await;
+        let best = self
+            .store
+            .lock()
+            .ok()?
+            .as_mut()
+            .and_then(|store| {
+                let (entry, shared) = store.best(&tokens)?;
+                // llama-server evaluates at least the prompt's last token; the restore stops
+                // at a micro-batch boundary, so what is prefilled is what a cold prefill
+                // decodes in its last runs, and the reply is the cold one's.
+                let unit = self.setup.ubatch.max(1);
+                let k = shared.min(tokens.len() - 1) / unit * unit;
+                // A prefix the slot already holds is a use of its state too (least recently
+                // used is what the budget evicts).
+                if k >= self.setup.min_tokens && k <= held {
+                    store.touch(&entry);
+                }
+                Some((entry, k, shared.min(tokens.len() - 1)))
+            })
+            .filter(|(_, k, _)| *k >= self.setup.min_tokens && *k > held);
+        let restored = match best {
+            Some((entry, k, reusable)) => self.restore(slot, entry, k, reusable).await,
+            None => None,
+        };
+        let object = value.as_object_mut()?;
+        object.insert("id_slot".to_string(), Value::from(slot));
+        object.insert("cache_prompt".to_string(), Value::from(true));
+        Some((
+            Bytes::from(value.to_string()),
+            Prepared {
+                slot,
+                tokens,
+                restored,
+            },
+        ))
+    }
+
+    /// The slot a prepared request goes to: the one it asked for, else among the idle slots
+    /// (the backend's `/slots`) the one serve knows holds most of the prompt, else the least
+    /// recently used. Returns it with the prompt tokens serve knows it holds.
+    async fn choose_slot(&self, asked: Option<i64>, tokens: &[i32]) -> (usize, usize) {
+        let idle: Option<Vec<bool>> = self.get_json("/slots").await.ok().and_then(|v| {
+            v.as_array().map(|slots| {
+                slots
+                    .iter()
+                    .map(|s| !s["is_processing"].as_bool().unwrap_or(false))
+                    .collect()
+            })
+        });
+        let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
+        let Ok(mut slots) = self.slots.lock() else {
+            return (0, 0);
+        };
+        let n = slots.len().max(1);
+        let chosen = match asked {
+            Some(asked) => asked as usize % n,
+            None => (0..n)
+                .filter(|i| {
+                    slots.get(*i).is_none_or(|s| s.busy == 0)
+                        && idle
+                            .as_ref()
+                            .is_none_or(|idle| idle.get(*i) != Some(&false))
+                })
+                .max_by_key(|i| {
+                    // A slot holding a prefix worth keeping, else the least recently used.
+                    let s = &slots[*i];
+                    let held = store::common_prefix(&s.tokens, tokens);
+                    (
+                        if held >= self.setup.min_tokens {
+                            held
+                        } else {
+                            0
+                        },
+                        std::cmp::Reverse(s.used),
+                    )
+                })
+                .unwrap_or_else(|| (0..n).min_by_key(|i| slots[*i].used).unwrap_or(0)),
+        };
+        let Some(slot) = slots.get_mut(chosen) else {
+            return (chosen, 0);
+        };
+        let held = store::common_prefix(&slot.tokens, tokens);
+        slot.busy += 1;
+        slot.used = now;
+        (chosen, held)
+    }
+
+    /// Check a state file and restore it into `slot`; a file that fails the check or that the
+    /// backend refuses is discarded with its line, and the request goes on without it.
+    async fn restore(
+        &self,
+        slot: usize,
+        entry: store::Entry,
+        k: usize,
+        reusable: usize,
+    ) -> Option<Restored> {
+        let began = Instant::now();
+        let store = self.store.clone();
+        let checked_entry = entry.clone();
+        let checked = tokio::task::spawn_blocking(move || {
+            let mut store = store.lock().ok()?;
+            Some(store.as_mut()?.verify(&checked_entry))
+        })
+        .await
+        .ok()
+        .flatten()?;
+        if let Err(discarded) = checked {
+            self.said_discard(&discarded);
+            return None;
+        }
+        let file = Store::file_name(&entry);
+        // The token list ends its match at k for this restore (the file is put back after).
+        let mark = self
+            .store
+            .lock()
+            .ok()
+            .and_then(|s| s.as_ref().and_then(|s| s.mark_end(&entry, k)));
+        let request = serde_json::json!({ "filename": file }).to_string();
+        let reply = self
+            .post_json(
+                &format!("/slots/{slot}?action=restore"),
+                Bytes::from(request),
+                STATE_TIMEOUT,
+            )
+            .await;
+        let whole = mark.is_none();
+        if let Some(mark) = mark {
+            Store::unmark(mark);
+        }
+        let n_restored = reply
+            .as_ref()
+            .ok()
+            .and_then(|r| r["n_restored"].as_u64())
+            .unwrap_or(0);
+        if n_restored as usize != entry.tokens.len() {
+            let why = match reply {
+                Err(e) => format!("llama-server refused it ({e})"),
+                Ok(_) => format!(
+                    "llama-server restored {n_restored} tokens of its {}",
+                    entry.tokens.len()
+                ),
+            };
+            let discarded = self
+                .store
+                .lock()
+                .ok()?
+                .as_mut()?
+                .discard(&entry, Reason::Corrupt, why);
+            self.said_discard(&discarded);
+            return None;
+        }
+        if let Ok(mut store) = self.store.lock()
+            && let Some(store) = store.as_mut()
+        {
+            store.touch(&entry);
+        }
+        // A file serve could not mark (a read-only directory) is restored whole: llama-server
+        // then reuses all the prompt shares with it, the path a follow-up turn takes.
+        let k = if whole { reusable } else { k };
+        if let Ok(mut slots) = self.slots.lock()
+            && let Some(s) = slots.get_mut(slot)
+        {
+            s.tokens = if whole {
+                entry.tokens.clone()
+            } else {
+                entry.tokens[..k].to_vec()
+            };
+        }
+        let restore_ms = began.elapsed().as_secs_f64() * 1000.0;
+        self.counts.restores.inc();
+        self.counts.restored_bytes.inc_by(entry.bytes);
+        tracing::info!(
+            "1bit serve: prompt cache: restored {k} of the prompt's tokens into slot {slot} from {file} ({} MiB) in {restore_ms:.0} ms",
+            entry.bytes / (1 << 20)
+        );
+        Some(Restored {
+            n_tokens: k,
+            restore_ms,
+        })
+    }
+
+    /// The request's reply ended (or its client left): the slot is released, and its state
+    /// saved unless a state already holds the whole prompt, saving stopped, or the prompt is
+    /// short. The save runs on its own task; [`settle`](Self::settle) waits for it. Called from
+    /// the reply body's drop, on a runtime thread.
+    pub fn released(self: &Arc<Self>, prepared: Prepared) {
+        if let Ok(mut slots) = self.slots.lock()
+            && let Some(s) = slots.get_mut(prepared.slot)
+        {
+            s.busy = s.busy.saturating_sub(1);
+            s.tokens.clone_from(&prepared.tokens);
+        }
+        if !self.saving.load(Ordering::Relaxed) {
+            return;
+        }
+        let held = self
+            .store
+            .lock()
+            .ok()
+            .and_then(|s| s.as_ref().map(|s| s.holds(&prepared.tokens)))
+            .unwrap_or(true);
+        if held {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let cache = self.clone();
+        runtime.spawn(async move {
+            cache.save(prepared.slot).await;
+            if cache.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+                cache.settled.notify_waiters();
+            }
+        });
+    }
+
+    async fn save(&self, slot: usize) {
+        let temp = Store::temp_name(self.seq.fetch_add(1, Ordering::Relaxed));
+        let request = serde_json::json!({ "filename": temp }).to_string();
+        let saved = self
+            .post_json(
+                &format!("/slots/{slot}?action=save"),
+                Bytes::from(request),
+                STATE_TIMEOUT,
+            )
+            .await;
+        if let Err(e) = saved {
+            let _ = std::fs::remove_file(self.setup.dir.join(&temp));
+            // A backend that refused (its disk full or read-only) stops saving; one that did
+            // not answer (stopping, or gone) is the supervisor's to report.
+            if e.starts_with("status ") {
+                self.stop_saving(&format!("llama-server could not save slot {slot} ({e})"));
+            }
+            return;
+        }
+        let store = self.store.clone();
+        let min = self.setup.min_tokens;
+        let admitted = tokio::task::spawn_blocking(move || {
+            let mut store = store.lock().ok()?;
+            Some(store.as_mut()?.admit(&temp, min))
+        })
+        .await
+        .ok()
+        .flatten();
+        match admitted {
+            Some(Ok(Admitted::Kept { bytes, evicted })) => {
+                self.counts.saves.inc();
+                self.counts.saved_bytes.inc_by(bytes);
+                self.counts.evictions.inc_by(evicted as u64);
+            }
+            Some(Ok(Admitted::Dropped(_))) | None => {}
+            Some(Err(e)) => self.stop_saving(&format!("cannot keep a state ({e})")),
+        }
+    }
+
+    fn stop_saving(&self, why: &str) {
+        if self.saving.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                "1bit serve: prompt cache: saving stopped: {why}; serving continues, restores too (make {} writable, with free space, or pass --no-prompt-cache)",
+                self.setup.dir.display()
+            );
+        }
+    }
+
+    /// At drain, after the requests in flight: wait (up to 30 s) for the saves under way, so
+    /// the backend is not stopped in the middle of one.
+    pub async fn settle(&self) {
+        let wait = async {
+            while self.pending.load(Ordering::SeqCst) > 0 {
+                let notified = self.settled.notified();
+                if self.pending.load(Ordering::SeqCst) == 0 {
+                    break;
+                }
+                notified.await;
+            }
+        };
+        let _ = tokio::time::timeout(SETTLE_LIMIT, wait).await;
+    }
+
+    fn said_discard(&self, d: &Discarded) {
+        self.counts
+            .discards
+            .get_or_create(&ReasonLabel {
+                reason: d.reason.label(),
+            })
+            .inc();
+        tracing::warn!(
+            "1bit serve: prompt cache: discarded {}: {}",
+            d.file.display(),
+            d.why
+        );
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;

@@ -1,0 +1,578 @@
+//! The persistent prompt cache (`--prompt-cache-dir`, issue 29) with the real, pinned
+//! llama-server and SmolLM2 on the cpu route: a prefix saved by one serve is restored by the
+//! next and answers exactly as a cold prefill; a state of another model or ctx, a truncated or
+//! corrupt file is discarded with its line and the request still answers; the budget evicts the
+//! least recently used; a read-only or full directory leaves serving alone; `--precise` and
+//! `--no-prompt-cache` never restore; bad flags exit 2 with one line.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use onebit_tests::*;
+use serde_json::{Value, json};
+
+/// The shortest prefix kept in these tests: the prompts below are 350-450 tokens, so a cold
+/// prefill stays a few seconds on a loaded 2-core machine.
+const MIN_TOKENS: &str = "256";
+/// llama-server's default micro-batch.
+const UBATCH: u64 = 512;
+
+/// One llama-server at a time: the machine has two cores.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A long system prompt, different for each `topic`.
+fn system(topic: &str) -> String {
+    (0..24)
+        .map(|i| {
+            format!(
+                "Rule {i} about {topic}: answer briefly, and when asked about item {i} name the colour {}.",
+                ["red", "green", "blue", "amber"][i % 4]
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn chat_body(topic: &str, stream: bool) -> Value {
+    json!({
+        "messages": [
+            {"role": "system", "content": system(topic)},
+            {"role": "user", "content": "What colour is item 7? Answer in one sentence."}
+        ],
+        "temperature": 0,
+        "max_tokens": 24,
+        "stream": stream,
+    })
+}
+
+/// A greedy chat's whole reply.
+fn chat(serve: &Serve, topic: &str) -> Value {
+    let (status, reply) = post(
+        &serve.url("/v1/chat/completions"),
+        &chat_body(topic, false).to_string(),
+    );
+    assert_eq!(status, 200, "{reply}\n{}", serve.output());
+    serde_json::from_str(&reply).unwrap()
+}
+
+fn text(reply: &Value) -> String {
+    reply["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A streamed greedy chat: its text and the last event's `timings`.
+fn streamed(serve: &Serve, topic: &str) -> (String, Value) {
+    let events = sse(
+        &serve.url("/v1/chat/completions"),
+        &chat_body(topic, true).to_string(),
+    );
+    let values: Vec<Value> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str(e).ok())
+        .collect();
+    let text = values
+        .iter()
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    let timings = values
+        .iter()
+        .rev()
+        .find_map(|v| v.get("timings").cloned())
+        .unwrap_or(Value::Null);
+    (text, timings)
+}
+
+fn serve_with(dir: &Path, extra: &[&str]) -> Serve {
+    let mut args = vec![
+        "--ctx-size",
+        "2048",
+        "--prompt-cache-dir",
+        dir.to_str().unwrap(),
+        "--prompt-cache-min-tokens",
+        MIN_TOKENS,
+    ];
+    args.extend_from_slice(extra);
+    serve_smollm2(&args)
+}
+
+/// SIGTERM, and the exit: the drain saves what the replies left before the backend stops.
+fn stop(mut serve: Serve) -> String {
+    serve.signal(Signal::SIGTERM);
+    assert!(
+        serve.wait_exit(Duration::from_secs(60)).is_some(),
+        "serve did not stop:\n{}",
+        serve.output()
+    );
+    serve.output()
+}
+
+/// The state files in a cache directory.
+fn states(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    v.retain(|p| p.extension().is_some_and(|e| e == "state"));
+    v.sort();
+    v
+}
+
+fn count(output: &str, needle: &str) -> usize {
+    output.lines().filter(|l| l.contains(needle)).count()
+}
+
+/// The cache's series as `/metrics` shows them.
+fn series(serve: &Serve, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let (status, text) = get(&serve.url("/metrics"));
+    assert_eq!(status, 200);
+    sample(&parse_prometheus(&text), name, labels).unwrap_or(-1.0)
+}
+
+/// A cache directory holding the state one conversation (`topic`) left, and its cold reply.
+fn saved(name: &str, topic: &str, extra: &[&str]) -> (PathBuf, Value) {
+    let dir = temp_dir(name);
+    let serve = serve_with(&dir, extra);
+    let cold = chat(&serve, topic);
+    stop(serve);
+    assert_eq!(
+        states(&dir).len(),
+        1,
+        "one state saved in {}",
+        dir.display()
+    );
+    (dir, cold)
+}
+
+#[test]
+fn a_restored_prefix_answers_exactly_as_a_cold_prefill_across_a_restart() {
+    let _turn = one_at_a_time();
+    let (dir, cold) = saved("pc-restart", "ships", &[]);
+    assert!(cold["timings"].get("cache").is_none(), "{cold}");
+    let prompt_tokens = cold["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens >= 256, "the prompt is long enough: {cold}");
+    for state in states(&dir) {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&state).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", state.display());
+    }
+
+    let serve = serve_with(&dir, &[]);
+    let warm = chat(&serve, "ships");
+    assert_eq!(text(&warm), text(&cold), "the same greedy reply");
+    // The restore stops at the last micro-batch boundary (llama-server's -ub, 512) before the
+    // prompt's end; the rest is prefilled in the run a cold prefill decodes it in.
+    let restored = (prompt_tokens - 1) / UBATCH * UBATCH;
+    let cache = &warm["timings"]["cache"];
+    assert_eq!(cache["source"], "disk", "{warm}");
+    assert_eq!(cache["n"].as_u64(), Some(restored), "{warm}");
+    assert_eq!(
+        warm["timings"]["cache_n"].as_u64(),
+        Some(restored),
+        "{warm}"
+    );
+    assert_eq!(
+        warm["timings"]["prompt_n"].as_u64(),
+        Some(prompt_tokens - restored),
+        "{warm}"
+    );
+    assert_eq!(
+        warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(restored),
+        "{warm}"
+    );
+    assert_eq!(
+        count(&serve.output(), "prompt cache: restored"),
+        1,
+        "{}",
+        serve.output()
+    );
+    assert_eq!(
+        series(&serve, "onebit_prompt_cache_restores_total", &[]),
+        1.0
+    );
+    let restored_bytes = series(&serve, "onebit_prompt_cache_restored_bytes_total", &[]);
+    assert_eq!(
+        restored_bytes,
+        std::fs::metadata(&states(&dir)[0]).unwrap().len() as f64
+    );
+    // The client's own slot actions answer as the specification says.
+    let (status, reply) = post(
+        &serve.url("/slots/0?action=save"),
+        r#"{"filename":"mine.bin"}"#,
+    );
+    assert_eq!(status, 501, "{reply}");
+    stop(serve);
+
+    // Streamed, after another restart: the same text, and the last event says the disk.
+    let serve = serve_with(&dir, &[]);
+    let (text_streamed, timings) = streamed(&serve, "ships");
+    assert_eq!(text_streamed, text(&cold));
+    assert_eq!(timings["cache"]["source"], "disk", "{timings}");
+    stop(serve);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The state `saved` left, under a second serve with `extra` (or another model): the line that
+/// discards it, and the request answering as a cold one does.
+fn discarded_under(
+    dir: &Path,
+    model: Option<&Path>,
+    extra: &[&str],
+    topic: &str,
+    cold: &Value,
+    why: &str,
+) {
+    let mut args = vec![
+        "--prompt-cache-dir",
+        dir.to_str().unwrap(),
+        "--prompt-cache-min-tokens",
+        MIN_TOKENS,
+    ];
+    args.extend_from_slice(extra);
+    let serve = match model {
+        Some(model) => serve_cpu(model, &args),
+        None => serve_smollm2(&args),
+    };
+    let reply = chat(&serve, topic);
+    if model.is_none() {
+        assert_eq!(text(&reply), text(cold), "answers as a cold prefill");
+    }
+    assert!(
+        reply["timings"].get("cache").is_none(),
+        "not restored: {reply}"
+    );
+    let output = stop(serve);
+    assert_eq!(count(&output, "prompt cache: discarded"), 1, "{output}");
+    let line = output
+        .lines()
+        .find(|l| l.contains("prompt cache: discarded"))
+        .unwrap();
+    assert!(line.starts_with("1bit serve: "), "{line}");
+    assert!(line.contains(why), "{line}");
+    assert_eq!(count(&output, "prompt cache: restored"), 0, "{output}");
+}
+
+#[test]
+fn a_state_of_another_ctx_or_model_is_discarded_with_its_line_and_the_request_answers() {
+    let _turn = one_at_a_time();
+    let (dir, cold) = saved("pc-foreign", "trains", &[]);
+    discarded_under(
+        &dir,
+        None,
+        &["--ctx-size", "4096"],
+        "trains",
+        &cold,
+        "other context settings",
+    );
+    // The ctx 4096 serve saved its own state; a model of another file discards it.
+    assert_eq!(states(&dir).len(), 1);
+    let gemma = installed_model("gemma-3-270m-Q4_K_M.gguf");
+    discarded_under(
+        &dir,
+        Some(&gemma),
+        &["--ctx-size", "2048"],
+        "trains",
+        &cold,
+        "another model file",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_truncated_or_corrupt_state_is_discarded_with_its_line_and_the_request_answers() {
+    let _turn = one_at_a_time();
+    let (dir, cold) = saved("pc-truncated", "rivers", &[]);
+    let state = states(&dir).remove(0);
+    let data = std::fs::read(&state).unwrap();
+    std::fs::write(&state, &data[..data.len() / 2]).unwrap();
+    discarded_under(
+        &dir,
+        None,
+        &["--ctx-size", "2048"],
+        "rivers",
+        &cold,
+        "not the",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // The same size, one byte of the KV changed: llama-server would restore it; the CRC-32
+    // does not let it.
+    let (dir, cold) = saved("pc-corrupt", "rivers", &[]);
+    let state = states(&dir).remove(0);
+    let mut data = std::fs::read(&state).unwrap();
+    let at = data.len() - 100;
+    data[at] ^= 0x40;
+    std::fs::write(&state, &data).unwrap();
+    discarded_under(
+        &dir,
+        None,
+        &["--ctx-size", "2048"],
+        "rivers",
+        &cold,
+        "CRC-32",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_budget_evicts_the_least_recently_used() {
+    let _turn = one_at_a_time();
+    let dir = temp_dir("pc-budget");
+    // A state of these prompts (550-580 tokens, 23 KB each) is 13-14 MB: 0.035 GiB (37.6 MB)
+    // holds two of them, not three.
+    let budget = ["--prompt-cache-gib", "0.035"];
+    let serve = serve_with(&dir, &budget);
+    chat(&serve, "apples");
+    chat(&serve, "bridges");
+    assert!(wait_until(Duration::from_secs(30), || states(&dir).len() == 2));
+    // Apples is used again (its slot holds it), so bridges is the least recently used.
+    std::thread::sleep(Duration::from_millis(50));
+    chat(&serve, "apples");
+    chat(&serve, "castles");
+    assert!(wait_until(Duration::from_secs(30), || {
+        series(&serve, "onebit_prompt_cache_saves_total", &[]) == 3.0
+    }));
+    assert_eq!(
+        series(&serve, "onebit_prompt_cache_evictions_total", &[]),
+        1.0
+    );
+    let total: u64 = states(&dir)
+        .iter()
+        .map(|s| std::fs::metadata(s).unwrap().len())
+        .sum();
+    assert!(
+        total as f64 <= 0.035 * (1u64 << 30) as f64,
+        "{total} bytes kept"
+    );
+    assert_eq!(states(&dir).len(), 2);
+    stop(serve);
+
+    // Asked in this order, since every request is a use: bridges, cold, is saved last and
+    // evicts apples, the least recently used by then.
+    let serve = serve_with(&dir, &budget);
+    for (topic, kept) in [("apples", true), ("castles", true), ("bridges", false)] {
+        let reply = chat(&serve, topic);
+        assert_eq!(
+            reply["timings"].get("cache").is_some(),
+            kept,
+            "{topic}: {reply}"
+        );
+    }
+    stop(serve);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A directory serve cannot write: a read-only tmpfs (as root, whom modes do not stop), else
+/// mode 0555. With `size`, a writable tmpfs that small (root only: None otherwise).
+struct Mounted(PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tmpfs(name: &str, options: &str) -> Option<Mounted> {
+    let dir = temp_dir(name);
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", options, "tmpfs", dir.to_str().unwrap()])
+        .status()
+        .is_ok_and(|s| s.success());
+    mounted.then_some(Mounted(dir))
+}
+
+fn serving_goes_on(dir: &Path) {
+    let serve = serve_with(dir, &[]);
+    let first = chat(&serve, "deserts");
+    let second = chat(&serve, "forests");
+    assert!(!text(&first).is_empty() && !text(&second).is_empty());
+    assert!(
+        wait_until(Duration::from_secs(20), || serve
+            .output()
+            .contains("prompt cache: saving stopped")),
+        "{}",
+        serve.output()
+    );
+    assert_eq!(get(&serve.url("/health")).0, 200);
+    let output = stop(serve);
+    assert_eq!(
+        count(&output, "prompt cache: saving stopped"),
+        1,
+        "{output}"
+    );
+    assert!(states(dir).is_empty());
+}
+
+#[test]
+fn a_read_only_or_full_cache_directory_leaves_serving_unaffected() {
+    let _turn = one_at_a_time();
+    match tmpfs("pc-ro", "ro,size=1m") {
+        Some(ro) => serving_goes_on(&ro.0),
+        None => {
+            use std::os::unix::fs::PermissionsExt;
+            let dir = temp_dir("pc-ro");
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+            serving_goes_on(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    match tmpfs("pc-full", "size=256k") {
+        Some(full) => serving_goes_on(&full.0),
+        None => eprintln!("not root: no tmpfs to fill, the full-disk case is not run"),
+    }
+}
+
+#[test]
+fn precise_and_no_prompt_cache_never_restore() {
+    let _turn = one_at_a_time();
+    // The default directory, under serve's state directory.
+    let state = temp_dir("pc-default-state");
+    let env = [("ONEBIT_STATE_DIR", state.to_str().unwrap())];
+    let start = |extra: &[&str]| {
+        let server = installed_llama_server();
+        let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+        let mut args = vec![
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            server.to_str().unwrap(),
+            "--ctx-size",
+            "2048",
+            "--prompt-cache-min-tokens",
+            MIN_TOKENS,
+        ];
+        args.extend_from_slice(extra);
+        let serve = Serve::start(&args, &env);
+        assert!(
+            serve.wait_health(200, Duration::from_secs(120)),
+            "{}",
+            serve.output()
+        );
+        serve
+    };
+    let serve = start(&[]);
+    let cold = chat(&serve, "oceans");
+    stop(serve);
+    let dir = state.join("prompt-cache");
+    let folders: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(folders.len(), 1, "one folder per model file");
+    assert!(
+        folders[0]
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("SmolLM2-135M-Instruct-Q4_1-")
+    );
+    let saved = states(&folders[0]);
+    assert_eq!(saved.len(), 1);
+    let bytes = std::fs::read(&saved[0]).unwrap();
+
+    for flag in ["--precise", "--no-prompt-cache"] {
+        let serve = start(&[flag]);
+        assert!(
+            !serve.output().contains("--slot-save-path"),
+            "{flag}: {}",
+            serve.output()
+        );
+        let reply = chat(&serve, "oceans");
+        assert_eq!(text(&reply), text(&cold));
+        assert!(reply["timings"].get("cache").is_none(), "{flag}: {reply}");
+        assert!(
+            reply["timings"]["prompt_n"].as_u64().unwrap() >= 256,
+            "{flag}: prefilled whole: {reply}"
+        );
+        let (status, _) = get(&serve.url("/metrics"));
+        assert_eq!(status, 200);
+        let output = stop(serve);
+        assert_eq!(count(&output, "prompt cache"), 0, "{flag}: {output}");
+        assert_eq!(states(&folders[0]), saved, "{flag}: nothing saved");
+        assert_eq!(std::fs::read(&saved[0]).unwrap(), bytes);
+    }
+    let _ = std::fs::remove_dir_all(&state);
+}
+
+#[test]
+fn bad_prompt_cache_flags_exit_2_with_one_line_saying_what_to_do() {
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let file = temp_dir("pc-flags").join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let file = file.to_str().unwrap();
+    let cases: [(&[&str], i32, &str); 8] = [
+        (
+            &["--prompt-cache-gib", "0"],
+            2,
+            "--prompt-cache-gib 0: not a positive number of GiB; pass one such as 8",
+        ),
+        (
+            &["--prompt-cache-gib=-1"],
+            2,
+            "--prompt-cache-gib -1: not a positive number",
+        ),
+        (
+            &["--prompt-cache-gib", "NaN"],
+            2,
+            "--prompt-cache-gib NaN: not a positive number",
+        ),
+        (
+            &["--prompt-cache-min-tokens", "0"],
+            2,
+            "--prompt-cache-min-tokens 0: a state needs at least one token; pass one such as 1024",
+        ),
+        (
+            &["--prompt-cache-dir", file],
+            2,
+            "that is a file, not a directory; name a directory",
+        ),
+        (
+            &["--prompt-cache-dir", "/tmp/x", "--no-prompt-cache"],
+            2,
+            "--prompt-cache-dir and --no-prompt-cache ask for opposite things; pass one of them",
+        ),
+        (
+            &["--prompt-cache-dir", "/tmp/x", "--precise"],
+            2,
+            "--precise prefills every prompt whole and restores nothing; remove one of them",
+        ),
+        (
+            &["--prompt-cache-dir", "/tmp/x", "--print-backend"],
+            5,
+            "--print-backend: --prompt-cache-dir needs 1bit serve in the request path",
+        ),
+    ];
+    for (flags, code, says) in cases {
+        let port = free_port();
+        let mut command = std::process::Command::new(onebit());
+        command
+            .arg("serve")
+            .args(["--port", &port.to_string()])
+            .args(["-m", model.to_str().unwrap(), "--device", "cpu"])
+            .args(flags)
+            .env("ONEBIT_STATE_DIR", temp_dir("pc-flags-state"));
+        // A flag that is not refused starts a real serve: it is stopped, and the case fails.
+        let mut serve = Serve::spawn(command, port);
+        let status = serve.wait_exit(Duration::from_secs(20));
+        let stderr = serve.output();
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(code),
+            "{flags:?}: {stderr}"
+        );
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{flags:?}: one line: {stderr}");
+        assert!(lines[0].starts_with("1bit serve: "), "{flags:?}: {stderr}");
+        assert!(lines[0].contains(says), "{flags:?}: {stderr}");
+    }
+}
