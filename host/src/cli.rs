@@ -552,6 +552,10 @@ pub struct WorkerArgs {
     /// reports (the pinned ggml-rpc-server reports its devices' own memory).
     #[arg(long, value_name = "GiB")]
     pub mem: Option<f64>,
+    /// Count what crosses the link, by RPC command, and keep the counts in FILE (JSON,
+    /// rewritten while they change and at exit); the relay `--mem` uses carries the link.
+    #[arg(long, value_name = "FILE")]
+    pub traffic: Option<PathBuf>,
     /// CPU threads for the worker's CPU device (default: ggml-rpc-server's, half the cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<u32>,

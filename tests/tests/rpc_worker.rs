@@ -121,6 +121,10 @@ fn bad_usage_is_refused_in_one_line_with_status_2() {
             vec!["--rpc-server", "/nonexistent/x"],
             "--rpc-server /nonexistent/x: no such file",
         ),
+        (
+            vec!["--traffic", "/nonexistent/dir/t.json"],
+            "--traffic /nonexistent/dir/t.json: cannot write it",
+        ),
     ] {
         let started = Instant::now();
         let mut child = Command::new(onebit())
@@ -166,4 +170,73 @@ fn mem_caps_what_the_worker_offers_through_its_relay() {
         !cmdline.contains(worker.endpoint.rsplit(':').next().unwrap()),
         "{cmdline:?}"
     );
+}
+
+#[test]
+fn traffic_counts_each_command_that_crosses_the_link_in_a_file() {
+    let dir = temp_dir("rpc-traffic");
+    let file = dir.join("traffic.json");
+    let mut worker = RpcWorker::start(
+        &["--traffic", file.to_str().unwrap(), "--threads", "1"],
+        None,
+    );
+    // The command's own probe (HELLO, DEVICE_COUNT, GET_DEVICE_MEMORY per device) went through
+    // the relay before the announcement.
+    let read = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap_or_default())
+            .unwrap_or_default()
+    };
+    assert!(
+        wait_until(
+            Duration::from_secs(5),
+            || read()["commands"]["GET_DEVICE_MEMORY"]["answers"] == 1
+        ),
+        "{}",
+        read()
+    );
+    let counts = read();
+    for cmd in ["HELLO", "DEVICE_COUNT", "GET_DEVICE_MEMORY"] {
+        let c = &counts["commands"][cmd];
+        assert_eq!(c["requests"], 1, "{cmd}: {counts}");
+        assert_eq!(c["answers"], 1, "{cmd}: {counts}");
+        assert!(c["request_bytes"].as_u64().unwrap() >= 9, "{cmd}: {counts}");
+    }
+    // GET_DEVICE_MEMORY's answer: its 8-byte size and free and total.
+    assert_eq!(
+        counts["commands"]["GET_DEVICE_MEMORY"]["answer_bytes"],
+        8 + 16
+    );
+    assert_eq!(counts["round_trips"], 3, "{counts}");
+    // The worker stays usable through the relay: a client of its own is counted too.
+    let port: u16 = worker.endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    {
+        use std::io::{Read, Write};
+        // HELLO with its (zeroed) capabilities, as llama.cpp sends it.
+        let caps = 24u64;
+        let mut hello = vec![14u8];
+        hello.extend_from_slice(&caps.to_le_bytes());
+        hello.extend_from_slice(&vec![0u8; caps as usize]);
+        conn.write_all(&hello).unwrap();
+        let mut size = [0u8; 8];
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        conn.read_exact(&mut size).unwrap();
+        let mut answer = vec![0u8; u64::from_le_bytes(size) as usize];
+        conn.read_exact(&mut answer).unwrap();
+        assert_eq!(answer[0], 7, "the protocol's major version");
+    }
+    drop(conn);
+    worker.signal(Signal::SIGTERM);
+    assert_eq!(
+        worker
+            .wait_exit(Duration::from_secs(15))
+            .and_then(|s| s.code()),
+        Some(0)
+    );
+    let last = read();
+    assert_eq!(
+        last["commands"]["HELLO"]["answers"], 2,
+        "written at exit: {last}"
+    );
+    assert!(!dir.join("traffic.json.tmp").exists());
 }

@@ -98,7 +98,10 @@ pub fn setup(args: &ServeArgs, plan: &mut Plan) -> Result<Option<Setup>, Fatal> 
     };
     backend.argv.splice(
         at..at,
-        ["--slot-save-path".to_string(), dir.to_string_lossy().into_owned()],
+        [
+            "--slot-save-path".to_string(),
+            dir.to_string_lossy().into_owned(),
+        ],
     );
     Ok(Some(Setup {
         dir,

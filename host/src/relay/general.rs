@@ -23,7 +23,7 @@ use crate::relay::App;
 use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{self, Decided, DeviceChoice, Engine, RelayPlan, Target, Way};
 use crate::relay::request_id::RequestId;
-use crate::relay::{in_process, served_name, sse_keepalive};
+use crate::relay::{general_early, in_process, served_name, sse_keepalive};
 
 /// What the general engine tells the request's log line about a relayed request: its backend
 /// and serve's added time. Rides on the response's extensions.
@@ -338,7 +338,7 @@ async fn sent(
                 let body = watched(body, ticket, on_first_byte, in_flight, streamed, release);
                 noted_stream(body, restored)
             };
-            let mut response = sse_keepalive::early_stream(pending, wrap, app.device.clone());
+            let mut response = general_early::early_stream(pending, wrap, app.device.clone());
             response.extensions_mut().insert(Relayed { backend, added });
             response
         }

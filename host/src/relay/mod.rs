@@ -12,8 +12,10 @@
 
 pub mod app;
 pub mod busy_poll;
+pub mod early_stream;
 pub mod fast;
 pub mod general;
+pub mod general_early;
 pub mod in_flight;
 pub mod in_process;
 pub mod plan;

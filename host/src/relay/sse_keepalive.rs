@@ -2,7 +2,8 @@
 //! seconds (a long prefill, say) gets an SSE comment, `: keep-alive`, at an event boundary, so
 //! a client that gives up on a silent stream (Lemonade 11.8's stall timer) keeps it. Both relay
 //! engines use the one tracker here: the fast path on the raw bytes it relays, the general path
-//! on hyper's body frames.
+//! on hyper's body frames. A stream serve begins itself before its backend's head is
+//! `early_stream`'s.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -86,18 +87,7 @@ impl SseEdge {
     pub fn feed(&mut self, bytes: &[u8]) {
         match self.framing {
             Framing::Payload => self.payload(bytes),
-            Framing::Chunked => self.dechunk(bytes, None),
-        }
-    }
-
-    /// Feed chunked bytes and append their event bytes to `out` (a reply serve re-frames).
-    pub fn feed_payload(&mut self, bytes: &[u8], out: &mut Vec<u8>) {
-        match self.framing {
-            Framing::Payload => {
-                self.payload(bytes);
-                out.extend_from_slice(bytes);
-            }
-            Framing::Chunked => self.dechunk(bytes, Some(out)),
+            Framing::Chunked => self.dechunk(bytes),
         }
     }
 
@@ -108,14 +98,9 @@ impl SseEdge {
     /// Follow chunked coding with the fast engine's own decoder, to know where events and
     /// chunks end; coding that breaks (the fast engine closes the connection then) leaves no
     /// boundary for a comment.
-    fn dechunk(&mut self, bytes: &[u8], mut out: Option<&mut Vec<u8>>) {
+    fn dechunk(&mut self, bytes: &[u8]) {
         let tail = &mut self.tail;
-        let fed = self.chunk.feed_data(bytes, |data| {
-            keep_tail(tail, data);
-            if let Some(out) = out.as_deref_mut() {
-                out.extend_from_slice(data);
-            }
-        });
+        let fed = self.chunk.feed_data(bytes, |data| keep_tail(tail, data));
         if fed.is_none() {
             self.broken = true;
         }
@@ -146,22 +131,6 @@ fn keep_tail(tail: &mut [u8; 3], seen: &[u8]) {
     for &b in &seen[seen.len().saturating_sub(3)..] {
         *tail = [tail[1], tail[2], b];
     }
-}
-
-/// The one event a stream already answered 200 ends with when its backend then refuses it
-/// with `status` (Lemonade sends the same): `data: {"error":…}` with the backend's own error
-/// object when it sent one; no `[DONE]`.
-pub fn error_event(status: u16, body: &[u8]) -> Vec<u8> {
-    let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
-    let error = match parsed.as_ref().and_then(|v| v.get("error")) {
-        Some(e) if e.is_object() => e.clone(),
-        _ => serde_json::json!({
-            "message": String::from_utf8_lossy(body).trim(),
-            "type": "backend_error",
-            "code": status,
-        }),
-    };
-    format!("data: {}\n\n", serde_json::json!({ "error": error })).into_bytes()
 }
 
 /// A streamed reply body (hyper frames, the event bytes) that yields a `: keep-alive` frame
@@ -257,99 +226,6 @@ pub async fn wait_head<F: Future>(reply: F, streamed: bool) -> Waited<F> {
         r = &mut reply => Waited::Arrived(r),
         () = tokio::time::sleep(every) => Waited::Silent(reply),
     }
-}
-
-/// Bytes of a non-200 reply kept for the error event (Lemonade keeps as much).
-const ERROR_BODY_LIMIT: usize = 64 * 1024;
-
-/// A streamed reply serve answers itself, 200 and `text/event-stream`, because its backend has
-/// been silent for `every` before its head: a comment now and after each further silence; then
-/// the backend's events as they come (with comments in its silences), or, when it answers
-/// other than 200, its error as one event. A reply that breaks off ends the client's reply
-/// without its last chunk, so no one reads a cut stream as finished. `wrap` puts the request's
-/// watchdog ticket and counters on the backend's body. Called by the general path; the relay
-/// runs on a task of its own that ends when the client goes away.
-pub fn early_stream<F, E, W, B>(
-    pending: Pin<Box<F>>,
-    wrap: W,
-    device: String,
-) -> axum::response::Response
-where
-    F: Future<Output = Result<hyper::Response<hyper::body::Incoming>, E>> + Send + 'static,
-    E: std::fmt::Display + Send + 'static,
-    W: FnOnce(hyper::body::Incoming) -> B + Send + 'static,
-    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
-    B::Error: std::fmt::Display + Send,
-{
-    use http_body_util::BodyExt;
-    let every = every().unwrap_or(Duration::from_secs(DEFAULT_SECS));
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
-    tokio::spawn(async move {
-        let mut pending = pending;
-        count();
-        if tx.send(Ok(Bytes::from_static(COMMENT))).await.is_err() {
-            return;
-        }
-        let reply = loop {
-            tokio::select! {
-                r = &mut pending => break r,
-                () = tokio::time::sleep(every) => {
-                    count();
-                    if tx.send(Ok(Bytes::from_static(COMMENT))).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        };
-        let reply = match reply {
-            Ok(r) => r,
-            Err(e) => {
-                let why = format!("the {device} backend did not answer ({e})");
-                let _ = tx
-                    .send(Ok(Bytes::from(error_event(502, why.as_bytes()))))
-                    .await;
-                return;
-            }
-        };
-        let status = reply.status().as_u16();
-        let body = wrap(reply.into_body());
-        if status != 200 {
-            let mut kept = Vec::new();
-            let mut body = body;
-            while let Some(Ok(frame)) = body.frame().await {
-                if let Ok(data) = frame.into_data()
-                    && kept.len() < ERROR_BODY_LIMIT
-                {
-                    kept.extend_from_slice(&data);
-                }
-            }
-            let _ = tx.send(Ok(Bytes::from(error_event(status, &kept)))).await;
-            return;
-        }
-        let mut body = KeepAliveBody::new(body, every);
-        while let Some(frame) = body.frame().await {
-            let item = match frame {
-                Ok(frame) => match frame.into_data() {
-                    Ok(data) => Ok(data),
-                    Err(_) => continue,
-                },
-                Err(e) => Err(std::io::Error::other(e.to_string())),
-            };
-            let cut = item.is_err();
-            if tx.send(item).await.is_err() || cut {
-                return;
-            }
-        }
-    });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    });
-    axum::response::Response::builder()
-        .status(200)
-        .header("content-type", "text/event-stream")
-        .header("cache-control", "no-cache")
-        .body(axum::body::Body::from_stream(stream))
-        .unwrap_or_default()
 }
 
 /// A streamed inference reply's body with comments in its silences (keep-alive on), else as

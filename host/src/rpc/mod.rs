@@ -4,6 +4,7 @@
 pub mod probe;
 pub mod relay;
 pub mod split;
+pub mod traffic;
 pub mod watch;
 pub mod worker;
 

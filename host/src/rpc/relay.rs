@@ -1,6 +1,7 @@
-//! `1bit rpc-worker --mem`: a relay in front of the worker that passes every RPC message
-//! through unchanged except the memory its devices report (GET_DEVICE_MEMORY), capped, since
-//! the pinned ggml-rpc-server has no way to offer less than its devices have.
+//! `1bit rpc-worker --mem` and `--traffic`: a relay in front of the worker that passes every
+//! RPC message through unchanged except the memory its devices report (GET_DEVICE_MEMORY),
+//! capped, since the pinned ggml-rpc-server has no way to offer less than its devices have;
+//! and that counts, by command, the messages and bytes each way (`traffic`).
 //!
 //! The relay follows the framing (probe.rs): each request is read as `cmd, size, payload`
 //! and written on; the requests that llama.cpp's server answers (ggml-rpc.cpp's
@@ -10,7 +11,9 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
+
+use super::traffic::Traffic;
 
 const CMD_GET_DEVICE_MEMORY: u8 = 11;
 const CMD_HELLO: u8 = 14;
@@ -24,21 +27,28 @@ const CHUNK: usize = 64 * 1024;
 
 /// Accept clients on `listener` for as long as the process lives, each relayed to `backend`
 /// on threads of its own, with every device's reported free and total memory capped at
-/// `cap` bytes. Returns at once; called once, on the main thread, before the worker starts.
-pub fn spawn(listener: TcpListener, backend: SocketAddr, cap: u64) -> std::io::Result<()> {
+/// `cap` bytes (`u64::MAX`: as reported) and every message counted in `traffic`. Returns at
+/// once; called once, on the main thread, before the worker starts.
+pub fn spawn(
+    listener: TcpListener,
+    backend: SocketAddr,
+    cap: u64,
+    traffic: Arc<Traffic>,
+) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("rpc-relay".into())
         .spawn(move || {
             for client in listener.incoming().flatten() {
+                let traffic = traffic.clone();
                 let _ = std::thread::Builder::new()
                     .name("rpc-relay-client".into())
-                    .spawn(move || relay(client, backend, cap));
+                    .spawn(move || relay(client, backend, cap, &traffic));
             }
         })?;
     Ok(())
 }
 
-fn relay(client: TcpStream, backend: SocketAddr, cap: u64) {
+fn relay(client: TcpStream, backend: SocketAddr, cap: u64, traffic: &Arc<Traffic>) {
     let Ok(server) = TcpStream::connect(backend) else {
         return;
     };
@@ -51,9 +61,10 @@ fn relay(client: TcpStream, backend: SocketAddr, cap: u64) {
     let (client_w, server_w) = (client, server);
     let down = {
         let (client_w, server_w) = (client_w.try_clone().ok(), server_w.try_clone().ok());
+        let traffic = traffic.clone();
         std::thread::spawn(move || {
             if let Some(client_w) = client_w {
-                let _ = answers_down(server_r, &client_w, &answers, cap);
+                let _ = answers_down(server_r, &client_w, &answers, cap, &traffic);
                 let _ = client_w.shutdown(Shutdown::Both);
             }
             if let Some(s) = server_w {
@@ -61,7 +72,7 @@ fn relay(client: TcpStream, backend: SocketAddr, cap: u64) {
             }
         })
     };
-    let _ = requests_up(client_r, &server_w, &queue);
+    let _ = requests_up(client_r, &server_w, &queue, traffic);
     let _ = server_w.shutdown(Shutdown::Write);
     drop(queue);
     let _ = down.join();
@@ -73,6 +84,7 @@ fn requests_up(
     client: TcpStream,
     server: &TcpStream,
     queue: &mpsc::Sender<u8>,
+    traffic: &Traffic,
 ) -> std::io::Result<()> {
     let mut from = BufReader::with_capacity(CHUNK, client);
     let mut to = BufWriter::with_capacity(CHUNK, server);
@@ -93,6 +105,7 @@ fn requests_up(
             copy(&mut from, &mut to, size)?;
         }
         to.flush()?;
+        traffic.request(cmd, head.len() as u64 + size);
         if ANSWERED.contains(&cmd) && queue.send(cmd).is_err() {
             return Ok(());
         }
@@ -105,6 +118,7 @@ fn answers_down(
     client: &TcpStream,
     answers: &mpsc::Receiver<u8>,
     cap: u64,
+    traffic: &Traffic,
 ) -> std::io::Result<()> {
     let mut from = BufReader::with_capacity(CHUNK, server);
     let mut to = BufWriter::with_capacity(CHUNK, client);
@@ -126,6 +140,7 @@ fn answers_down(
             copy(&mut from, &mut to, size)?;
         }
         to.flush()?;
+        traffic.answer(cmd, 8 + size);
     }
     Ok(())
 }

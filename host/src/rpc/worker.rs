@@ -15,6 +15,7 @@ use crate::backends::supervisor::describe_exit;
 use crate::cli::WorkerArgs;
 use crate::error::{Fatal, exit};
 use crate::rpc::probe;
+use crate::rpc::traffic::{self, Traffic};
 
 /// The pins of what the project installs, compiled in to find the `ggml-rpc-server` that
 /// `cargo xtask setup` built beside llama-server.
@@ -62,34 +63,45 @@ fn start(args: &WorkerArgs) -> Result<i32, Fatal> {
         ));
     }
     let binary = rpc_server_binary(args.rpc_server.as_deref())?;
-    // With --mem, the address given is the relay's and the worker listens on a private
-    // loopback port behind it.
-    let relay = match cap {
-        Some(_) => Some(TcpListener::bind((host, args.port)).map_err(|e| {
+    // With --mem or --traffic, the address given is the relay's and the worker listens on a
+    // private loopback port behind it.
+    let relayed = cap.is_some() || args.traffic.is_some();
+    let traffic = std::sync::Arc::new(Traffic::default());
+    let relay = match relayed {
+        true => Some(TcpListener::bind((host, args.port)).map_err(|e| {
             Fatal::backend(format!(
                 "cannot listen on {host}:{} ({e}); pass another --port",
                 args.port
             ))
         })?),
-        None => None,
+        false => None,
     };
     let port = match (&relay, args.port) {
         (Some(l), _) => l.local_addr().map(|a| a.port()).unwrap_or(args.port),
         (None, 0) => free_port(host)?,
         (None, p) => p,
     };
-    let (worker_host, worker_port) = match (&relay, cap) {
-        (Some(listener), Some(cap)) => {
+    let (worker_host, worker_port) = match &relay {
+        Some(listener) => {
             let private = free_port(Ipv4Addr::LOCALHOST)?;
             let listener = listener
                 .try_clone()
                 .map_err(|e| Fatal::backend(e.to_string()))?;
-            crate::rpc::relay::spawn(listener, (Ipv4Addr::LOCALHOST, private).into(), cap)
-                .map_err(|e| Fatal::backend(format!("cannot start the --mem relay: {e}")))?;
+            let to = (Ipv4Addr::LOCALHOST, private).into();
+            crate::rpc::relay::spawn(listener, to, cap.unwrap_or(u64::MAX), traffic.clone())
+                .map_err(|e| Fatal::backend(format!("cannot start the relay: {e}")))?;
             (Ipv4Addr::LOCALHOST, private)
         }
-        _ => (host, port),
+        None => (host, port),
     };
+    if let Some(path) = &args.traffic {
+        traffic::keep_written(traffic.clone(), path.clone()).map_err(|e| {
+            Fatal::usage(format!(
+                "--traffic {}: cannot write it ({e}); name a file in a folder you can write",
+                path.display()
+            ))
+        })?;
+    }
     let endpoint = format!("{host}:{port}");
     if !host.is_loopback() {
         tracing::warn!("1bit rpc-worker: {}", exposure_warning(&endpoint));
@@ -125,7 +137,11 @@ fn start(args: &WorkerArgs) -> Result<i32, Fatal> {
         endpoint,
         probe_at,
     };
-    runtime.block_on(watch(worker, term, int))
+    let stopped = runtime.block_on(watch(worker, term, int));
+    if let Some(path) = &args.traffic {
+        let _ = traffic.write(path);
+    }
+    stopped
 }
 
 /// The started worker, as [`watch`] follows it.

@@ -21,6 +21,7 @@ mod mem_check;
 mod prompt_cache;
 mod report;
 mod rpc;
+mod rpc_link;
 mod stop;
 
 use std::net::SocketAddr;

@@ -45,7 +45,7 @@ fn system_prompt() -> String {
     let mut out = String::from(
         "You are a careful coding agent working in a user's repository. Follow every rule below.\n",
     );
-    for i in 0..64 {
+    for i in 0..41 {
         let tool = tools[i % tools.len()];
         out.push_str(&format!(
             "Rule {i}: before you call {tool}, say in one sentence why; never call it twice with the same arguments; \

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
@@ -15,6 +15,7 @@ use nix::unistd::Pid;
 
 use super::arms::{self, Server};
 use super::client::{self, Conn};
+use super::rpc_link;
 use super::{READY_LIMIT, loadavg, percentile};
 use crate::{Failure, Workspace};
 
@@ -46,7 +47,13 @@ struct Worker {
 }
 
 impl Worker {
-    fn start(ws: &Workspace, onebit: &Path, threads: usize) -> Result<Worker, Failure> {
+    /// Started with its link's counts kept in `traffic` (`--traffic`).
+    fn start(
+        ws: &Workspace,
+        onebit: &Path,
+        threads: usize,
+        traffic: &Path,
+    ) -> Result<Worker, Failure> {
         let mut child = Command::new(onebit)
             .args([
                 "rpc-worker",
@@ -55,6 +62,8 @@ impl Worker {
                 "--threads",
                 &threads.to_string(),
             ])
+            .arg("--traffic")
+            .arg(traffic)
             .env("ONEBIT_LLAMA_SERVER", ws.layout.llama_server())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -170,13 +179,18 @@ pub fn measure(
     );
     let mut workers: Vec<Worker> = Vec::new();
     let mut servers: Vec<Server> = Vec::new();
+    let mut traffic: Vec<Vec<PathBuf>> = Vec::new();
     for n in WORKERS {
         let mut list = Vec::new();
-        for _ in 0..n {
-            let w = Worker::start(ws, onebit, threads)?;
-            list.push(w.endpoint.clone());
-            workers.push(w);
+        let mut files = Vec::new();
+        for w in 0..n {
+            let file = scratch.join(format!("traffic-{n}-{w}.json"));
+            let worker = Worker::start(ws, onebit, threads, &file)?;
+            list.push(worker.endpoint.clone());
+            workers.push(worker);
+            files.push(file);
         }
+        traffic.push(files);
         let addr = arms::free_addr()?;
         let mut command = arms::serve(onebit, &model, addr, None);
         command.args(["--ctx-size", "1024"]);
@@ -206,6 +220,11 @@ pub fn measure(
         }
     }
     println!("load average before: {load_before}; after: {}", loadavg());
+    println!("\nWhat a token costs each link (the workers' --traffic counts):");
+    let one = rpc_link::measure(servers[1].addr, &traffic[1])?;
+    rpc_link::print_costs(&one);
+    let two = rpc_link::measure(servers[2].addr, &traffic[2])?;
+    rpc_link::print_costs(&two);
     drop(servers);
     drop(workers);
     let median = |v: &mut Vec<f64>| {
@@ -236,6 +255,16 @@ pub fn measure(
             r.name, r.ttft_ms, r.tokens_per_s, r.added_ms_per_token
         );
     }
+    let rtt_us = rpc_link::loopback_rtt_us();
+    for (cost, row) in [(&one, &rows[1]), (&two, &rows[2])] {
+        println!(
+            "the model on loopback ({rtt_us:.1} µs round trip, 40 Gbit/s), {} worker(s): {:+.2} ms/token predicted, {:+.2} measured",
+            cost.workers,
+            rpc_link::added_ms(&cost.generated, rtt_us / 1e3, 40.0),
+            row.added_ms_per_token
+        );
+    }
+    rpc_link::print_projection(local_ms, &one, &two);
     Ok(rows)
 }
 

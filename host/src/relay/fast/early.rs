@@ -1,17 +1,44 @@
 //! A streamed reply whose head serve sent itself, before the backend's
-//! (`sse_keepalive::EARLY_HEAD`): the rest of it.
+//! (`sse_keepalive::EARLY_HEAD`): the fast engine's driver of the one early-stream state
+//! machine (`relay::early_stream`), framing what it says as chunks.
 
 use super::*;
+use crate::relay::early_stream::{EarlyStream, Say};
 
-/// The rest of a streamed reply whose head serve already sent (`sse_keepalive::EARLY_HEAD`):
-/// the backend's events re-framed as chunks, with comments in its silences; a backend that
-/// answered other than 200 becomes one error event. A reply that breaks off leaves the
-/// client's reply without its last chunk; the connection closes either way. Returns the body
-/// bytes passed on.
+/// Append what the early stream says to `out` as chunked bytes (`fed`: the event bytes just
+/// fed, for [`Say::Pass`]). True when the reply is over (ended whole or cut).
+pub(super) fn framed(say: Say, fed: &[u8], out: &mut Vec<u8>) -> bool {
+    match say {
+        Say::Nothing => false,
+        Say::Pass => {
+            wire::append_chunk(out, fed);
+            false
+        }
+        Say::Comment => {
+            out.extend_from_slice(sse_keepalive::COMMENT_CHUNK);
+            false
+        }
+        Say::Last(event) => {
+            wire::append_chunk(out, &event);
+            out.extend_from_slice(b"0\r\n\r\n");
+            true
+        }
+        Say::End => {
+            out.extend_from_slice(b"0\r\n\r\n");
+            true
+        }
+        Say::Cut => true,
+    }
+}
+
+/// The rest of a streamed reply whose head serve already sent: the backend's head just read
+/// goes to the early stream, then its body as it arrives, with the stream's comments in its
+/// silences. The connection closes after it either way. Returns the event bytes passed on.
 pub(super) async fn after_early_head(
     app: &App,
     client: &mut BusyPollStream,
     mut backend: BusyPollStream,
+    mut stream: EarlyStream,
     mut reply: BytesMut,
     head: ReplyHead,
     tracking: Tracking,
@@ -22,49 +49,39 @@ pub(super) async fn after_early_head(
         in_flight,
         mut clock,
     } = tracking;
-    let mut bytes = 0;
     let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
+    stream.head(head.status);
     let mut body = Body::new(head.framing);
-    let mut edge = SseEdge::new(if head.framing == Framing::Chunked {
-        sse_keepalive::Framing::Chunked
-    } else {
-        sse_keepalive::Framing::Payload
-    });
-    let ok = head.status == 200;
-    let mut kept = Vec::new();
-    let mut ended = head.framing == Framing::None;
+    let mut bytes = 0;
+    // Bytes read past the head come first; a body with no bytes ends at once.
+    let mut closed = head.framing == Framing::None;
     loop {
-        let mut payload = Vec::new();
-        if !ended {
-            let Some(end) = body.feed(&reply) else {
-                return bytes;
-            };
-            ended = end.is_some();
-            edge.feed_payload(&reply[..end.unwrap_or(reply.len())], &mut payload);
-            reply.clear();
-        }
         let mut out = Vec::new();
-        if ok {
-            wire::append_chunk(&mut out, &payload);
-        } else if kept.len() < 64 * 1024 {
-            kept.extend_from_slice(&payload);
-        }
-        if ended {
-            if !ok {
-                wire::append_chunk(&mut out, &sse_keepalive::error_event(head.status, &kept));
+        let mut payload = Vec::new();
+        let mut passed = false;
+        let over = match body.feed_data(&reply, |data| payload.extend_from_slice(data)) {
+            None => framed(stream.broke(), &[], &mut out),
+            Some(end) => {
+                let fed = stream.payload(&payload);
+                passed = fed == Say::Pass;
+                let mut over = framed(fed, &payload, &mut out);
+                if !over && (end.is_some() || closed) {
+                    over = framed(stream.end(), &[], &mut out);
+                }
+                over
             }
-            out.extend_from_slice(b"0\r\n\r\n");
-        }
+        };
+        reply.clear();
         if !out.is_empty() && client.write_all(&out).await.is_err() {
             return bytes;
         }
-        if ok && !payload.is_empty() {
+        if passed {
             bytes += payload.len() as u64;
             if let Some(clock) = &mut clock {
                 clock.wrote(&app.requests);
             }
         }
-        if ended {
+        if over {
             drop(ticket);
             drop(in_flight);
             return bytes;
@@ -75,10 +92,15 @@ pub(super) async fn after_early_head(
             tokio::select! {
                 read = backend.read_buf(&mut reply) => match read {
                     Ok(0) if head.framing == Framing::UntilClose => {
-                        ended = true;
+                        closed = true;
                         break;
                     }
-                    Ok(0) | Err(_) => return bytes,
+                    Ok(0) | Err(_) => {
+                        let mut out = Vec::new();
+                        framed(stream.broke(), &[], &mut out);
+                        let _ = client.write_all(&out).await;
+                        return bytes;
+                    }
                     Ok(n) => {
                         if let Some(ticket) = &ticket {
                             ticket.progress(n);
@@ -88,11 +110,10 @@ pub(super) async fn after_early_head(
                 },
                 () = &mut silence => {
                     silence.as_mut().reset(tokio::time::Instant::now() + every);
-                    if ok && edge.at_boundary() {
-                        sse_keepalive::count();
-                        if client.write_all(sse_keepalive::COMMENT_CHUNK).await.is_err() {
-                            return bytes;
-                        }
+                    let mut out = Vec::new();
+                    framed(stream.silence(), &[], &mut out);
+                    if !out.is_empty() && client.write_all(&out).await.is_err() {
+                        return bytes;
                     }
                 },
             }

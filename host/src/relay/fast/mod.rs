@@ -26,6 +26,7 @@ use crate::guard::{self, Seen};
 use crate::metrics::requests::{PathClass, StreamClock};
 use crate::relay::App;
 use crate::relay::busy_poll::BusyPollStream;
+use crate::relay::early_stream::EarlyStream;
 use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
 use crate::relay::request_id::RequestId;
@@ -37,7 +38,7 @@ mod handover;
 mod qualify;
 mod reply_head;
 
-use early::after_early_head;
+use early::{after_early_head, framed};
 pub use handover::Prefixed;
 use qualify::{Fast, Verdict, qualify};
 use reply_head::{ReplyError, ReplyHead, read_reply_head};
@@ -179,10 +180,18 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         in_flight,
         clock,
     };
-    if sent.early {
+    if let Some(stream) = sent.early {
         app.requests.count(fast.path, 200, Engine::Fast);
-        let bytes =
-            after_early_head(app, client, sent.backend, sent.reply, sent.head, tracking).await;
+        let bytes = after_early_head(
+            app,
+            client,
+            sent.backend,
+            stream,
+            sent.reply,
+            sent.head,
+            tracking,
+        )
+        .await;
         app.requests
             .lasted(fast.path, Engine::Fast, began.elapsed());
         fast.log(200, Duration::ZERO, bytes);
@@ -199,13 +208,13 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
 
 /// The request sent and its reply's head read: the backend connection, the head, the bytes
 /// read past it, when the request was sent, and whether serve already began the client's
-/// reply itself (`early`: keep-alive comments before the backend's head).
+/// reply itself (`early`: the early stream, begun by a silence before the backend's head).
 struct Sent {
     backend: BusyPollStream,
     head: ReplyHead,
     reply: BytesMut,
     at: Instant,
-    early: bool,
+    early: Option<EarlyStream>,
 }
 
 /// Send the request and read its reply's head. A request that a reused connection's backend
@@ -222,7 +231,7 @@ async fn send(
 ) -> Result<Sent, Outcome> {
     let mut reply = BytesMut::with_capacity(8 * 1024);
     let mut retried = false;
-    let mut early = false;
+    let mut early: Option<EarlyStream> = None;
     loop {
         reply.clear();
         let taken = if retried {
@@ -251,15 +260,19 @@ async fn send(
                             h = &mut head => break h,
                             () = tokio::time::sleep(every) => {
                                 let mut out = Vec::new();
-                                if !early {
-                                    out.extend_from_slice(sse_keepalive::EARLY_HEAD);
-                                    append_date(&mut out);
-                                    append_id(&mut out, &fast.id);
-                                    out.extend_from_slice(b"connection: close\r\n\r\n");
-                                    early = true;
-                                }
-                                sse_keepalive::count();
-                                out.extend_from_slice(sse_keepalive::COMMENT_CHUNK);
+                                let said = match &mut early {
+                                    Some(stream) => stream.silence(),
+                                    None => {
+                                        out.extend_from_slice(sse_keepalive::EARLY_HEAD);
+                                        append_date(&mut out);
+                                        append_id(&mut out, &fast.id);
+                                        out.extend_from_slice(b"connection: close\r\n\r\n");
+                                        let (stream, said) = EarlyStream::begin(&app.device);
+                                        early = Some(stream);
+                                        said
+                                    }
+                                };
+                                framed(said, &[], &mut out);
                                 if client.write_all(&out).await.is_err() {
                                     return Err(Outcome::Close);
                                 }
@@ -289,13 +302,13 @@ async fn send(
                     early,
                 });
             }
-            Err(ReplyError::Unread) if reused && !retried && !early => retried = true,
-            Err(e) if early => {
+            Err(ReplyError::Unread) if reused && !retried && early.is_none() => retried = true,
+            Err(e) if early.is_some() => {
                 // The client already has a 200 event stream: the failure is its last event.
-                let why = format!("the {} backend did not answer ({e})", app.device);
                 let mut out = Vec::new();
-                wire::append_chunk(&mut out, &sse_keepalive::error_event(502, why.as_bytes()));
-                out.extend_from_slice(b"0\r\n\r\n");
+                if let Some(stream) = &mut early {
+                    framed(stream.no_head(&e.to_string()), &[], &mut out);
+                }
                 let _ = client.write_all(&out).await;
                 app.requests.count(fast.path, 200, Engine::Fast);
                 app.requests
