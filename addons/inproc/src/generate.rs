@@ -252,9 +252,11 @@ impl<'a> SlotEngine<'a> {
     /// every generating slot's next token and the waiting prompts' tokens. Blocks the calling
     /// thread (the engine thread).
     pub fn run(&mut self, queue: &std::sync::mpsc::Receiver<Job>) {
+        let mut trim = crate::heap_trim::HeapTrim::default();
         loop {
             let idle = self.slots.iter().all(|s| s.active.is_none());
             if idle {
+                trim.idle();
                 match queue.recv() {
                     Ok(job) => self.admit(job),
                     Err(_) => return,
@@ -267,6 +269,7 @@ impl<'a> SlotEngine<'a> {
                 }
             }
             self.step();
+            trim.ran();
         }
     }
 

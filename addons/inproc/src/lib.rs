@@ -7,6 +7,7 @@
 pub mod chat;
 pub mod ffi;
 pub mod generate;
+pub mod heap_trim;
 pub mod openai;
 pub mod state_buffer;
 

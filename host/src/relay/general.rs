@@ -59,6 +59,12 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     // Slot preparation: the persistent prompt cache restores a saved prefix of the prompt into
     // the slot the request is pinned to; the slot is released (and its state saved) when the
     // reply body is dropped.
+    // Its calls to the backend (template, tokenize, restore) are the request's: a backend that
+    // hangs in them is the watchdog's from the start, as one that hangs in its reply is.
+    let preparing = match &app.prompt_cache {
+        Some(_) if plan.prompt_cache => watched_from_here(&app, &plan, &parts, 0, body.len()),
+        _ => None,
+    };
     let (body, release) = prepare_slot(&app, &plan, &parts, body).await;
     let restored = release.as_ref().and_then(Release::restored);
     let chosen = match backend_for(&app, &plan, &parts, body).await {
@@ -85,16 +91,8 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     };
     // An inference request is watched from before it is sent: waiting for the reply's head
     // counts against it too.
-    let ticket = match app.watchdog.get() {
-        Some(dog) if plan.watched => Some(dog.track(
-            parts.method.as_str(),
-            parts.uri.path(),
-            plan.streamed,
-            chosen.backend,
-            chosen.body.len(),
-        )),
-        _ => None,
-    };
+    let ticket = preparing
+        .or_else(|| watched_from_here(&app, &plan, &parts, chosen.backend, chosen.body.len()));
     let upstream = match upstream_request(parts, port, chosen.body, &id) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
@@ -107,6 +105,27 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         restored,
     };
     sent(&relaying, upstream, carried).await
+}
+
+/// The watchdog's ticket for a request the plan has watched, on `backend`, with a prompt
+/// allowance for `body_len` bytes; None when it is not watched or the watchdog is off.
+fn watched_from_here(
+    app: &App,
+    plan: &RelayPlan,
+    parts: &axum::http::request::Parts,
+    backend: usize,
+    body_len: usize,
+) -> Option<Ticket> {
+    let dog = app.watchdog.get()?;
+    plan.watched.then(|| {
+        dog.track(
+            parts.method.as_str(),
+            parts.uri.path(),
+            plan.streamed,
+            backend,
+            body_len,
+        )
+    })
 }
 
 /// One relayed request's settings for its steps after the backend is chosen.
