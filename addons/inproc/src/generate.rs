@@ -256,7 +256,6 @@ impl<'a> SlotEngine<'a> {
         loop {
             let idle = self.slots.iter().all(|s| s.active.is_none());
             if idle {
-                trim.idle();
                 match queue.recv() {
                     Ok(job) => self.admit(job),
                     Err(_) => return,
@@ -270,6 +269,7 @@ impl<'a> SlotEngine<'a> {
             }
             self.step();
             trim.ran();
+            trim.between_steps();
         }
     }
 

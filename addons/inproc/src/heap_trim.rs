@@ -7,7 +7,8 @@
 //! by a few hundred KiB now and then for thousands of requests, with nothing leaked
 //! (heaptrack). `malloc_trim(0)` walks every arena and gives back each whole free page with
 //! `MADV_DONTNEED`; it takes about a millisecond for serve's heap. The engine thread calls it
-//! when its queue runs dry, at most once per [`EVERY`].
+//! between its steps (whether or not more work waits, so a busy engine trims too), at most
+//! once per [`EVERY`] and only after work.
 #![allow(unsafe_code)]
 
 use std::time::{Duration, Instant};
@@ -36,9 +37,9 @@ impl HeapTrim {
         self.dirty = true;
     }
 
-    /// The engine is about to wait for work: trim when it ran something since the last trim
-    /// and [`EVERY`] has passed. True when it trimmed.
-    pub fn idle(&mut self) -> bool {
+    /// Between two steps of the engine: trim when it ran something since the last trim and
+    /// [`EVERY`] has passed. True when it trimmed.
+    pub fn between_steps(&mut self) -> bool {
         if !self.dirty || self.last.elapsed() < EVERY {
             return false;
         }
@@ -94,11 +95,11 @@ mod tests {
     #[test]
     fn it_trims_only_after_work_and_at_most_once_per_interval() {
         let mut trim = HeapTrim::default();
-        assert!(!trim.idle(), "nothing ran");
+        assert!(!trim.between_steps(), "nothing ran");
         trim.ran();
-        assert!(!trim.idle(), "within the interval");
+        assert!(!trim.between_steps(), "within the interval");
         trim.last = Instant::now() - EVERY;
-        assert!(trim.idle());
-        assert!(!trim.idle(), "nothing ran since");
+        assert!(trim.between_steps());
+        assert!(!trim.between_steps(), "nothing ran since");
     }
 }
