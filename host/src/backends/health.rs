@@ -22,6 +22,14 @@ const READY_POLL: Duration = Duration::from_millis(5);
 /// backend that stops answering in `/health` within 1.75 s (Lemonade's probe gives up at 2 s).
 const HEALTH_EVERY: Duration = Duration::from_millis(250);
 
+/// How long a backend connection may sit idle and still be reused. llama-server (its
+/// cpp-httplib, CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND) closes a keep-alive connection idle for
+/// 5 s: a request written as that close happens meets a clean close before any reply, which
+/// serve cannot tell from a request the backend took, so it must answer 502 rather than send
+/// it again. Connections older than this are closed by serve first: both engines' pools
+/// (`relay::pool`) and the probe client.
+pub const IDLE_LIMIT: Duration = Duration::from_secs(3);
+
 /// The client of serve's own calls to its backends (health, metrics, the watchdog's
 /// questions, the route's host services): these are not relayed requests, and never busy-poll.
 pub type ProbeClient = Client<HttpConnector, Full<Bytes>>;
@@ -32,7 +40,7 @@ pub fn probe_client() -> ProbeClient {
 }
 
 /// A pooled hyper client toward the backends on loopback (TCP_NODELAY, idle connections kept
-/// a minute), its connector made from the TCP one by `wrap`: the probe client's as is, the
+/// for [`IDLE_LIMIT`]), its connector made from the TCP one by `wrap`: the probe client's as is, the
 /// general engine's busy-polling (`relay::pool`).
 pub fn pooled_client<C>(wrap: impl FnOnce(HttpConnector) -> C) -> Client<C, Full<Bytes>>
 where
@@ -41,7 +49,7 @@ where
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_idle_timeout(IDLE_LIMIT)
         .build(wrap(connector))
 }
 

@@ -2,6 +2,7 @@
 //! sockets, and the general engine's pooled hyper client. Both busy-poll (`busy_poll`).
 
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -16,20 +17,38 @@ use crate::relay::busy_poll::{BusyPollStream, Side};
 /// Idle backend connections kept for reuse, all backends together.
 const MAX_IDLE: usize = 128;
 
+/// How long a backend connection may sit idle and still be reused (`backends::health`).
+pub use crate::backends::health::IDLE_LIMIT;
+
 /// Idle keep-alive connections to the backends, the most recently used last.
-#[derive(Default)]
 pub struct BackendPool {
     idle: Mutex<Vec<Idle>>,
+    limit: Duration,
+}
+
+impl Default for BackendPool {
+    fn default() -> Self {
+        BackendPool::with_idle_limit(IDLE_LIMIT)
+    }
 }
 
 struct Idle {
     port: u16,
     conn: BusyPollStream,
+    since: Instant,
 }
 
 impl BackendPool {
-    /// An idle connection to `port` that the backend has not closed, else a new one; whether
-    /// it was reused. Each idle connection is asked (one non-blocking `MSG_PEEK`) whether the
+    /// A pool that reuses a connection idle for less than `limit`.
+    pub fn with_idle_limit(limit: Duration) -> Self {
+        BackendPool {
+            idle: Mutex::new(Vec::new()),
+            limit,
+        }
+    }
+
+    /// An idle connection to `port` that the backend has not closed and that has been idle for
+    /// less than the limit, else a new one; whether it was reused. Each idle connection is asked (one non-blocking `MSG_PEEK`) whether the
     /// backend closed it before a request goes on it: a close seen then costs nothing, while
     /// one seen after the request is sent may mean the backend took the request, which must
     /// not be sent twice. Called by the fast engine on the connection's task.
@@ -42,7 +61,9 @@ impl BackendPool {
                     .map(|i| idle.remove(i))
             };
             match found {
-                Some(idle) if idle.conn.is_idle_open() => return Ok((idle.conn, true)),
+                Some(idle) if idle.since.elapsed() < self.limit && idle.conn.is_idle_open() => {
+                    return Ok((idle.conn, true));
+                }
                 Some(_) => continue,
                 None => break,
             }
@@ -63,7 +84,11 @@ impl BackendPool {
         if idle.len() >= MAX_IDLE {
             idle.remove(0);
         }
-        idle.push(Idle { port, conn });
+        idle.push(Idle {
+            port,
+            conn,
+            since: Instant::now(),
+        });
     }
 }
 
@@ -104,5 +129,34 @@ impl tower_service::Service<Uri> for BackendConnector {
             let tcp = connecting.await?.into_inner();
             Ok(TokioIo::new(BusyPollStream::new(tcp, Side::Backend)))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_idle_past_the_limit_is_not_reused() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // The backend keeps every connection open.
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                open.push(s);
+            }
+        });
+        let pool = BackendPool::with_idle_limit(Duration::from_millis(200));
+        let (conn, reused) = pool.checkout(port).await.unwrap();
+        assert!(!reused);
+        pool.checkin(port, conn);
+        let (conn, reused) = pool.checkout(port).await.unwrap();
+        assert!(reused, "idle for less than the limit");
+        pool.checkin(port, conn);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (_, reused) = pool.checkout(port).await.unwrap();
+        assert!(!reused, "idle past the limit: a new connection");
+        held.abort();
     }
 }
