@@ -255,16 +255,21 @@ pub fn measure(
             r.name, r.ttft_ms, r.tokens_per_s, r.added_ms_per_token
         );
     }
+    // The link's share on loopback, and what one worker costs beyond it (fitted on the
+    // one-worker run; the two-worker run shares this machine's cores, so it checks nothing).
     let rtt_us = rpc_link::loopback_rtt_us();
+    let link = |cost: &rpc_link::LinkCost| rpc_link::added_ms(&cost.generated, rtt_us / 1e3, 40.0);
+    let per_worker_ms = (rows[1].added_ms_per_token - link(&one)).max(0.0);
     for (cost, row) in [(&one, &rows[1]), (&two, &rows[2])] {
         println!(
-            "the model on loopback ({rtt_us:.1} µs round trip, 40 Gbit/s), {} worker(s): {:+.2} ms/token predicted, {:+.2} measured",
+            "on loopback ({rtt_us:.1} µs round trip, taken as 40 Gbit/s), {} worker(s): the link +{:.2} ms/token, with {per_worker_ms:.2} ms per worker +{:.2}; measured {:+.2}",
             cost.workers,
-            rpc_link::added_ms(&cost.generated, rtt_us / 1e3, 40.0),
+            link(cost),
+            link(cost) + per_worker_ms * cost.workers as f64,
             row.added_ms_per_token
         );
     }
-    rpc_link::print_projection(local_ms, &one, &two);
+    rpc_link::print_projection(local_ms, per_worker_ms, &one, &two);
     Ok(rows)
 }
 

@@ -5,8 +5,12 @@
 //! per prompt token, for each worker. The model (docs/rpc.md, What a link costs):
 //!
 //! ```text
-//! ms per token = local ms per token + Σ over workers (round trips × RTT + bytes × 8 / bandwidth)
+//! ms per token = local ms per token
+//!              + Σ over workers (round trips × RTT + bytes × 8 / bandwidth + per-worker cost)
 //! ```
+//!
+//! The per-worker cost (serialising, the worker's dispatch, the relay's hop) is what the
+//! one-worker loopback run measures beyond its round trips and bytes.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -231,8 +235,8 @@ pub fn loopback_rtt_us() -> f64 {
     times.get(times.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// Milliseconds per token the model adds over local for `costs` (one entry per worker) on a
-/// link of `rtt_ms` and `gbit_s`.
+/// Milliseconds per token the link adds over local for `costs` (one entry per worker) on a
+/// link of `rtt_ms` and `gbit_s`, before the per-worker cost.
 pub fn added_ms(costs: &[PerToken], rtt_ms: f64, gbit_s: f64) -> f64 {
     costs
         .iter()
@@ -240,9 +244,10 @@ pub fn added_ms(costs: &[PerToken], rtt_ms: f64, gbit_s: f64) -> f64 {
         .sum()
 }
 
-/// The projection table: tokens/s for 1, 2 and 4 workers on each link, from the local rate
-/// and the measured costs (4 workers: the two-worker arm's mean worker, four times).
-pub fn print_projection(local_ms: f64, one: &LinkCost, two: &LinkCost) {
+/// The projection table: tokens/s for 1, 2 and 4 workers on each link, from the local rate,
+/// the measured costs (4 workers: the two-worker arm's mean worker, four times) and
+/// `per_worker_ms` each.
+pub fn print_projection(local_ms: f64, per_worker_ms: f64, one: &LinkCost, two: &LinkCost) {
     let mean = |c: &LinkCost| {
         let n = c.generated.len().max(1) as f64;
         PerToken {
@@ -257,7 +262,7 @@ pub fn print_projection(local_ms: f64, one: &LinkCost, two: &LinkCost) {
         ("4 workers", &four),
     ];
     println!(
-        "\nProjected decode tokens/s (local compute {local_ms:.2} ms/token plus the link's round trips and bytes):"
+        "\nProjected decode tokens/s (local compute {local_ms:.2} ms/token, plus per worker its round trips and bytes on the link and {per_worker_ms:.2} ms):"
     );
     print!("| workers |");
     let links = [(1.0, "1 GbE"), (10.0, "10 GbE"), (25.0, "25 GbE")];
@@ -273,7 +278,8 @@ pub fn print_projection(local_ms: f64, one: &LinkCost, two: &LinkCost) {
         print!("| {name} |");
         for (gbit, _) in links {
             for rtt in rtts {
-                print!(" {:.1} |", 1e3 / (local_ms + added_ms(costs, rtt, gbit)));
+                let ms = local_ms + added_ms(costs, rtt, gbit) + per_worker_ms * costs.len() as f64;
+                print!(" {:.1} |", 1e3 / ms);
             }
         }
         println!();
