@@ -285,11 +285,9 @@ fn soak_phases(ws: &Workspace, minutes: f64, only: Option<Engine>) -> Result<boo
         (Ok(_), None) => Some(watchdog_phase(&kit)),
         _ => None,
     };
-    // A phase that could not run names serve's log in the scratch folder: kept then.
+    // serve's logs are in the scratch folder: kept when a phase could not run (its failure
+    // names the log) or missed a target (said below), else removed.
     let ran = phases.is_ok() && watchdog.as_ref().is_none_or(|w| w.is_ok());
-    if ran {
-        let _ = std::fs::remove_dir_all(&kit.scratch);
-    }
     let phases = phases?;
     let mut met = true;
     for phase in &phases {
@@ -299,14 +297,15 @@ fn soak_phases(ws: &Workspace, minutes: f64, only: Option<Engine>) -> Result<boo
     if let Some(watchdog) = watchdog {
         met &= report_watchdog(&watchdog?);
     }
-    println!(
-        "soak: {}",
-        if met {
-            "every target met"
-        } else {
-            "targets MISSED"
-        }
-    );
+    if ran && met {
+        let _ = std::fs::remove_dir_all(&kit.scratch);
+        println!("soak: every target met");
+    } else {
+        println!(
+            "soak: targets MISSED; serve's logs are kept in {}",
+            kit.scratch.display()
+        );
+    }
     Ok(met)
 }
 
