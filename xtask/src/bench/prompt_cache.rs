@@ -32,8 +32,14 @@ const MAX_TOKENS: u32 = 48;
 /// share of the time without it.
 const TARGET: f64 = 0.25;
 
-/// The system prompt: ~2,000 tokens of an agent's rules and tool list.
-fn system_prompt() -> String {
+/// The issue's ~2,000-token system prompt: this many rules.
+const RULES: usize = 41;
+/// More lengths, one round each, so the figure does not hang on where one prompt ends
+/// against llama-server's 512-token runs (a rule is about 48 tokens: these step about 144).
+const SWEEP: [usize; 3] = [44, 47, 50];
+
+/// The system prompt: an agent's rules and tool list, ~2,000 tokens at [`RULES`].
+fn system_prompt(rules: usize) -> String {
     let tools = [
         "read_file",
         "write_file",
@@ -45,7 +51,7 @@ fn system_prompt() -> String {
     let mut out = String::from(
         "You are a careful coding agent working in a user's repository. Follow every rule below.\n",
     );
-    for i in 0..41 {
+    for i in 0..rules {
         let tool = tools[i % tools.len()];
         out.push_str(&format!(
             "Rule {i}: before you call {tool}, say in one sentence why; never call it twice with the same arguments; \
@@ -85,41 +91,27 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
         std::env::temp_dir().join(format!("onebit-bench-prompt-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).map_err(|e| Failure::new(e, "check /tmp"))?;
-    let system = system_prompt();
+    let system = system_prompt(RULES);
+    let kit = Kit {
+        model,
+        onebit,
+        llama_server,
+        scratch: scratch.clone(),
+    };
 
     let mut results: Vec<Vec<Round>> = (0..ARMS.len()).map(|_| Vec::new()).collect();
     let mut state = None;
     for round in 0..rounds {
         for i in (0..ARMS.len()).map(|i| (i + round) % ARMS.len()) {
-            let arm = ARMS[i];
             let cache = scratch.join(format!("cache-{round}"));
-            let start = || {
-                let port = free_port()?;
-                let mut command = arm_command(i, port, &model, &onebit, &llama_server, &cache);
-                command.env("ONEBIT_STATE_DIR", &scratch);
-                let child = command
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .map_err(|e| Failure::new(format!("cannot start {arm}: {e}"), "run setup"))?;
-                let running = Running(child);
-                wait_ready(port, arm)?;
-                Ok::<_, Failure>((port, running))
-            };
-            // Turn one, then a restart: serve (and its llama-server) or llama-server alone.
-            let (port, running) = start()?;
-            let first = ask(port, &turn_one(&system), false, arm)?;
-            stop(running, arm)?;
-            let (port, running) = start()?;
-            settle();
-            let second = ask(port, &turn_two(&system, &first.text), true, arm)?;
-            stop(running, arm)?;
+            let (first, second) = conversation(&kit, i, &system, &cache)?;
             if i == 0 && state.is_none() {
                 state = state_size(&cache);
             }
             println!(
-                "  round {}: {arm}: {:.0} ms to the first token{}",
+                "  round {}: {}: {:.0} ms to the first token{}",
                 round + 1,
+                ARMS[i],
                 second.ttft_ms,
                 second
                     .restore_ms
@@ -135,8 +127,82 @@ pub fn run(ws: &Workspace, quick: bool) -> Result<ExitCode, Failure> {
             });
         }
     }
+    if !quick {
+        sweep(&kit)?;
+    }
     let _ = std::fs::remove_dir_all(&scratch);
     report(ws, &results, state, rounds)
+}
+
+/// What every conversation needs: the binaries, the model, the scratch folder.
+struct Kit {
+    model: PathBuf,
+    onebit: PathBuf,
+    llama_server: PathBuf,
+    scratch: PathBuf,
+}
+
+/// One conversation on arm `i`: turn one, a restart (serve and its llama-server, or
+/// llama-server alone), turn two streamed. The cache arm keeps its states in `cache`.
+fn conversation(
+    kit: &Kit,
+    i: usize,
+    system: &str,
+    cache: &Path,
+) -> Result<(Answer, Answer), Failure> {
+    let arm = ARMS[i];
+    let start = || {
+        let port = free_port()?;
+        let mut command = arm_command(i, port, &kit.model, &kit.onebit, &kit.llama_server, cache);
+        command.env("ONEBIT_STATE_DIR", &kit.scratch);
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| Failure::new(format!("cannot start {arm}: {e}"), "run setup"))?;
+        let running = Running(child);
+        wait_ready(port, arm)?;
+        Ok::<_, Failure>((port, running))
+    };
+    let (port, running) = start()?;
+    let first = ask(port, &turn_one(system), false, arm)?;
+    stop(running, arm)?;
+    let (port, running) = start()?;
+    settle();
+    let second = ask(port, &turn_two(system, &first.text), true, arm)?;
+    stop(running, arm)?;
+    Ok((first, second))
+}
+
+/// The cache and no-cache arms once each at the [`SWEEP`] lengths: the prompt, what the
+/// restore brought (a multiple of 512 below the part turn one's state holds), both times to
+/// the first token and their ratio, and whether the replies match. Printed, not judged.
+fn sweep(kit: &Kit) -> Result<(), Failure> {
+    println!("\nWhere the prompt ends against llama-server's 512-token runs (one round each):");
+    println!(
+        "  {:>6} {:>14} {:>9} {:>12} {:>15} {:>8} {:>10}",
+        "rules", "prompt tokens", "restored", "cache (ms)", "no cache (ms)", "ratio", "identical"
+    );
+    for (k, rules) in SWEEP.into_iter().enumerate() {
+        let system = system_prompt(rules);
+        let cache = kit.scratch.join(format!("sweep-{k}"));
+        let (c1, cached) = conversation(kit, 0, &system, &cache)?;
+        let (u1, uncached) = conversation(kit, 1, &system, &cache)?;
+        println!(
+            "  {rules:>6} {:>14} {:>9} {:>12.0} {:>15.0} {:>8.3} {:>10}",
+            cached.prompt_tokens,
+            cached.restored,
+            cached.ttft_ms,
+            uncached.ttft_ms,
+            cached.ttft_ms / uncached.ttft_ms,
+            if c1.text == u1.text && cached.text == uncached.text {
+                "yes"
+            } else {
+                "NO"
+            }
+        );
+    }
+    Ok(())
 }
 
 fn report(
@@ -297,6 +363,8 @@ struct Answer {
     prompt_tokens: u64,
     ttft_ms: f64,
     restore_ms: Option<f64>,
+    /// Tokens the restore brought (`timings.cache.n`).
+    restored: u64,
 }
 
 /// Send a chat and read it: whole, or streamed event by event (time to the first event
@@ -318,6 +386,7 @@ fn ask(port: u16, body: &Value, streamed: bool, arm: &str) -> Result<Answer, Fai
     let mut pending = Vec::new();
     let mut text = String::new();
     let mut restore_ms = None;
+    let mut restored = 0;
     let mut prompt_tokens = 0;
     let reply = conn
         .stream(&request, |piece, at| {
@@ -343,6 +412,7 @@ fn ask(port: u16, body: &Value, streamed: bool, arm: &str) -> Result<Answer, Fai
                 }
                 if let Some(ms) = event["timings"]["cache"]["restore_ms"].as_f64() {
                     restore_ms = Some(ms);
+                    restored = event["timings"]["cache"]["n"].as_u64().unwrap_or(0);
                 }
                 if let Some(n) = event["usage"]["prompt_tokens"].as_u64() {
                     prompt_tokens = n;
@@ -372,6 +442,7 @@ fn ask(port: u16, body: &Value, streamed: bool, arm: &str) -> Result<Answer, Fai
         prompt_tokens,
         ttft_ms,
         restore_ms,
+        restored,
     })
 }
 
