@@ -78,7 +78,7 @@ impl Counts {
         }
     }
 
-    /// Each command's (round trips, bytes) since `before`, by name.
+    /// Each command's (requests, bytes) since `before`, by name.
     fn commands_since(&self, before: &Counts) -> Vec<(String, f64, f64)> {
         let mut out = Vec::new();
         let Some(now) = self.0["commands"].as_object() else {
@@ -87,13 +87,11 @@ impl Counts {
         for (name, c) in now {
             let was = &before.0["commands"][name];
             let get = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
-            let trips = get(c, "answers") - get(was, "answers");
             let requests = get(c, "requests") - get(was, "requests");
             let bytes = get(c, "request_bytes") + get(c, "answer_bytes")
                 - get(was, "request_bytes")
                 - get(was, "answer_bytes");
             if requests > 0.0 {
-                let _ = trips;
                 out.push((name.clone(), requests, bytes));
             }
         }
@@ -177,21 +175,18 @@ pub fn measure(addr: SocketAddr, files: &[PathBuf]) -> Result<LinkCost, Failure>
             bytes: long.bytes - short.bytes,
         };
         cost.prompt.push(per(prompt, extra_prompt));
+        // The long request's commands less the short one's, per extra token.
+        let short_commands = after_short[w].commands_since(&at_start[w]);
         let by_command = after_generated[w]
             .commands_since(&after_short[w])
             .into_iter()
-            .map(|(name, trips, bytes)| {
-                let short_of = after_short[w]
-                    .commands_since(&at_start[w])
-                    .into_iter()
+            .map(|(name, requests, bytes)| {
+                let (r0, b0) = short_commands
+                    .iter()
                     .find(|c| c.0 == name)
-                    .map(|c| (c.1, c.2))
-                    .unwrap_or((0.0, 0.0));
-                (
-                    name,
-                    (trips - short_of.0) / GENERATED as f64,
-                    (bytes - short_of.1) / GENERATED as f64,
-                )
+                    .map_or((0.0, 0.0), |c| (c.1, c.2));
+                let per = GENERATED as f64;
+                (name, (requests - r0) / per, (bytes - b0) / per)
             })
             .filter(|c| c.1.abs() > 0.01 || c.2.abs() > 1.0)
             .collect();
