@@ -75,6 +75,7 @@ mod tests {
 
     #[test]
     fn a_trim_gives_back_pages_freed_in_the_middle_of_the_heap() {
+        let _alone = crate::PROCESS_MEMORY_TESTS.lock();
         // 64 MiB of small blocks below the mmap threshold, all touched; then every block but
         // the last freed: the last one pins the heap's top, so without a trim the freed
         // pages below it stay resident.

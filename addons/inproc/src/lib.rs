@@ -11,6 +11,11 @@ pub mod heap_trim;
 pub mod openai;
 pub mod state_buffer;
 
+/// Held by the unit tests that measure this process's memory (its RssAnon, or a mapping's
+/// pages), so one test's 64 MiB does not land inside another's measurement.
+#[cfg(test)]
+static PROCESS_MEMORY_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
