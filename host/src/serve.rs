@@ -34,6 +34,9 @@ use ended::{Ended, Loading, fail, impostor, port_taken, stop};
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long past the drain window the prompt cache's saves under way may run at a stop: with
+/// the idle backend's own stop, serve still exits within the window and a second.
+const SAVES_AT_STOP: Duration = Duration::from_millis(500);
 
 /// Run `1bit serve` and return its exit status.
 pub fn run(args: ServeArgs) -> i32 {
@@ -454,11 +457,14 @@ async fn supervise(
     let code = match ended {
         Ended::Backend(event) => fail(event, Loading::No, &backends, app, &devices, grace).await,
         Ended::Signal(what) => {
-            notify::draining(what, Duration::from_secs_f64(args.drain_s));
+            let window = Duration::from_secs_f64(args.drain_s);
+            let stopping = tokio::time::Instant::now();
+            notify::draining(what, window);
             drain.run(what).await;
-            // The states of the replies just ended are saved before the backend stops.
+            // The states of the replies just ended are saved before the backend stops, within
+            // the stop's bound (the window and half a second; the backend's own stop follows).
             if let Some(cache) = &app.prompt_cache {
-                cache.settle().await;
+                cache.settle(stopping + window + SAVES_AT_STOP).await;
             }
             stop(&backends, grace, what).await
         }

@@ -576,3 +576,72 @@ fn bad_prompt_cache_flags_exit_2_with_one_line_saying_what_to_do() {
         assert!(lines[0].contains(says), "{flags:?}: {stderr}");
     }
 }
+
+#[test]
+fn a_save_that_cannot_finish_does_not_hold_the_stop_past_its_bound() {
+    let _turn = one_at_a_time();
+    let dir = temp_dir("pc-stuck-save");
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let server = installed_llama_server();
+    let mut serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--llama-server",
+            server.to_str().unwrap(),
+            "--ctx-size",
+            "2048",
+            "--prompt-cache-dir",
+            dir.to_str().unwrap(),
+            "--prompt-cache-min-tokens",
+            MIN_TOKENS,
+            "--drain-s",
+            "1",
+        ],
+        // A backend stuck in its save gets a short grace, so what is timed is serve's wait.
+        &[("ONEBIT_BACKEND_STOP_GRACE_S", "1")],
+    );
+    assert!(
+        serve.wait_health(200, Duration::from_secs(120)),
+        "{}",
+        serve.output()
+    );
+    // llama-server saves the slot under the next temporary name; a FIFO there that nobody
+    // reads blocks its write for good, as a save of a very long state would run on.
+    for seq in 0..4 {
+        let fifo = dir.join(format!("tmp-{}-{seq}.state", serve.pid()));
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", fifo.display());
+    }
+    chat(&serve, "lighthouses");
+    // The save is asked for as the reply ends; give the request a moment to reach llama-server
+    // (had it not, no save would be under way and the line below would be missing).
+    std::thread::sleep(Duration::from_secs(1));
+    let asked = std::time::Instant::now();
+    serve.signal(Signal::SIGTERM);
+    let exited = serve.wait_exit(Duration::from_secs(20));
+    let took = asked.elapsed();
+    assert!(exited.is_some(), "serve did not stop:\n{}", serve.output());
+    // The window (1 s), half a second for the saves, the backend's grace (1 s) and its kill.
+    assert!(
+        took < Duration::from_secs(4),
+        "took {took:?} from SIGTERM to exit:\n{}",
+        serve.output()
+    );
+    assert_eq!(
+        count(
+            &serve.output(),
+            "1bit serve: prompt cache: 1 save(s) still under way when the stop's time ran out; not kept (a longer --drain-s gives them time)"
+        ),
+        1,
+        "{}",
+        serve.output()
+    );
+    let kept: Vec<_> = states(&dir)
+        .into_iter()
+        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with("tmp-"))
+        .collect();
+    assert!(kept.is_empty(), "nothing kept: {kept:?}");
+}

@@ -39,8 +39,6 @@ use series::{Counts, ReasonLabel};
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A save or restore reads or writes the whole state (tens of MB for a long prompt).
 const STATE_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long the drain waits for saves under way.
-const SETTLE_LIMIT: Duration = Duration::from_secs(30);
 
 /// What the flags asked for, settled before the backend starts (`start::setup`).
 #[derive(Clone, Debug)]
@@ -517,9 +515,11 @@ impl PromptCache {
         }
     }
 
-    /// At drain, after the requests in flight: wait (up to 30 s) for the saves under way, so
-    /// the backend is not stopped in the middle of one.
-    pub async fn settle(&self) {
+    /// At drain, after the requests in flight: wait until `deadline` at the latest for the
+    /// saves under way, so the backend is not stopped in the middle of one. The deadline is the
+    /// stop's bound (the drain window and half a second): a save still running then is given
+    /// up, with one line, rather than holding serve past Lemonade's SIGKILL.
+    pub async fn settle(&self, deadline: tokio::time::Instant) {
         let wait = async {
             while self.pending.load(Ordering::SeqCst) > 0 {
                 let notified = self.settled.notified();
@@ -529,7 +529,12 @@ impl PromptCache {
                 notified.await;
             }
         };
-        let _ = tokio::time::timeout(SETTLE_LIMIT, wait).await;
+        if tokio::time::timeout_at(deadline, wait).await.is_err() {
+            tracing::warn!(
+                "1bit serve: prompt cache: {} save(s) still under way when the stop's time ran out; not kept (a longer --drain-s gives them time)",
+                self.pending.load(Ordering::SeqCst)
+            );
+        }
     }
 
     fn said_discard(&self, d: &Discarded) {
