@@ -3,7 +3,8 @@
 //! provider (`1bit-prefill-llama`, which starts a llama-server of its own) with a long prompt
 //! in flight, and during a stream through an RPC worker's `--mem` relay, leaves no process of
 //! the tree; `kill -9` of the worker leaves no ggml-rpc-server; SIGTERM with a stream in flight
-//! on the cpu route exits within the drain window + 1 s (llama-server alone waits 30 s).
+//! on the cpu route, and on `1bit llama-server` (the drop-in Lemonade runs, with its default
+//! window), exits within the drain window + 1 s (llama-server alone waits 30 s).
 
 use std::io::Read;
 use std::time::{Duration, Instant};
@@ -122,5 +123,45 @@ fn sigterm_with_a_stream_in_flight_on_the_cpu_route_exits_within_the_drain_windo
     let _ = stream.read_to_string(&mut rest);
     assert!(!rest.contains("[DONE]"), "{rest}");
     assert!(!alive(backend));
+    assert!(!run_dir_of(serve.pid()).exists());
+}
+
+#[test]
+fn sigterm_with_a_stream_in_flight_on_the_drop_in_exits_within_lemonades_window() {
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let port = free_port();
+    let mut command = std::process::Command::new(onebit());
+    command
+        .arg("llama-server")
+        .args(["-m", model.to_str().unwrap(), "--port", &port.to_string()])
+        .env("ONEBIT_STATE_DIR", temp_dir("state"))
+        .env("ONEBIT_LLAMA_SERVER", installed_llama_server());
+    let mut serve = Serve::spawn(command, port);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(120)),
+        "{}",
+        serve.output()
+    );
+    let backend = serve.children()[0];
+    let (mut stream, _) = stream_started(serve.port, LONG_STREAM);
+    let signalled = Instant::now();
+    serve.signal(Signal::SIGTERM);
+    let status = serve
+        .wait_exit(Duration::from_secs(40))
+        .expect("the drop-in exits");
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", serve.output());
+    // The default window (3 s) + 1 s is the target, inside Lemonade's 5 s before its SIGKILL;
+    // without the cut at the window's end llama-server waits 30 s for its task.
+    assert!(
+        took < Duration::from_secs(5),
+        "{took:?}:\n{}",
+        serve.output()
+    );
+    assert!(took >= Duration::from_millis(2900), "no drain: {took:?}");
+    let mut rest = String::new();
+    let _ = stream.read_to_string(&mut rest);
+    assert!(!rest.contains("[DONE]"), "{rest}");
+    assert!(!alive(backend), "llama-server outlived the drop-in");
     assert!(!run_dir_of(serve.pid()).exists());
 }
