@@ -12,6 +12,7 @@ use tokio::sync::mpsc::unbounded_channel;
 use crate::backends::health::{
     self, ProbeClient, Status, StatusCell, backend_post, monitor_health, wait_ready,
 };
+use crate::backends::let_go;
 use crate::backends::route_calls::{RouteCalls, install_host_services};
 use crate::backends::supervisor::{self, Backend, Event};
 use crate::backends::watchdog::{self, Watchdog};
@@ -34,9 +35,12 @@ use ended::{Ended, Loading, fail, impostor, port_taken, stop};
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long past the drain window the prompt cache's saves under way may run at a stop: with
-/// the idle backend's own stop, serve still exits within the window and a second.
-const SAVES_AT_STOP: Duration = Duration::from_millis(500);
+/// How long past the drain window a stop waits for the prompt cache's saves under way.
+const SAVES_PAST_THE_WINDOW: Duration = Duration::from_millis(300);
+/// How long past the drain window a stop waits for the backends to let go of the requests it
+/// cut (llama-server looks once a second while it prefills): with the idle backend's own stop,
+/// serve still exits within the window and a second.
+const PAST_THE_WINDOW: Duration = Duration::from_millis(900);
 
 /// Run `1bit serve` and return its exit status.
 pub fn run(args: ServeArgs) -> i32 {
@@ -183,6 +187,9 @@ async fn serve_plan(p: ServePlan) -> i32 {
     ));
 
     let mut drain = Drain::new(shutdown_tx, server, Duration::from_secs_f64(args.drain_s));
+    if let Some(cache) = app.prompt_cache.clone() {
+        drain.before_cut(move || cache.cutting());
+    }
     let code = supervise(&args, &placed, &app, &client, &mut drain).await;
     drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
@@ -461,10 +468,20 @@ async fn supervise(
             let stopping = tokio::time::Instant::now();
             notify::draining(what, window);
             drain.run(what).await;
-            // The states of the replies just ended are saved before the backend stops, within
-            // the stop's bound (the window and half a second; the backend's own stop follows).
+            // The states of the replies that ended in the window are saved before the backend
+            // stops; a save still running at its deadline is ended.
             if let Some(cache) = &app.prompt_cache {
-                cache.settle(stopping + window + SAVES_AT_STOP).await;
+                cache
+                    .settle(stopping + window + SAVES_PAST_THE_WINDOW)
+                    .await;
+            }
+            // A backend told to stop while it still serves a request serve closed waits on it
+            // (llama-server: 30 s); it is stopped once it let go of them (`let_go`), or at the
+            // stop's bound (the backend's own stop follows).
+            let ports: Vec<u16> = backends.iter().map(|b| b.spec.port).collect();
+            let held = let_go::until_let_go(&ports, stopping + window + PAST_THE_WINDOW).await;
+            if held > 0 {
+                tracing::debug!("{held} cut connection(s) not yet closed by the backend");
             }
             stop(&backends, grace, what).await
         }

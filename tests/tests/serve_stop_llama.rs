@@ -6,7 +6,7 @@
 //! on the cpu route, and on `1bit llama-server` (the drop-in Lemonade runs, with its default
 //! window), exits within the drain window + 1 s (llama-server alone waits 30 s).
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -164,4 +164,51 @@ fn sigterm_with_a_stream_in_flight_on_the_drop_in_exits_within_lemonades_window(
     assert!(!rest.contains("[DONE]"), "{rest}");
     assert!(!alive(backend), "llama-server outlived the drop-in");
     assert!(!run_dir_of(serve.pid()).exists());
+}
+
+/// A stream cut in the middle of its prompt's prefill: llama-server can stop only once the
+/// batch it is decoding (up to `-b` 2048 tokens, seconds here) ends, and serve waits for that,
+/// never for the 30 s grace (a save of the cut slot, asked for at the cut, held llama-server's
+/// stop until serve killed it).
+#[test]
+fn sigterm_during_a_long_prefill_waits_for_the_batch_not_the_grace() {
+    let mut serve = serve_smollm2(&["--drain-s", "1"]);
+    let backend = serve.children()[0];
+    // About 2,000 tokens: over the prompt cache's 1,024, inside the context.
+    let words: Vec<String> = (0..700).map(|i| format!("word{}", i % 97)).collect();
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": words.join(" ")}],
+        "max_tokens": 8, "temperature": 0, "stream": true,
+    })
+    .to_string();
+    let mut client = std::net::TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+    write!(
+        client,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    assert!(
+        serve.wait_output("processing task", Duration::from_secs(10)),
+        "{}",
+        serve.output()
+    );
+    let signalled = Instant::now();
+    serve.signal(Signal::SIGTERM);
+    let status = serve
+        .wait_exit(Duration::from_secs(40))
+        .expect("serve exits");
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", serve.output());
+    assert!(
+        !serve.output().contains("did not stop within"),
+        "{took:?}:\n{}",
+        serve.output()
+    );
+    assert!(
+        took < Duration::from_secs(20),
+        "{took:?}:\n{}",
+        serve.output()
+    );
+    assert!(!alive(backend));
 }

@@ -1,12 +1,15 @@
 //! The backends serve runs: spawning and stopping them (`supervisor`), whether they answer
 //! (`health`: the status, serve's own probe client, the health monitor), whether what answers
 //! on a backend's port is the backend (`port_owner`), watching their progress (`watchdog`),
-//! and calls between the route and its backends (`route_calls`).
+//! calls between the route and its backends (`route_calls`), and, at a stop, whether each
+//! backend let go of the connections serve cut (`let_go`).
 //!
 //! This room knows nothing of how client requests are relayed.
 
 pub mod health;
+pub mod let_go;
 pub mod port_owner;
 pub mod route_calls;
 pub mod supervisor;
+mod tcp_table;
 pub mod watchdog;

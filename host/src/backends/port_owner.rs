@@ -10,6 +10,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+use super::tcp_table;
+
 /// What holds the port.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Listener {
@@ -60,30 +62,11 @@ pub fn impostor_line(engine: &str, port: u16, owner: &Option<(u32, String)>) -> 
 
 /// Inodes of the sockets in state LISTEN on `port`, over IPv4 and IPv6.
 fn listening_inodes(proc_root: &Path, port: u16) -> BTreeSet<u64> {
-    let mut inodes = BTreeSet::new();
-    for table in ["net/tcp", "net/tcp6"] {
-        let Ok(text) = std::fs::read_to_string(proc_root.join(table)) else {
-            continue;
-        };
-        // "sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ..."
-        for line in text.lines().skip(1) {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            if fields.len() < 10 || fields[3] != "0A" {
-                continue;
-            }
-            let local_port = fields[1]
-                .rsplit(':')
-                .next()
-                .and_then(|hex| u16::from_str_radix(hex, 16).ok());
-            if local_port == Some(port)
-                && let Ok(inode) = fields[9].parse::<u64>()
-                && inode != 0
-            {
-                inodes.insert(inode);
-            }
-        }
-    }
-    inodes
+    tcp_table::sockets(proc_root)
+        .into_iter()
+        .filter(|s| s.state == tcp_table::LISTEN && s.local_port == port && s.inode != 0)
+        .map(|s| s.inode)
+        .collect()
 }
 
 fn all_pids(proc_root: &Path) -> Vec<u32> {

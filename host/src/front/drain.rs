@@ -18,6 +18,7 @@ pub struct Drain {
     shutdown: watch::Sender<bool>,
     server: Option<JoinHandle<()>>,
     window: Duration,
+    before_cut: Vec<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl Drain {
@@ -26,7 +27,14 @@ impl Drain {
             shutdown,
             server: Some(server),
             window,
+            before_cut: Vec::new(),
         }
+    }
+
+    /// Run `f` just before a cut, while the requests it cuts still run (the prompt cache stops
+    /// saving there: what is cut is not worth the stop's time).
+    pub fn before_cut(&mut self, f: impl Fn() + Send + Sync + 'static) {
+        self.before_cut.push(Box::new(f));
     }
 
     /// Stop accepting, then wait until every connection has finished its request in flight, or
@@ -77,6 +85,7 @@ impl Drain {
     /// close, the client sees its reply end early, each relayed request's backend connection
     /// closes). Does not wait.
     fn cut(&mut self) {
+        self.before_cut.iter().for_each(|f| f());
         crate::relay::in_process::host_stopping();
         if let Some(server) = &self.server {
             server.abort();

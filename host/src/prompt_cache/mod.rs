@@ -117,6 +117,9 @@ pub struct PromptCache {
     seq: AtomicU64,
     pending: AtomicUsize,
     settled: tokio::sync::Notify,
+    /// The saves under way, so a stop whose time ran out can end them (llama-server waits on
+    /// a save request whose client is still there, and would hold its own stop for it).
+    saves: Mutex<Vec<tokio::task::AbortHandle>>,
     counts: Counts,
 }
 
@@ -133,6 +136,7 @@ impl PromptCache {
             seq: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
             settled: tokio::sync::Notify::new(),
+            saves: Mutex::new(Vec::new()),
             counts: Counts::default(),
         }
     }
@@ -459,12 +463,21 @@ impl PromptCache {
         };
         self.pending.fetch_add(1, Ordering::SeqCst);
         let cache = self.clone();
-        runtime.spawn(async move {
+        let save = runtime.spawn(async move {
+            let _done = SaveDone(&cache);
             cache.save(prepared.slot).await;
-            if cache.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
-                cache.settled.notify_waiters();
-            }
         });
+        if let Ok(mut saves) = self.saves.lock() {
+            saves.retain(|s| !s.is_finished());
+            saves.push(save.abort_handle());
+        }
+    }
+
+    /// The stop is cutting the replies still in flight: their slots hold a prompt half
+    /// prefilled or a reply cut short, not worth the stop's time, so nothing more is saved.
+    /// Called by the drain just before the cut; does not block.
+    pub fn cutting(&self) {
+        self.saving.store(false, Ordering::Relaxed);
     }
 
     async fn save(&self, slot: usize) {
@@ -534,6 +547,10 @@ impl PromptCache {
                 "1bit serve: prompt cache: {} save(s) still under way when the stop's time ran out; not kept (a longer --drain-s gives them time)",
                 self.pending.load(Ordering::SeqCst)
             );
+            // Their requests to the backend close, so it does not wait on them at its stop.
+            if let Ok(saves) = self.saves.lock() {
+                saves.iter().for_each(tokio::task::AbortHandle::abort);
+            }
         }
     }
 
@@ -553,3 +570,14 @@ impl PromptCache {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Counts a save out when its task ends, finished or aborted at a stop.
+struct SaveDone<'a>(&'a PromptCache);
+
+impl Drop for SaveDone<'_> {
+    fn drop(&mut self) {
+        if self.0.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.settled.notify_waiters();
+        }
+    }
+}

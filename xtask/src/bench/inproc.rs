@@ -145,12 +145,16 @@ pub(super) fn build_fixture(root: &Path) -> Result<PathBuf, Failure> {
     let io = |e: std::io::Error| Failure::new(e, "check the target folder");
     std::fs::create_dir_all(api.join("src")).map_err(io)?;
     std::fs::create_dir_all(route.join("src")).map_err(io)?;
-    for file in ["lib.rs", "types.rs", "loader.rs", "export.rs", "process.rs"] {
-        std::fs::copy(
-            root.join("plugin-api/src").join(file),
-            api.join("src").join(file),
-        )
-        .map_err(io)?;
+    // Every source file: a list here went stale when plugin-api's types moved into modules.
+    for entry in std::fs::read_dir(root.join("plugin-api/src")).map_err(io)? {
+        let path = entry.map_err(io)?.path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            std::fs::copy(
+                &path,
+                api.join("src").join(path.file_name().unwrap_or_default()),
+            )
+            .map_err(io)?;
+        }
     }
     let manifest = std::fs::read_to_string(root.join("plugin-api/Cargo.toml")).map_err(io)?;
     let version = manifest
