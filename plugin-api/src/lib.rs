@@ -155,7 +155,9 @@ pub fn error_body(code: u16, error_type: &str, message: &str) -> String {
     serde_json::json!({"error": {"code": code, "message": message, "type": error_type}}).to_string()
 }
 
-/// The body of the default [`DeviceRoute::respond`] answer (status 501).
+/// The body of the default [`DeviceRoute::respond`] answer (status 501): what [`error_body`]
+/// builds for it, written out so a route can use it in a `const` (a unit test holds the two
+/// equal).
 pub const NOT_IN_PROCESS: &str = r#"{"error":{"message":"this route does not answer requests in process","type":"not_implemented_error","code":501}}"#;
 
 /// Where [`DeviceRoute::respond`] writes its reply: the host's, valid for that call only.
@@ -311,4 +313,21 @@ macro_rules! export_route {
         pub static ONEBIT_ROUTE_LIB_HEADER: $crate::export::LibHeader =
             $crate::export::lib_header::<$route>();
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_respond_body_is_the_error_body_builders() {
+        let built: serde_json::Value = serde_json::from_str(&error_body(
+            501,
+            "not_implemented_error",
+            "this route does not answer requests in process",
+        ))
+        .unwrap();
+        let written: serde_json::Value = serde_json::from_str(NOT_IN_PROCESS).unwrap();
+        assert_eq!(built, written);
+    }
 }

@@ -125,14 +125,45 @@ fn tree(s: &[u8], i: &mut usize, mut path: Module, out: &mut Vec<Module>) {
     }
 }
 
-/// The code of a file before its `#[cfg(test)]` module, without line comments.
+/// The code of a file without line comments and without its `#[cfg(test)]` items (a `use` or
+/// a static to its `;`, a module to its closing brace), wherever they stand: code after a
+/// test-only item is read too.
 fn code(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap();
-    let text = text.split("#[cfg(test)]").next().unwrap_or_default();
-    text.lines()
+    let text = text
+        .lines()
         .map(|l| l.split("//").next().unwrap_or_default())
         .collect::<Vec<_>>()
-        .join("\n")
+        .join("\n");
+    let mut kept = String::new();
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find("#[cfg(test)]") {
+        kept.push_str(&rest[..at]);
+        rest = &rest[at + "#[cfg(test)]".len()..];
+        rest = &rest[item_end(rest)..];
+    }
+    kept.push_str(rest);
+    kept
+}
+
+/// Where the item at the start of `text` ends: after its `;`, or after the brace that closes
+/// its first `{`, whichever comes first.
+fn item_end(text: &str) -> usize {
+    let mut depth = 0usize;
+    for (i, c) in text.char_indices() {
+        match c {
+            ';' if depth == 0 => return i + 1,
+            '{' => depth += 1,
+            '}' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    return i + 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    text.len()
 }
 
 /// The edges between siblings: for a use of module B's item in module A, the two children
@@ -264,6 +295,17 @@ fn the_reader_sees_a_circle_through_braces_and_super() {
     assert_eq!(
         circles(&sibling_edges(&dir)),
         vec![vec!["metrics".to_string(), "relay".to_string()]]
+    );
+    // Code after a test-only item (a static, a test module) is still read.
+    std::fs::write(dir.join("relay/a.rs"), "use super::b::f;\n").unwrap();
+    std::fs::write(
+        dir.join("relay/b.rs"),
+        "#[cfg(test)]\nstatic T: u8 = 0;\n#[cfg(test)]\nmod tests { use crate::metrics; fn t() { {} } }\nuse super::a::x;\n",
+    )
+    .unwrap();
+    assert_eq!(
+        circles(&sibling_edges(&dir)),
+        vec![vec!["relay::a".to_string(), "relay::b".to_string()]]
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Router, middleware};
 
-use onebit_plugin_api::Action;
+use onebit_plugin_api::{Action, error_body};
 
 use crate::backends::health::Status;
 use crate::guard;
@@ -182,20 +182,29 @@ impl Drop for Ended {
     }
 }
 
+/// A 503 health body: the OpenAI error body (`error_body`) with the specification's fields of
+/// the health route beside it (`status`, and `reason` when the backend is down).
+fn unavailable(fields: &[(&str, &str)], message: &str) -> String {
+    let mut body: serde_json::Value =
+        serde_json::from_str(&error_body(503, "unavailable_error", message)).unwrap_or_default();
+    if let Some(object) = body.as_object_mut() {
+        for (name, value) in fields {
+            object.insert((*name).to_string(), serde_json::Value::from(*value));
+        }
+    }
+    body.to_string()
+}
+
 async fn health(State(app): State<Arc<App>>) -> Response {
     match app.status() {
         Status::Ready => json_response(StatusCode::OK, r#"{"status":"ok"}"#.to_string()),
         Status::Loading => json_response(
             StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"status": "loading", "error": {
-                "message": "Loading model", "type": "unavailable_error", "code": 503}})
-            .to_string(),
+            unavailable(&[("status", "loading")], "Loading model"),
         ),
         Status::Down(reason) | Status::Failed(reason) => json_response(
             StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"status": "error", "reason": reason, "error": {
-                "message": reason, "type": "unavailable_error", "code": 503}})
-            .to_string(),
+            unavailable(&[("status", "error"), ("reason", &reason)], &reason),
         ),
     }
 }
@@ -320,4 +329,28 @@ fn relayed_metrics_headers(
         })
         .map(|(name, value)| (name.clone(), value.clone()))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unavailable;
+
+    #[test]
+    fn a_503_health_body_is_the_error_body_with_the_status_and_reason_beside_it() {
+        let body: serde_json::Value = serde_json::from_str(&unavailable(
+            &[("status", "error"), ("reason", "llama-server exited")],
+            "llama-server exited",
+        ))
+        .unwrap();
+        assert_eq!(body["status"], "error");
+        assert_eq!(body["reason"], "llama-server exited");
+        assert_eq!(body["error"]["code"], 503);
+        assert_eq!(body["error"]["type"], "unavailable_error");
+        assert_eq!(body["error"]["message"], "llama-server exited");
+        let loading: serde_json::Value =
+            serde_json::from_str(&unavailable(&[("status", "loading")], "Loading model")).unwrap();
+        assert_eq!(loading["status"], "loading");
+        assert_eq!(loading["error"]["message"], "Loading model");
+        assert!(loading.get("reason").is_none());
+    }
 }
