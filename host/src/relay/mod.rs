@@ -20,6 +20,7 @@ pub mod in_flight;
 pub mod in_process;
 pub mod plan;
 pub mod pool;
+mod reply_riders;
 pub mod request_id;
 pub mod served_name;
 pub mod sse_keepalive;

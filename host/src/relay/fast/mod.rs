@@ -30,18 +30,20 @@ use crate::relay::early_stream::EarlyStream;
 use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
 use crate::relay::request_id::RequestId;
-use crate::relay::sse_keepalive::{self, SseEdge};
+use crate::relay::sse_keepalive;
 use crate::relay::wire::{self, Body, Framing, Head, MAX_CONNECTION, MAX_HEAD, MAX_HEADERS};
 
 mod early;
 mod handover;
 mod qualify;
 mod reply_head;
+mod silences;
 
 use early::{after_early_head, framed};
 pub use handover::Prefixed;
 use qualify::{Fast, Verdict, qualify};
 use reply_head::{ReplyError, ReplyHead, read_reply_head};
+use silences::Silences;
 
 /// A body larger than this goes the general way: it takes several reads to arrive anyway.
 const MAX_FAST_BODY: usize = 256 * 1024;
@@ -487,59 +489,6 @@ async fn relay_reply(
                 },
             }
         }
-    }
-}
-
-/// Keep-alive comments in an event stream's silences. Comments go only into a stream whose
-/// framing has room for them: chunks, or a body that ends at the close (which the client gets
-/// chunked). One timer for the whole reply, moved on lazily: a read only notes its time, and
-/// the timer, when it fires early, is set again for `every` after the last byte.
-struct Silences {
-    every: Duration,
-    edge: SseEdge,
-    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
-    last_byte: tokio::time::Instant,
-}
-
-impl Silences {
-    /// For a reply with this head, when keep-alive is on (`keepalive`) and the reply is an
-    /// event stream with room for comments.
-    fn for_reply(keepalive: Option<Duration>, head: &ReplyHead) -> Option<Silences> {
-        let every = keepalive.filter(|_| head.event_stream)?;
-        let edge = match head.framing {
-            Framing::Chunked => SseEdge::new(sse_keepalive::Framing::Chunked),
-            Framing::UntilClose => SseEdge::new(sse_keepalive::Framing::Payload),
-            _ => return None,
-        };
-        Some(Silences {
-            every,
-            edge,
-            timer: Box::pin(tokio::time::sleep(every)),
-            last_byte: tokio::time::Instant::now(),
-        })
-    }
-
-    /// The timer fired: a comment when the silence has lasted `every` and the stream is
-    /// between events, else the timer set again for the silence's end. Err: the client left.
-    async fn fired(&mut self, client: &mut BusyPollStream) -> Result<(), ()> {
-        let now = tokio::time::Instant::now();
-        let due = self.last_byte + self.every;
-        if now < due {
-            self.timer.as_mut().reset(due);
-            return Ok(());
-        }
-        // The client's reply is chunked either way (a body to the close is re-framed), so the
-        // comment goes as a chunk.
-        if self.edge.at_boundary() {
-            sse_keepalive::count();
-            client
-                .write_all(sse_keepalive::COMMENT_CHUNK)
-                .await
-                .map_err(|_| ())?;
-        }
-        self.last_byte = now;
-        self.timer.as_mut().reset(now + self.every);
-        Ok(())
     }
 }
 
