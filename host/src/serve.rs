@@ -19,7 +19,7 @@ use crate::backends::watchdog::{self, Watchdog};
 use crate::cli::ServeArgs;
 use crate::error::Fatal;
 use crate::front::accept::accept_loop;
-use crate::front::drain::Drain;
+use crate::front::drain::{Cut, Drain};
 use crate::guard::Guard;
 use crate::laya::start::Placed;
 use crate::metrics;
@@ -467,7 +467,7 @@ async fn supervise(
             let window = Duration::from_secs_f64(args.drain_s);
             let stopping = tokio::time::Instant::now();
             notify::draining(what, window);
-            drain.run(what).await;
+            let cut = drain.run(what).await;
             // The states of the replies that ended in the window are saved before the backend
             // stops; a save still running at its deadline is ended.
             if let Some(cache) = &app.prompt_cache {
@@ -478,10 +478,13 @@ async fn supervise(
             // A backend told to stop while it still serves a request serve closed waits on it
             // (llama-server: 30 s); it is stopped once it let go of them (`let_go`), or at the
             // stop's bound (the backend's own stop follows).
-            let ports: Vec<u16> = backends.iter().map(|b| b.spec.port).collect();
-            let held = let_go::until_let_go(&ports, stopping + window + PAST_THE_WINDOW).await;
-            if held > 0 {
-                tracing::debug!("{held} cut connection(s) not yet closed by the backend");
+            // Tool calls alone are ended by the stop itself, so it is not put off for them.
+            if cut == Cut::Served {
+                let ports: Vec<u16> = backends.iter().map(|b| b.spec.port).collect();
+                let held = let_go::until_let_go(&ports, stopping + window + PAST_THE_WINDOW).await;
+                if held > 0 {
+                    tracing::debug!("{held} cut connection(s) not yet closed by the backend");
+                }
             }
             stop(&backends, grace, what).await
         }

@@ -148,6 +148,11 @@ pub fn serve_smollm2(extra: &[&str]) -> Serve {
 
 /// `model` on the cpu route with the pinned llama-server, ready.
 pub fn serve_cpu(model: &Path, extra: &[&str]) -> Serve {
+    serve_cpu_with_env(model, extra, &[])
+}
+
+/// `model` on the cpu route with the pinned llama-server and extra environment, ready.
+pub fn serve_cpu_with_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Serve {
     let server = installed_llama_server();
     let mut args = vec![
         "-m",
@@ -158,7 +163,7 @@ pub fn serve_cpu(model: &Path, extra: &[&str]) -> Serve {
         server.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    let serve = Serve::start(&args, &[]);
+    let serve = Serve::start(&args, env);
     assert!(
         serve.wait_health(200, Duration::from_secs(120)),
         "llama-server did not become ready:\n{}",

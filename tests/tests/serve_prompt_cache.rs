@@ -90,6 +90,10 @@ fn streamed(serve: &Serve, topic: &str) -> (String, Value) {
 }
 
 fn serve_with(dir: &Path, extra: &[&str]) -> Serve {
+    serve_with_env(dir, extra, &[])
+}
+
+fn serve_with_env(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Serve {
     let mut args = vec![
         "--ctx-size",
         "2048",
@@ -99,7 +103,11 @@ fn serve_with(dir: &Path, extra: &[&str]) -> Serve {
         MIN_TOKENS,
     ];
     args.extend_from_slice(extra);
-    serve_smollm2(&args)
+    serve_cpu_with_env(
+        &installed_model("SmolLM2-135M-Instruct-Q4_1.gguf"),
+        &args,
+        env,
+    )
 }
 
 /// SIGTERM, and the exit: the drain saves what the replies left before the backend stops.
@@ -581,32 +589,11 @@ fn bad_prompt_cache_flags_exit_2_with_one_line_saying_what_to_do() {
 fn a_save_that_cannot_finish_does_not_hold_the_stop_past_its_bound() {
     let _turn = one_at_a_time();
     let dir = temp_dir("pc-stuck-save");
-    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
-    let server = installed_llama_server();
-    let mut serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            server.to_str().unwrap(),
-            "--ctx-size",
-            "2048",
-            "--prompt-cache-dir",
-            dir.to_str().unwrap(),
-            "--prompt-cache-min-tokens",
-            MIN_TOKENS,
-            "--drain-s",
-            "1",
-        ],
-        // A backend stuck in its save gets a short grace, so what is timed is serve's wait.
+    // A backend stuck in its save gets a short grace, so what is timed is serve's wait.
+    let mut serve = serve_with_env(
+        &dir,
+        &["--drain-s", "1"],
         &[("ONEBIT_BACKEND_STOP_GRACE_S", "1")],
-    );
-    assert!(
-        serve.wait_health(200, Duration::from_secs(120)),
-        "{}",
-        serve.output()
     );
     // llama-server saves the slot under the next temporary name; a FIFO there that nobody
     // reads blocks its write for good, as a save of a very long state would run on.

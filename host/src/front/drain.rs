@@ -12,6 +12,19 @@ use tokio::task::JoinHandle;
 
 use crate::relay::in_flight;
 
+/// What a drain cut.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Cut {
+    /// Nothing: every request finished in the window (or none was in flight).
+    Nothing,
+    /// Requests the backend was serving: it must see them leave before it is told to stop
+    /// (`backends::let_go`), or it may wait on them.
+    Served,
+    /// Only requests the backend ends itself at its stop (llama-server's tool calls): it is
+    /// told to stop at once.
+    Abandoned,
+}
+
 /// serve's listener task and the switch that stops it. Owned by `serve_plan`, used from
 /// `supervise` on the runtime.
 pub struct Drain {
@@ -40,11 +53,12 @@ impl Drain {
     /// Stop accepting, then wait until every connection has finished its request in flight, or
     /// the window ends and what is left is cut. What the backend abandons at its own stop
     /// (llama-server's tool calls, `relay::in_flight`) is not waited for: once only such
-    /// requests are left they are cut at once. Returns when the backends may be stopped.
-    pub async fn run(&mut self, what: &str) {
+    /// requests are left they are cut at once. Returns when the backends may be stopped, with
+    /// what was cut.
+    pub async fn run(&mut self, what: &str) -> Cut {
         let _ = self.shutdown.send(true);
         let Some(server) = self.server.as_mut() else {
-            return;
+            return Cut::Nothing;
         };
         let busy = in_flight::in_flight();
         if busy > 0 && !self.window.is_zero() {
@@ -58,26 +72,33 @@ impl Drain {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
-        tokio::select! {
+        let cut = tokio::select! {
             _ = server => {
                 self.server = None;
-                return;
+                return Cut::Nothing;
             }
             _ = tokio::time::sleep(self.window) => {
                 let left = in_flight::in_flight();
                 tracing::info!(
                     "1bit serve: {what}: the drain window ended with {left} request(s) in flight; cutting them"
                 );
+                if in_flight::holding_the_stop() > 0 {
+                    Cut::Served
+                } else {
+                    Cut::Abandoned
+                }
             }
             _ = only_abandoned_left => {
                 let left = in_flight::in_flight();
                 tracing::info!(
                     "1bit serve: {what}: only {left} tool call(s) left in flight, which the backend ends at its stop; cutting them"
                 );
+                Cut::Abandoned
             }
-        }
+        };
         self.cut();
         self.server = None;
+        cut
     }
 
     /// Cut every request still in flight: in-process routes' sinks fail from now on, and the
