@@ -75,11 +75,43 @@ pub(super) fn one(port: u16, kind: Kind, prompt: &str, reference: &str) -> (u16,
             )),
             false,
         ),
+        Kind::ChunkedTooLarge => (chunked_past_the_limit(port), false),
+        Kind::NoSuchRoute => (
+            status_of(&exchange(port, &get_request("/v1/no-such-route"), None)),
+            false,
+        ),
         Kind::TooLarge => {
             let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 999999999999\r\nConnection: close\r\n\r\n{";
             (status_of(&exchange(port, head.as_bytes(), None)), false)
         }
     }
+}
+
+/// A chat whose chunked body grows past serve's limit (`SOAK_BODY_LIMIT`), 64 KiB a chunk, until
+/// serve answers or stops reading; the reply's status (0: none).
+fn chunked_past_the_limit(port: u16) -> u16 {
+    let Ok(mut tcp) = TcpStream::connect(("127.0.0.1", port)) else {
+        return 0;
+    };
+    let _ = tcp.set_read_timeout(Some(REPLY_WITHIN));
+    let _ = tcp.set_write_timeout(Some(REPLY_WITHIN));
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+    if tcp.write_all(head.as_bytes()).is_err() {
+        return 0;
+    }
+    let mut chunk = format!("{:x}\r\n", 64 << 10).into_bytes();
+    chunk.extend(std::iter::repeat_n(b' ', 64 << 10));
+    chunk.extend_from_slice(b"\r\n");
+    // One chunk past the limit, then nothing more (no last chunk): serve answers once the body
+    // passes it, having read what was sent.
+    for _ in 0..SOAK_BODY_LIMIT / (64 << 10) + 1 {
+        if tcp.write_all(&chunk).is_err() {
+            break;
+        }
+    }
+    let mut reply = Vec::new();
+    let _ = tcp.read_to_end(&mut reply);
+    status_of(&String::from_utf8_lossy(&reply))
 }
 
 /// Read a streamed reply up to its first event (or the connection's end), and return what

@@ -11,8 +11,9 @@
 //! Traffic, in turn per client: streamed and whole chats, completions, an embeddings request
 //! (llama-server without `--embedding`, and the add-on, answer 501), a client that leaves
 //! mid-stream, a slow reader, and hostile requests (a foreign Host: 403; a body that is not
-//! JSON: 400; a declared body over the limit: 413). 200 keep-alive connections sit idle through
-//! each phase. Faults: at 40 % of the cpu phase the backend is SIGSTOPped for 3 s (longer than
+//! JSON: 400; a declared body over the limit: 413; a chunked body that grows past it: 413; a
+//! route nobody serves: 404). 200 keep-alive connections sit idle through each phase, each
+//! asking `/health` every 20 s so serve's 30 s header timeout does not close it. Faults: at 40 % of the cpu phase the backend is SIGSTOPped for 3 s (longer than
 //! serve's 1.5 s health limit) and then SIGCONTed; requests that meet it may get 503 or 502. The
 //! last phase: a cpu serve with `--watchdog 3` streams a reply, its backend is SIGSTOPped, and
 //! the watchdog must kill it and serve exit 1 with its line, leaving nothing behind.
@@ -42,6 +43,10 @@ const USAGE: &str =
     "use `cargo xtask soak [--minutes N] [--only cpu|inproc]` (N a positive number; default 20)";
 const CLIENTS: usize = 6;
 const IDLE_POOL: usize = 200;
+/// How often each idle connection asks `/health`: within serve's 30 s header timeout.
+const IDLE_ASK: Duration = Duration::from_secs(20);
+/// serve's body limit in the soak (`ONEBIT_MAX_BODY_BYTES`): the chunked hostile body grows past it.
+const SOAK_BODY_LIMIT: usize = 1 << 20;
 const PROMPTS: [&str; 3] = [
     "What is the capital of France? Answer in one word.",
     "Name three colours of the rainbow.",
@@ -81,9 +86,11 @@ enum Kind {
     ForeignHost,
     NotJson,
     TooLarge,
+    ChunkedTooLarge,
+    NoSuchRoute,
 }
 
-const KINDS: [Kind; 9] = [
+const KINDS: [Kind; 11] = [
     Kind::StreamedChat,
     Kind::WholeChat,
     Kind::Completion,
@@ -93,6 +100,8 @@ const KINDS: [Kind; 9] = [
     Kind::ForeignHost,
     Kind::NotJson,
     Kind::TooLarge,
+    Kind::ChunkedTooLarge,
+    Kind::NoSuchRoute,
 ];
 
 impl Kind {
@@ -101,7 +110,8 @@ impl Kind {
             Kind::Embeddings => 501,
             Kind::ForeignHost => 403,
             Kind::NotJson => 400,
-            Kind::TooLarge => 413,
+            Kind::TooLarge | Kind::ChunkedTooLarge => 413,
+            Kind::NoSuchRoute => 404,
             _ => 200,
         }
     }
@@ -337,6 +347,8 @@ fn start_serve(
             .args(["--parallel", "4", "--port", &port.to_string()])
             .args(extra)
             .env("ONEBIT_STATE_DIR", &kit.scratch)
+            // A chunked body over the limit is cheap to send at 1 MiB (the default is 64).
+            .env("ONEBIT_MAX_BODY_BYTES", SOAK_BODY_LIMIT.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -354,6 +366,35 @@ fn start_serve(
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok((serve, port))
+}
+
+/// Keep `IDLE_POOL` keep-alive connections open and idle on serve until `deadline`. serve
+/// closes a kept-alive connection that sends nothing for its header timeout (30 s), so each
+/// asks `/health` every `IDLE_ASK` and is otherwise silent; one that fails is opened again. The
+/// pool then stands whole through the phase, and the descriptors it holds stay level.
+fn keep_idle_pool(port: u16, deadline: Instant) {
+    let ask = |tcp: &mut TcpStream| -> Option<()> {
+        tcp.write_all(&get_request_keep_alive("/health")).ok()?;
+        let mut buf = [0u8; 512];
+        (tcp.read(&mut buf).ok()? > 0).then_some(())
+    };
+    let open = || {
+        let mut tcp = TcpStream::connect(("127.0.0.1", port)).ok()?;
+        tcp.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        ask(&mut tcp)?;
+        Some(tcp)
+    };
+    let mut pool: Vec<TcpStream> = (0..IDLE_POOL).filter_map(|_| open()).collect();
+    while Instant::now() < deadline {
+        std::thread::sleep(IDLE_ASK.min(deadline.saturating_duration_since(Instant::now())));
+        for tcp in &mut pool {
+            if ask(tcp).is_none()
+                && let Some(fresh) = open()
+            {
+                *tcp = fresh;
+            }
+        }
+    }
 }
 
 /// One traffic phase of `minutes` on `engine`, ended by SIGTERM.
@@ -382,18 +423,9 @@ fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Fa
     }
     let references = Arc::new(references);
 
-    let idle: Vec<TcpStream> = (0..IDLE_POOL)
-        .filter_map(|_| {
-            let mut tcp = TcpStream::connect(("127.0.0.1", port)).ok()?;
-            tcp.write_all(&get_request_keep_alive("/health")).ok()?;
-            let mut buf = [0u8; 512];
-            let _ = tcp.read(&mut buf);
-            Some(tcp)
-        })
-        .collect();
-
     let run_for = Duration::from_secs_f64(minutes * 60.0);
     let deadline = Instant::now() + run_for;
+    let idle = std::thread::spawn(move || keep_idle_pool(port, deadline));
     let fault = Arc::new(AtomicBool::new(false));
     let outcomes = Arc::new(Mutex::new(Vec::<Outcome>::new()));
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
@@ -463,7 +495,7 @@ fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Fa
     }
     let _ = faults.join();
     let _ = sampler.join();
-    drop(idle);
+    let _ = idle.join();
 
     // The stop: SIGTERM, and nothing of serve's tree left after it.
     let tree = descendants(pid);

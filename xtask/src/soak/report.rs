@@ -53,8 +53,11 @@ pub(super) fn report(phase: &PhaseRun) -> bool {
     };
     let mut unexpected_total = 0;
     let mut corrupted_total = 0;
+    let mut kinds_unrun = 0;
     for kind in KINDS {
         let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.kind == kind).collect();
+        // A kind that never ran proves nothing: the phase is too short for its traffic.
+        kinds_unrun += usize::from(mine.is_empty());
         let good = mine.iter().filter(|o| allowed(o, kind)).count();
         let corrupted = mine.iter().filter(|o| o.corrupted && !o.in_fault).count();
         let bad: Vec<u16> = mine
@@ -144,8 +147,12 @@ pub(super) fn report(phase: &PhaseRun) -> bool {
         after.last().map(|s| s.threads).unwrap_or(0)
     );
     println!("  stop: SIGTERM to exit {stop_s:.2} s; processes left: {left:?}");
+    if kinds_unrun > 0 {
+        println!("  {kinds_unrun} kind(s) of request never ran: a longer --minutes runs them all");
+    }
     let met = unexpected_total == 0
         && corrupted_total == 0
+        && kinds_unrun == 0
         && (!rss_judged || rss_growth <= GROWTH_LIMIT_KIB)
         && fd_growth <= FD_SLACK
         && tasks_seen
