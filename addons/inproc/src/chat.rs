@@ -5,6 +5,8 @@
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 
+use crate::error::InprocError;
+
 /// The template llama-server uses for a GGUF that carries none (its `CHATML_TEMPLATE_SRC`).
 pub const CHATML: &str = "{%- for message in messages -%}\n  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n  {{- '<|im_start|>assistant\n' -}}\n{%- endif -%}";
 
@@ -16,7 +18,7 @@ pub fn render(
     kwargs: Option<&serde_json::Map<String, serde_json::Value>>,
     bos: &str,
     eos: &str,
-) -> Result<String, String> {
+) -> Result<String, InprocError> {
     render_with(template, messages, kwargs, bos, eos, true)
 }
 
@@ -27,7 +29,7 @@ fn render_with(
     bos: &str,
     eos: &str,
     add_generation_prompt: bool,
-) -> Result<String, String> {
+) -> Result<String, InprocError> {
     let mut env = Environment::new();
     // Jinja2 (which chat templates are written for) keeps blocks' whitespace as written.
     env.set_keep_trailing_newline(true);
@@ -39,8 +41,9 @@ fn render_with(
             Err(Error::new(ErrorKind::InvalidOperation, message))
         },
     );
-    env.add_template("chat", template)
-        .map_err(|e| format!("the model's chat template does not parse: {e}"))?;
+    env.add_template("chat", template).map_err(|e| {
+        InprocError::Request(format!("the model's chat template does not parse: {e}"))
+    })?;
     let messages: Vec<serde_json::Value> = messages.iter().map(flatten_content).collect();
     let mut context = serde_json::Map::new();
     if let Some(kwargs) = kwargs {
@@ -50,10 +53,16 @@ fn render_with(
     context.insert("add_generation_prompt".into(), add_generation_prompt.into());
     context.insert("bos_token".into(), bos.into());
     context.insert("eos_token".into(), eos.into());
-    let template = env.get_template("chat").map_err(|e| e.to_string())?;
+    let template = env
+        .get_template("chat")
+        .map_err(|e| InprocError::Request(e.to_string()))?;
     template
         .render(Value::from_serialize(&context))
-        .map_err(|e| format!("the model's chat template failed on these messages: {e}"))
+        .map_err(|e| {
+            InprocError::Request(format!(
+                "the model's chat template failed on these messages: {e}"
+            ))
+        })
 }
 
 /// The text that starts a user message in `template`'s prompts (ChatML's `<|im_start|>user`),
@@ -228,6 +237,6 @@ mod tests {
     fn raise_exception_becomes_an_error() {
         let err =
             super::render("{{ raise_exception('no tools') }}", &[], None, "", "").unwrap_err();
-        assert!(err.contains("no tools"), "{err}");
+        assert!(err.to_string().contains("no tools"), "{err}");
     }
 }

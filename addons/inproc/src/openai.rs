@@ -9,7 +9,8 @@ use onebit_plugin_api::{ReplySink, RouteError};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::generate::{Failure, Finish, Outcome, Settings};
+use crate::error::InprocError;
+use crate::generate::{Finish, Outcome, Settings};
 
 /// The fields of a completion or chat request the route acts on; others are ignored, as
 /// llama-server ignores what it does not know.
@@ -40,7 +41,7 @@ pub struct StreamOptions {
 
 impl Ask {
     /// The request's sampling and stopping settings, or a one-line reason they are wrong.
-    pub fn settings(&self) -> Result<Settings, String> {
+    pub fn settings(&self) -> Result<Settings, InprocError> {
         let max = self
             .max_completion_tokens
             .or(self.max_tokens)
@@ -48,7 +49,10 @@ impl Ask {
         let max_tokens = match max {
             None => None,
             Some(n) if n < 0 => None,
-            Some(n) => Some(u32::try_from(n).map_err(|_| format!("max_tokens {n} is too large"))?),
+            Some(n) => Some(
+                u32::try_from(n)
+                    .map_err(|_| InprocError::Request(format!("max_tokens {n} is too large")))?,
+            ),
         };
         let stop = match &self.stop {
             None | Some(Value::Null) => Vec::new(),
@@ -58,10 +62,10 @@ impl Ask {
                 .map(|v| {
                     v.as_str()
                         .map(str::to_string)
-                        .ok_or_else(|| "stop must be a string or an array of strings".to_string())
+                        .ok_or_else(|| InprocError::Request(STOP_SHAPE.to_string()))
                 })
                 .collect::<Result<_, _>>()?,
-            Some(_) => return Err("stop must be a string or an array of strings".to_string()),
+            Some(_) => return Err(InprocError::Request(STOP_SHAPE.to_string())),
         };
         Ok(Settings {
             max_tokens,
@@ -77,20 +81,25 @@ impl Ask {
     }
 
     /// The prompt of a completion request: one string.
-    pub fn prompt(&self) -> Result<String, String> {
+    pub fn prompt(&self) -> Result<String, InprocError> {
         match &self.prompt {
             Some(Value::String(s)) => Ok(s.clone()),
             Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
                 Ok(items[0].as_str().unwrap_or_default().to_string())
             }
-            Some(_) => Err(
+            Some(_) => Err(InprocError::Request(
                 "the inproc route takes one prompt string; send several prompts as separate requests"
                     .to_string(),
-            ),
-            None => Err("the request has no prompt; send {\"prompt\": \"...\"}".to_string()),
+            )),
+            None => Err(InprocError::Request(
+                "the request has no prompt; send {\"prompt\": \"...\"}".to_string(),
+            )),
         }
     }
 }
+
+/// What `stop` must be.
+const STOP_SHAPE: &str = "stop must be a string or an array of strings";
 
 /// Which OpenAI reply shape to write.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -99,20 +108,10 @@ pub enum Kind {
     Chat,
 }
 
-/// A JSON error reply, as llama-server shapes them.
-pub fn error_body(status: u16, message: &str) -> String {
-    let kind = if status == 400 {
-        "invalid_request_error"
-    } else {
-        "server_error"
-    };
-    json!({"error": {"code": status, "message": message, "type": kind}}).to_string()
-}
-
-/// Send a whole JSON error reply.
-pub fn send_error(sink: &mut dyn ReplySink, status: u16, message: &str) -> Result<(), RouteError> {
-    sink.send_head(status, "application/json")
-        .and_then(|()| sink.send(error_body(status, message).as_bytes()))
+/// Send a whole JSON error reply: `error`'s status and body.
+pub fn send_error(sink: &mut dyn ReplySink, error: &InprocError) -> Result<(), RouteError> {
+    sink.send_head(error.status(), "application/json")
+        .and_then(|()| sink.send(error.body().as_bytes()))
         .map_err(|e| RouteError::new(e.message))?;
     sink.end();
     Ok(())
@@ -321,14 +320,10 @@ impl<'s> Reply<'s> {
 
     /// The generation failed: a whole error reply (400 for the request's fault, 500 for the
     /// engine's) when no head went out yet; else an error, which cuts the stream off.
-    pub fn fail(self, failure: Failure) -> Result<(), RouteError> {
-        let (status, message) = match failure {
-            Failure::Request(message) => (400, message),
-            Failure::Engine(message) => (500, message),
-        };
+    pub fn fail(self, failure: InprocError) -> Result<(), RouteError> {
         if self.opened {
-            return Err(RouteError::new(message));
+            return Err(failure.into());
         }
-        send_error(self.sink, status, &message)
+        send_error(self.sink, &failure)
     }
 }

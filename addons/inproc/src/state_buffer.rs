@@ -87,7 +87,7 @@ mod tests {
         let mut buffer = StateBuffer::zeroed(3 << 20).expect("mapped");
         assert_eq!(buffer.len(), 3 << 20);
         assert!(buffer.iter().all(|&b| b == 0));
-        // SAFETY (test): within the mapping.
+        // SAFETY: within the mapping (a test).
         unsafe { *buffer.as_mut_ptr().add(10) = 7 };
         buffer.truncate(11);
         assert_eq!(&buffer[..], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7]);
@@ -99,7 +99,7 @@ mod tests {
     /// cannot move it, as they move the process's RssAnon.
     fn resident_pages(start: *mut u8, len: usize) -> Option<usize> {
         let mut vec = vec![0u8; len.div_ceil(4096)];
-        // SAFETY (test): mincore only reads the page tables of the range and writes `vec`,
+        // SAFETY: (a test) mincore only reads the page tables of the range and writes `vec`,
         // which has one byte per page.
         let rc = unsafe { libc::mincore(start.cast(), len, vec.as_mut_ptr()) };
         (rc == 0).then(|| vec.iter().filter(|&&b| b & 1 == 1).count())
@@ -117,7 +117,7 @@ mod tests {
             "a fresh mapping holds no pages"
         );
         for page in (0..len).step_by(4096) {
-            // SAFETY (test): within the mapping.
+            // SAFETY: within the mapping (a test).
             unsafe { *start.add(page) = 1 };
         }
         assert_eq!(resident_pages(start, len), Some(len / 4096));
