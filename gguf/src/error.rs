@@ -1,4 +1,5 @@
-//! The crate's one error type: which file, at which byte, and what is wrong with it.
+//! The crate's one error type: which file, at which byte, and what is wrong with it; or, for
+//! the memory estimate, which setting cannot work.
 
 use std::fmt;
 use std::io;
@@ -27,15 +28,21 @@ pub enum ErrorKind {
     Malformed,
     /// A shard of a split model is missing.
     MissingShard,
-    /// A metadata key holds a value of the wrong type or shape for what the caller asked.
+    /// A metadata key holds a value of the wrong type, shape or range for what the caller asked.
     Metadata,
+    /// A metadata key llama.cpp requires to load the model is absent.
+    MissingKey,
+    /// The settings a caller asked the memory estimate for cannot work whatever the file
+    /// holds (an unknown KV cache type, a context too small for its sequences).
+    Settings,
 }
 
 /// An error reading a GGUF file, displayed as `<file>: byte <offset>: <what is wrong>`
-/// (or `<file>: <what is wrong>` when no byte applies), in one line a user can act on.
+/// (or `<file>: <what is wrong>` when no byte applies, or `<what is wrong>` when no file
+/// does: [`ErrorKind::Settings`]), in one line a user can act on.
 #[derive(Debug)]
 pub struct Error {
-    file: String,
+    file: Option<String>,
     offset: Option<u64>,
     kind: ErrorKind,
     message: String,
@@ -50,7 +57,7 @@ impl Error {
         message: impl Into<String>,
     ) -> Error {
         Error {
-            file: file.into(),
+            file: Some(file.into()),
             offset,
             kind,
             message: message.into(),
@@ -60,7 +67,7 @@ impl Error {
 
     pub(crate) fn io(file: impl Into<String>, what: &str, err: io::Error) -> Error {
         Error {
-            file: file.into(),
+            file: Some(file.into()),
             offset: None,
             kind: ErrorKind::Io,
             message: format!("{what}: {err}"),
@@ -68,13 +75,24 @@ impl Error {
         }
     }
 
+    /// Settings that cannot work, about no file: [`ErrorKind::Settings`].
+    pub(crate) fn settings(message: impl Into<String>) -> Error {
+        Error {
+            file: None,
+            offset: None,
+            kind: ErrorKind::Settings,
+            message: message.into(),
+            source: None,
+        }
+    }
+
     pub fn kind(&self) -> ErrorKind {
         self.kind
     }
 
-    /// The file as the caller named it.
-    pub fn file(&self) -> &str {
-        &self.file
+    /// The file as the caller named it, when the error is about one.
+    pub fn file(&self) -> Option<&str> {
+        self.file.as_deref()
     }
 
     /// The byte where the offending item starts, when there is one.
@@ -90,9 +108,10 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.offset {
-            Some(offset) => write!(f, "{}: byte {}: {}", self.file, offset, self.message),
-            None => write!(f, "{}: {}", self.file, self.message),
+        match (&self.file, self.offset) {
+            (Some(file), Some(offset)) => write!(f, "{file}: byte {offset}: {}", self.message),
+            (Some(file), None) => write!(f, "{file}: {}", self.message),
+            (None, _) => f.write_str(&self.message),
         }
     }
 }

@@ -181,4 +181,15 @@ impl Header {
             format!("key '{key}' {}", problem.as_ref()),
         )
     }
+
+    /// A required key this file lacks: `key '<key>' is missing; <then>`, where `then` says
+    /// what that means or what to pass instead.
+    pub(crate) fn missing_key(&self, key: &str, then: &str) -> Error {
+        Error::new(
+            self.source.clone(),
+            None,
+            ErrorKind::MissingKey,
+            format!("key '{key}' is missing; {then}"),
+        )
+    }
 }

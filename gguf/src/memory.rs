@@ -7,7 +7,7 @@
 //! restated over header keys: what llama.cpp allocates, not what a paper says a model needs.
 //! Pure functions; callable from any thread.
 
-use crate::Header;
+use crate::{Error, Header};
 
 mod settings;
 pub use settings::{CacheType, KvEstimate, KvSettings, MIB};
@@ -83,7 +83,7 @@ fn approximated(arch: &str) -> bool {
     )
 }
 
-/// Typed header lookups that turn a wrong type into a message naming the key.
+/// Typed header lookups that turn a wrong type or a missing key into an [`Error`] naming it.
 struct Keys<'h> {
     h: &'h Header,
     arch: &'h str,
@@ -94,52 +94,49 @@ impl Keys<'_> {
         format!("{}.{suffix}", self.arch)
     }
 
-    fn opt(&self, suffix: &str) -> Result<Option<u64>, String> {
-        self.h
-            .u64_checked(&self.key(suffix))
-            .map_err(|e| e.to_string())
+    fn opt(&self, suffix: &str) -> Result<Option<u64>, Error> {
+        self.h.u64_checked(&self.key(suffix))
     }
 
-    fn or(&self, suffix: &str, default: u64) -> Result<u64, String> {
+    fn or(&self, suffix: &str, default: u64) -> Result<u64, Error> {
         Ok(self.opt(suffix)?.unwrap_or(default))
     }
 
     /// A key llama.cpp requires: without it llama-server would not load the model either.
-    fn req(&self, suffix: &str) -> Result<u64, String> {
-        self.opt(suffix)?.ok_or_else(|| {
-            format!(
-                "{}: key '{}' is missing; llama.cpp cannot load this model",
-                self.h.source,
-                self.key(suffix)
-            )
-        })
+    fn req(&self, suffix: &str) -> Result<u64, Error> {
+        self.opt(suffix)?.ok_or_else(|| self.missing(suffix))
     }
 
-    fn per_layer(&self, suffix: &str, n: usize) -> Result<Option<Vec<u64>>, String> {
+    /// The error for a key llama.cpp requires and the file lacks.
+    fn missing(&self, suffix: &str) -> Error {
         self.h
-            .per_layer(&self.key(suffix), n)
-            .map_err(|e| e.to_string())
+            .missing_key(&self.key(suffix), "llama.cpp cannot load this model")
+    }
+
+    fn per_layer(&self, suffix: &str, n: usize) -> Result<Option<Vec<u64>>, Error> {
+        self.h.per_layer(&self.key(suffix), n)
     }
 
     /// A per-layer flag array read as llama.cpp's `get_arr` does: bool, u32 or i32 elements,
     /// any length up to the layer count (missing entries are false).
-    fn flags(&self, suffix: &str, n: usize) -> Result<Option<Vec<bool>>, String> {
+    fn flags(&self, suffix: &str, n: usize) -> Result<Option<Vec<bool>>, Error> {
         let key = self.key(suffix);
         let Some(value) = self.h.get(&key) else {
             return Ok(None);
         };
         let values = value.as_array().and_then(|a| a.to_u64s()).ok_or_else(|| {
-            format!(
-                "{}: key '{key}' is a {}, expected a per-layer array of bools",
-                self.h.source,
-                value.value_type()
+            self.h.metadata_error(
+                &key,
+                format!(
+                    "is a {}, expected a per-layer array of bools",
+                    value.value_type()
+                ),
             )
         })?;
         if values.len() > n {
-            return Err(format!(
-                "{}: key '{key}' has {} elements but the model has {n} layers",
-                self.h.source,
-                values.len()
+            return Err(self.h.metadata_error(
+                &key,
+                format!("has {} elements but the model has {n} layers", values.len()),
             ));
         }
         let mut flags = vec![false; n];
@@ -176,11 +173,11 @@ fn window(
     n_layer: usize,
     n_all: usize,
     is_recr: &[bool],
-) -> Result<Option<(u64, Vec<bool>)>, String> {
+) -> Result<Option<(u64, Vec<bool>)>, Error> {
     const WINDOW: &str = "attention.sliding_window";
     const PATTERN: &str = "attention.sliding_window_pattern";
     // `load_swa_pattern`: a per-layer bool array wins, else a scalar N, else the arch default.
-    let pattern = |default_n: u64, dense_first: bool| -> Result<Vec<bool>, String> {
+    let pattern = |default_n: u64, dense_first: bool| -> Result<Vec<bool>, Error> {
         if let Some(v) = k.h.get(&k.key(PATTERN))
             && v.as_array().is_some()
         {
@@ -189,7 +186,7 @@ fn window(
         let n = k.or(PATTERN, default_n)?;
         Ok(swa_pattern(n, dense_first, n_layer, n_all))
     };
-    let window_set = || -> Result<Option<u64>, String> { Ok(k.opt(WINDOW)?.filter(|&w| w > 0)) };
+    let window_set = || -> Result<Option<u64>, Error> { Ok(k.opt(WINDOW)?.filter(|&w| w > 0)) };
     let some = |n_swa: u64, layers: Vec<bool>| Ok(Some((n_swa, layers)));
 
     match k.arch {
@@ -232,13 +229,7 @@ fn window(
         "gemma4" | "gemma4-assistant" | "step35" | "mimo2" | "granite_swa" | "maple"
         | "spark2_5" | "dots3note" => {
             let n_swa = k.req(WINDOW)?;
-            let layers = k.flags(PATTERN, n_all)?.ok_or_else(|| {
-                format!(
-                    "{}: key '{}' is missing; llama.cpp cannot load this model",
-                    k.h.source,
-                    k.key(PATTERN)
-                )
-            })?;
+            let layers = k.flags(PATTERN, n_all)?.ok_or_else(|| k.missing(PATTERN))?;
             some(n_swa, layers)
         }
         // The attention layers are the windowed ones, when a window is set.
@@ -255,7 +246,7 @@ fn window(
 
 /// `n_embd_r` and `n_embd_s` (`llama-hparams.cpp`): elements of one layer's rolling conv
 /// state and recurrent state per sequence.
-fn recurrent_widths(k: &Keys, n_embd: u64, n_head: u64, head_k: u64) -> Result<(u64, u64), String> {
+fn recurrent_widths(k: &Keys, n_embd: u64, n_head: u64, head_k: u64) -> Result<(u64, u64), Error> {
     let wkv_head_size = k.or("wkv.head_size", 0)?;
     let shortconv = k.or("shortconv.l_cache", 0)?;
     let kda = k.or("kda.head_dim", 0)?;
@@ -294,13 +285,10 @@ fn recurrent_widths(k: &Keys, n_embd: u64, n_head: u64, head_k: u64) -> Result<(
 /// The bytes llama.cpp will allocate for the KV cache(s) and recurrent state of the model
 /// whose header is `h`, run with `s`. Errors name the file and the key that is missing or
 /// malformed; a model llama.cpp could not load is refused rather than guessed at.
-pub fn kv_estimate(h: &Header, s: &KvSettings) -> Result<KvEstimate, String> {
-    let arch = h.architecture().ok_or_else(|| {
-        format!(
-            "{}: key 'general.architecture' is missing; pass a llama.cpp GGUF model",
-            h.source
-        )
-    })?;
+pub fn kv_estimate(h: &Header, s: &KvSettings) -> Result<KvEstimate, Error> {
+    let arch = h
+        .architecture()
+        .ok_or_else(|| h.missing_key("general.architecture", "pass a llama.cpp GGUF model"))?;
     let k = Keys { h, arch };
     let layout = layout(arch);
     let n_par = u64::from(s.n_parallel.max(1));
@@ -419,23 +407,21 @@ pub fn kv_estimate(h: &Header, s: &KvSettings) -> Result<KvEstimate, String> {
 
 /// The model's layers (`block_count`, 1 to 512 as llama.cpp's LLAMA_MAX_LAYERS; the cap also
 /// bounds the loops here) and how many of them are its MTP head (`nextn_predict_layers`).
-fn layer_counts(k: &Keys<'_>) -> Result<(usize, usize), String> {
+fn layer_counts(k: &Keys<'_>) -> Result<(usize, usize), Error> {
     let h = k.h;
     let n_all = k.req("block_count")?;
     if n_all == 0 || n_all > 512 {
-        return Err(format!(
-            "{}: key '{}' is {n_all}; llama.cpp loads 1 to 512 layers",
-            h.source,
-            k.key("block_count")
+        return Err(h.metadata_error(
+            &k.key("block_count"),
+            format!("is {n_all}; llama.cpp loads 1 to 512 layers"),
         ));
     }
     let n_all = n_all as usize;
     let nextn = k.or("nextn_predict_layers", 0)? as usize;
     if nextn > n_all {
-        return Err(format!(
-            "{}: key '{}' is {nextn}, more than the {n_all} layers",
-            h.source,
-            k.key("nextn_predict_layers")
+        return Err(h.metadata_error(
+            &k.key("nextn_predict_layers"),
+            format!("is {nextn}, more than the {n_all} layers"),
         ));
     }
     Ok((n_all, nextn))
@@ -443,7 +429,7 @@ fn layer_counts(k: &Keys<'_>) -> Result<(usize, usize), String> {
 
 /// The context asked (`-c`, or the model's own) padded, its streams, and the cells of each:
 /// one stream holding it all when unified, else one per sequence.
-fn context_cells(k: &Keys<'_>, s: &KvSettings, n_par: u64) -> Result<(u64, u64, u64), String> {
+fn context_cells(k: &Keys<'_>, s: &KvSettings, n_par: u64) -> Result<(u64, u64, u64), Error> {
     let ctx = match s.ctx {
         0 => k.req("context_length")?,
         c => c,
@@ -455,9 +441,9 @@ fn context_cells(k: &Keys<'_>, s: &KvSettings, n_par: u64) -> Result<(u64, u64, 
         (n_par, pad(n_ctx / n_par))
     };
     if cells == 0 {
-        return Err(format!(
+        return Err(Error::settings(format!(
             "a context of {ctx} is too small for {n_par} parallel sequences; raise --ctx-size"
-        ));
+        )));
     }
 
     Ok((n_ctx, n_stream, cells))
@@ -481,7 +467,7 @@ fn layer_roles(
     n_all: usize,
     nextn: usize,
     n_head_kv: &[u64],
-) -> Result<Roles, String> {
+) -> Result<Roles, Error> {
     let (h, arch) = (k.h, k.arch);
     let mut is_recr = vec![false; n_all];
     let mut attends = vec![true; n_all];
@@ -505,10 +491,9 @@ fn layer_roles(
                 None => {
                     let interval = k.or("full_attention_interval", default_interval)?;
                     if interval == 0 {
-                        return Err(format!(
-                            "{}: key '{}' is 0; llama.cpp needs at least 1",
-                            h.source,
-                            k.key("full_attention_interval")
+                        return Err(h.metadata_error(
+                            &k.key("full_attention_interval"),
+                            "is 0; llama.cpp needs at least 1",
                         ));
                     }
                     (0..n_all)
@@ -957,11 +942,11 @@ mod tests {
             ]
         );
         for t in CacheType::ALL {
-            assert_eq!(t.name().parse::<CacheType>(), Ok(t));
+            assert_eq!(t.name().parse::<CacheType>().ok(), Some(t));
             assert_eq!(t.to_string(), t.name());
         }
         assert_eq!(
-            "q4_k".parse::<CacheType>().unwrap_err(),
+            "q4_k".parse::<CacheType>().unwrap_err().to_string(),
             "unsupported KV cache type 'q4_k'; -ctk/-ctv take one of f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"
         );
         assert!(
@@ -1017,7 +1002,11 @@ mod tests {
 
     #[test]
     fn missing_or_malformed_keys_are_named() {
-        let err = |b: Builder| kv_estimate(&header(b), &KvSettings::new(4096)).unwrap_err();
+        let err = |b: Builder| {
+            kv_estimate(&header(b), &KvSettings::new(4096))
+                .unwrap_err()
+                .to_string()
+        };
         assert_eq!(
             err(Builder::new().kv("general.name", "x")),
             "fixture.gguf: key 'general.architecture' is missing; pass a llama.cpp GGUF model"
@@ -1051,9 +1040,17 @@ mod tests {
             ..KvSettings::default()
         };
         assert_eq!(
-            kv_estimate(&header(qwen3_0_6b()), &tiny).unwrap_err(),
+            kv_estimate(&header(qwen3_0_6b()), &tiny)
+                .unwrap_err()
+                .to_string(),
             "a context of 256 is too small for 512 parallel sequences; raise --ctx-size"
         );
+        let kind = |b: Builder, s: &KvSettings| kv_estimate(&header(b), s).unwrap_err().kind();
+        assert_eq!(
+            kind(Builder::new().kv("general.name", "x"), &tiny),
+            crate::ErrorKind::MissingKey
+        );
+        assert_eq!(kind(qwen3_0_6b(), &tiny), crate::ErrorKind::Settings);
     }
 
     #[test]
@@ -1091,6 +1088,7 @@ mod tests {
                     for s in &settings {
                         // Either an estimate or a message naming the file; never a panic.
                         if let Err(e) = kv_estimate(&h, s) {
+                            let e = e.to_string();
                             assert!(
                                 e.starts_with("fixture.gguf: ") || e.starts_with("a context"),
                                 "{e}"

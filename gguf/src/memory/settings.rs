@@ -4,6 +4,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::Error;
+
 /// Bytes in a MiB, for callers printing "40 + 62.8 MiB".
 pub const MIB: f64 = 1024.0 * 1024.0;
 
@@ -79,18 +81,20 @@ impl fmt::Display for CacheType {
 }
 
 impl FromStr for CacheType {
-    type Err = String;
+    type Err = Error;
 
-    fn from_str(s: &str) -> Result<CacheType, String> {
+    /// An unknown name is an [`ErrorKind::Settings`](crate::ErrorKind::Settings) error
+    /// naming the types `-ctk` / `-ctv` take.
+    fn from_str(s: &str) -> Result<CacheType, Error> {
         CacheType::ALL
             .into_iter()
             .find(|t| t.name() == s)
             .ok_or_else(|| {
                 let names: Vec<&str> = CacheType::ALL.iter().map(|t| t.name()).collect();
-                format!(
+                Error::settings(format!(
                     "unsupported KV cache type '{s}'; -ctk/-ctv take one of {}",
                     names.join(", ")
-                )
+                ))
             })
     }
 }

@@ -33,7 +33,7 @@ pub fn size(plan: &mut Plan, model: &Path) {
 /// The bytes llama.cpp allocates for the model's sequence memory at `asked`, and its padded
 /// context.
 fn estimate(asked: &LlamaKv, model: &Path) -> Result<(u64, u64), String> {
-    let cache = |name: &str| name.parse::<CacheType>();
+    let cache = |name: &str| name.parse::<CacheType>().map_err(|e| e.to_string());
     let settings = KvSettings {
         ctx: asked.ctx,
         n_parallel: asked.n_parallel.max(1),
@@ -46,7 +46,7 @@ fn estimate(asked: &LlamaKv, model: &Path) -> Result<(u64, u64), String> {
     };
     let header = gguf::read_header_lean(model)
         .map_err(|e| format!("its GGUF header cannot be read: {e}"))?;
-    let estimate = gguf::memory::kv_estimate(&header, &settings)?;
+    let estimate = gguf::memory::kv_estimate(&header, &settings).map_err(|e| e.to_string())?;
     Ok((estimate.total_bytes(), estimate.n_ctx))
 }
 

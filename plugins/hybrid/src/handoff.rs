@@ -8,6 +8,7 @@ use onebit_plugin_api::{BackendRequest, ForwardRequest, HostServices};
 use serde_json::Value;
 
 use crate::Settings;
+use crate::error::{BackendCall, HybridError};
 use crate::provider::{self, Invocation};
 
 /// A restore reads the whole state file; a large prompt's can take a while.
@@ -42,19 +43,18 @@ pub fn run(
     request: &ForwardRequest,
     host: &dyn HostServices,
     seq: u64,
-) -> Result<Done, String> {
+) -> Result<Done, HybridError> {
     let Some(program) = &settings.provider else {
-        return Err("no prefill provider is named".to_string());
+        return Err(HybridError::NoProvider);
     };
-    let mut body: Value =
-        serde_json::from_str(&request.body).map_err(|e| format!("the body is not JSON ({e})"))?;
+    let mut body: Value = serde_json::from_str(&request.body).map_err(HybridError::BodyNotJson)?;
     if !body.is_object() {
-        return Err("the body is not a JSON object".to_string());
+        return Err(HybridError::BodyNotObject);
     }
     let prompt = prompt_text(request, &body, host)?;
     let ids = tokenize(&prompt, host)?;
     if ids.is_empty() {
-        return Err("the prompt has no tokens".to_string());
+        return Err(HybridError::NoTokens);
     }
 
     let dir = Path::new(&settings.slot_dir);
@@ -68,8 +68,10 @@ pub fn run(
         text.push_str(&id.to_string());
         text.push('\n');
     }
-    std::fs::write(&files.ids, text)
-        .map_err(|e| format!("cannot write {} ({e})", files.ids.display()))?;
+    std::fs::write(&files.ids, text).map_err(|source| HybridError::WriteIds {
+        path: files.ids.clone(),
+        source,
+    })?;
 
     let mut args = vec![
         "--tokens".to_string(),
@@ -101,32 +103,28 @@ pub fn run(
         grace: crate::PROVIDER_STOP_GRACE,
     })?;
     if report.n_tokens != ids.len() as u64 {
-        return Err(format!(
-            "the provider reported {} tokens for a prompt of {}",
-            report.n_tokens,
-            ids.len()
-        ));
+        return Err(HybridError::TokenCount {
+            reported: report.n_tokens,
+            prompt: ids.len(),
+        });
     }
     if !files.state.is_file() {
-        return Err(format!(
-            "the provider wrote no state file ({})",
-            files.state.display()
-        ));
+        return Err(HybridError::NoStateFile(files.state.clone()));
     }
 
     let restored = call(
         host,
+        BackendCall::Restore,
         "/slots/0?action=restore",
         serde_json::json!({ "filename": state_name }),
         RESTORE_TIMEOUT_MS,
-    )
-    .map_err(|e| format!("the restore into slot 0 failed: {e}"))?;
+    )?;
     let n_restored = restored["n_restored"].as_u64().unwrap_or(0);
     if n_restored != ids.len() as u64 {
-        return Err(format!(
-            "slot 0 holds {n_restored} tokens after the restore, not the prompt's {}",
-            ids.len()
-        ));
+        return Err(HybridError::Restored {
+            held: n_restored,
+            prompt: ids.len(),
+        });
     }
     drop(files);
 
@@ -146,66 +144,77 @@ fn prompt_text(
     request: &ForwardRequest,
     body: &Value,
     host: &dyn HostServices,
-) -> Result<String, String> {
+) -> Result<String, HybridError> {
     if request.path.ends_with("chat/completions") {
         if !body["messages"].is_array() {
-            return Err("no text prompt (the chat has no messages)".to_string());
+            return Err(HybridError::NoTextPrompt("the chat has no messages"));
         }
-        let templated = call(host, "/apply-template", body.clone(), 0)
-            .map_err(|e| format!("the backend could not template the chat: {e}"))?;
+        let templated = call(
+            host,
+            BackendCall::Template,
+            "/apply-template",
+            body.clone(),
+            0,
+        )?;
         return templated["prompt"]
             .as_str()
             .map(str::to_string)
-            .ok_or_else(|| "the backend's template gave no prompt".to_string());
+            .ok_or(HybridError::NoTemplatedPrompt);
     }
     body["prompt"]
         .as_str()
         .map(str::to_string)
-        .ok_or_else(|| "no text prompt (the prompt is not one string)".to_string())
+        .ok_or(HybridError::NoTextPrompt("the prompt is not one string"))
 }
 
 /// The prompt's ids as the server tokenizes a request: special tokens added and parsed.
-fn tokenize(prompt: &str, host: &dyn HostServices) -> Result<Vec<i64>, String> {
+fn tokenize(prompt: &str, host: &dyn HostServices) -> Result<Vec<i64>, HybridError> {
     let reply = call(
         host,
+        BackendCall::Tokenize,
         "/tokenize",
         serde_json::json!({"content": prompt, "add_special": true, "parse_special": true}),
         0,
-    )
-    .map_err(|e| format!("the backend could not tokenize the prompt: {e}"))?;
+    )?;
     reply["tokens"]
         .as_array()
-        .ok_or_else(|| "the backend's /tokenize gave no tokens".to_string())?
+        .ok_or(HybridError::NoTokenList)?
         .iter()
-        .map(|t| {
-            t.as_i64()
-                .ok_or_else(|| format!("a token id is not a number: {t}"))
-        })
+        .map(|t| t.as_i64().ok_or_else(|| HybridError::BadTokenId(t.clone())))
         .collect()
 }
 
-/// POST `body` to backend 0 and return its JSON reply; a status other than 200 is an error
-/// carrying the backend's message.
+/// POST `body` to backend 0 for `what` and return its JSON reply; no reply (the host's
+/// reason, as the plugin ABI gives it) or a status other than 200 (the backend's message) is
+/// an error naming the call.
 fn call(
     host: &dyn HostServices,
+    what: BackendCall,
     path: &str,
     body: Value,
     timeout_ms: u64,
-) -> Result<Value, String> {
-    let reply = host.backend_request(&BackendRequest {
-        backend: 0,
-        method: "POST".to_string(),
-        path: path.to_string(),
-        body: Some(body.to_string()),
-        timeout_ms,
-    })?;
+) -> Result<Value, HybridError> {
+    let failed = |status, message| HybridError::Backend {
+        call: what,
+        status,
+        message,
+    };
+    let reply = host
+        .backend_request(&BackendRequest {
+            backend: 0,
+            method: "POST".to_string(),
+            path: path.to_string(),
+            body: Some(body.to_string()),
+            timeout_ms,
+        })
+        .map_err(|reason| failed(None, reason))?;
     let value: Value = serde_json::from_str(&reply.body).unwrap_or(Value::Null);
     if reply.status != 200 {
         let message = value["error"]["message"]
             .as_str()
             .map(str::to_string)
             .unwrap_or_else(|| reply.body.chars().take(200).collect());
-        return Err(format!("status {}: {message}", reply.status));
+        return Err(failed(Some(reply.status), message));
     }
     Ok(value)
 }
@@ -319,7 +328,9 @@ touch "$ONEBIT_HYBRID_SLOT_DIR/$o"; echo '{"n_tokens":3,"argmax":4,"prefill_ms":
             seen: Mutex::new(Vec::new()),
         };
         let reason = |script: &str, request: &ForwardRequest, restored| {
-            run(&settings(&d, script), request, &backend(restored), 2).unwrap_err()
+            run(&settings(&d, script), request, &backend(restored), 2)
+                .unwrap_err()
+                .to_string()
         };
         let e = reason(WRITES_STATE, &completion(r#"{"prompt":[1,2]}"#), 3);
         assert!(e.contains("no text prompt"), "{e}");

@@ -2,6 +2,7 @@
 //! llama-server decodes from it after restoring it (docs/hybrid.md).
 #![deny(unsafe_code)]
 
+mod error;
 mod handoff;
 mod provider;
 

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use onebit_plugin_api::process;
 use serde::Deserialize;
 
+use crate::error::HybridError;
+
 /// What one run of the provider reported.
 #[derive(Debug, PartialEq)]
 pub struct Report {
@@ -40,7 +42,7 @@ pub struct Invocation<'a> {
 /// SIGKILL after `grace`). Blocks; called on the forward thread. Its stderr is serve's. It is
 /// started by the one spawner, so it dies with serve and leads its own process group (the
 /// limit's stop reaches whatever it started).
-pub fn run(invocation: &Invocation) -> Result<Report, String> {
+pub fn run(invocation: &Invocation) -> Result<Report, HybridError> {
     let started = Instant::now();
     let mut command = Command::new(invocation.program);
     command
@@ -49,8 +51,10 @@ pub fn run(invocation: &Invocation) -> Result<Report, String> {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
-    let mut child = process::spawn(command)
-        .map_err(|e| format!("the provider {} could not start ({e})", invocation.program))?;
+    let mut child = process::spawn(command).map_err(|source| HybridError::ProviderStart {
+        program: invocation.program.to_string(),
+        source,
+    })?;
     let mut stdout = child.stdout.take().expect("stdout is piped");
     let (out_tx, out_rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -62,19 +66,16 @@ pub fn run(invocation: &Invocation) -> Result<Report, String> {
         Some(status) => {
             // What it started is stopped with it, even after a clean exit.
             child.signal_group(nix::sys::signal::Signal::SIGKILL as i32);
-            status.map_err(|e| format!("the provider could not be waited for ({e})"))?
+            status.map_err(HybridError::ProviderWait)?
         }
         None => {
             child.stop(invocation.grace);
-            return Err(format!(
-                "the provider did not finish within {} s (ONEBIT_HYBRID_PREFILL_TIMEOUT_S) and was stopped",
-                invocation.limit.as_secs_f64()
-            ));
+            return Err(HybridError::ProviderTimeout(invocation.limit));
         }
     };
     let wall_ms = started.elapsed().as_secs_f64() * 1000.0;
     if !status.success() {
-        return Err(format!("the provider failed ({status})"));
+        return Err(HybridError::ProviderFailed(status));
     }
     let stdout = out_rx
         .recv_timeout(Duration::from_secs(1))
@@ -83,9 +84,8 @@ pub fn run(invocation: &Invocation) -> Result<Report, String> {
         .lines()
         .rev()
         .find(|l| !l.trim().is_empty())
-        .ok_or("the provider printed no JSON line on stdout")?;
-    let line: Line = serde_json::from_str(last.trim())
-        .map_err(|e| format!("the provider's last stdout line is not its JSON report ({e})"))?;
+        .ok_or(HybridError::ProviderNoReport)?;
+    let line: Line = serde_json::from_str(last.trim()).map_err(HybridError::ProviderBadReport)?;
     Ok(Report {
         n_tokens: line.n_tokens,
         prefill_ms: line.prefill_ms,
@@ -122,18 +122,20 @@ mod tests {
 
     #[test]
     fn a_failure_or_no_report_is_an_error() {
-        let e = run(&sh("exit 3", 5000)).unwrap_err();
+        let e = run(&sh("exit 3", 5000)).unwrap_err().to_string();
         assert!(e.contains("exit status: 3"), "{e}");
-        let e = run(&sh("echo not json", 5000)).unwrap_err();
+        let e = run(&sh("echo not json", 5000)).unwrap_err().to_string();
         assert!(e.contains("not its JSON report"), "{e}");
-        let e = run(&sh("true", 5000)).unwrap_err();
+        let e = run(&sh("true", 5000)).unwrap_err().to_string();
         assert!(e.contains("no JSON line"), "{e}");
     }
 
     #[test]
     fn a_provider_that_ignores_sigterm_is_killed_after_the_grace() {
         let started = Instant::now();
-        let e = run(&sh("trap '' TERM; sleep 30 & wait; sleep 30", 300)).unwrap_err();
+        let e = run(&sh("trap '' TERM; sleep 30 & wait; sleep 30", 300))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("did not finish within 0.3 s"), "{e}");
         assert!(
             started.elapsed() < Duration::from_secs(5),

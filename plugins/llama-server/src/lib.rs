@@ -329,7 +329,7 @@ pub fn memory_need(
             }),
             unknown: None,
         },
-        Err(e) => unknown(e),
+        Err(e) => unknown(e.to_string()),
     }
 }
 

@@ -15,6 +15,7 @@
 //! recipe to set a flag win; an env entry is added only when neither the user nor the plan set it.
 
 use std::collections::{BTreeMap, HashSet};
+use std::fmt;
 
 use onebit_plugin_api::{PlanRequest, Refusal};
 use serde_json::Value;
@@ -40,31 +41,81 @@ pub struct Recipe {
     pub env: BTreeMap<String, String>,
 }
 
+/// A recipes file that cannot be used (`--recipes FILE`, or the built-in set): this crate's one
+/// error type. Displayed as `<file>: <what is wrong>`, or `<file>: recipe <id>: <what is wrong>`
+/// when one recipe is at fault (`#<n>` for one without an id), in one line; plan time refuses
+/// it as a usage error, in one place (`From<RecipeError> for Refusal`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecipeError {
+    file: String,
+    recipe: Option<String>,
+    problem: String,
+}
+
+impl RecipeError {
+    /// About the file as a whole.
+    fn in_file(file: &str, problem: impl Into<String>) -> RecipeError {
+        RecipeError {
+            file: file.to_string(),
+            recipe: None,
+            problem: problem.into(),
+        }
+    }
+
+    /// About one recipe of the file.
+    fn in_recipe(file: &str, recipe: &str, problem: impl Into<String>) -> RecipeError {
+        RecipeError {
+            file: file.to_string(),
+            recipe: Some(recipe.to_string()),
+            problem: problem.into(),
+        }
+    }
+}
+
+impl fmt::Display for RecipeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.recipe {
+            Some(id) => write!(f, "{}: recipe {id}: {}", self.file, self.problem),
+            None => write!(f, "{}: {}", self.file, self.problem),
+        }
+    }
+}
+
+impl std::error::Error for RecipeError {}
+
+/// Where the plugin ABI takes the error: a usage refusal (exit 2) carrying its line.
+impl From<RecipeError> for Refusal {
+    fn from(e: RecipeError) -> Refusal {
+        Refusal::usage(e.to_string())
+    }
+}
+
 /// Read and check a recipes file's text; `file` names it in errors.
-pub fn parse(file: &str, text: &str) -> Result<Vec<Recipe>, String> {
-    let doc: Value =
-        serde_json::from_str(text).map_err(|e| format!("{file}: not valid JSON: {e}"))?;
+pub fn parse(file: &str, text: &str) -> Result<Vec<Recipe>, RecipeError> {
+    let doc: Value = serde_json::from_str(text)
+        .map_err(|e| RecipeError::in_file(file, format!("not valid JSON: {e}")))?;
     let top = doc
         .as_object()
-        .ok_or_else(|| format!("{file}: not a JSON object with a \"recipes\" list"))?;
+        .ok_or_else(|| RecipeError::in_file(file, "not a JSON object with a \"recipes\" list"))?;
     if let Some(key) = top.keys().find(|k| *k != "recipes" && *k != "about") {
-        return Err(format!("{file}: unknown key \"{key}\""));
+        return Err(RecipeError::in_file(file, format!("unknown key \"{key}\"")));
     }
     if top.get("about").is_some_and(|a| !a.is_string()) {
-        return Err(format!("{file}: \"about\" must be a string"));
+        return Err(RecipeError::in_file(file, "\"about\" must be a string"));
     }
     let list = top
         .get("recipes")
         .and_then(Value::as_array)
-        .ok_or_else(|| format!("{file}: no \"recipes\" list"))?;
+        .ok_or_else(|| RecipeError::in_file(file, "no \"recipes\" list"))?;
     let mut seen = HashSet::new();
     let mut recipes = Vec::new();
     for (n, item) in list.iter().enumerate() {
-        let recipe = check(item, n).map_err(|(id, why)| format!("{file}: recipe {id}: {why}"))?;
+        let recipe = check(file, item, n)?;
         if !seen.insert(recipe.id.clone()) {
-            return Err(format!(
-                "{file}: recipe {}: the id is listed twice",
-                recipe.id
+            return Err(RecipeError::in_recipe(
+                file,
+                &recipe.id,
+                "the id is listed twice",
             ));
         }
         recipes.push(recipe);
@@ -72,27 +123,35 @@ pub fn parse(file: &str, text: &str) -> Result<Vec<Recipe>, String> {
     Ok(recipes)
 }
 
-fn strings(value: &Value, what: &str) -> Result<Vec<String>, String> {
-    value
-        .as_array()
-        .and_then(|a| {
-            a.iter()
-                .map(|v| v.as_str().map(str::to_string))
-                .collect::<Option<Vec<_>>>()
-        })
-        .ok_or_else(|| format!("\"{what}\" must be a list of strings"))
+/// A list of strings, or None when `value` is anything else.
+fn strings(value: &Value) -> Option<Vec<String>> {
+    value.as_array().and_then(|a| {
+        a.iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+    })
 }
 
-fn check(item: &Value, n: usize) -> Result<Recipe, (String, String)> {
+fn not_strings(what: &str) -> String {
+    format!("\"{what}\" must be a list of strings")
+}
+
+fn check(file: &str, item: &Value, n: usize) -> Result<Recipe, RecipeError> {
     let fallback = format!("#{}", n + 1);
     let Some(obj) = item.as_object() else {
-        return Err((fallback, "not a JSON object".to_string()));
+        return Err(RecipeError::in_recipe(file, &fallback, "not a JSON object"));
     };
     let id = match obj.get("id").map(Value::as_str) {
         Some(Some(id)) if !id.is_empty() => id.to_string(),
-        _ => return Err((fallback, "no \"id\" (a non-empty string)".to_string())),
+        _ => {
+            return Err(RecipeError::in_recipe(
+                file,
+                &fallback,
+                "no \"id\" (a non-empty string)",
+            ));
+        }
     };
-    let fail = |why: String| (id.clone(), why);
+    let fail = |why: String| RecipeError::in_recipe(file, &id, why);
     if let Some(key) = obj.keys().find(|k| !RECIPE_KEYS.contains(&k.as_str())) {
         return Err(fail(format!("unknown key \"{key}\"")));
     }
@@ -117,12 +176,12 @@ fn check(item: &Value, n: usize) -> Result<Recipe, (String, String)> {
         }
         let list = |key: &str| {
             m.get(key)
-                .map(|v| strings(v, &format!("match.{key}")))
+                .map(|v| strings(v).ok_or_else(|| fail(not_strings(&format!("match.{key}")))))
                 .transpose()
         };
-        recipe.devices = list("device").map_err(&fail)?;
-        recipe.architectures = list("architecture").map_err(&fail)?;
-        recipe.drafters = list("drafter").map_err(&fail)?;
+        recipe.devices = list("device")?;
+        recipe.architectures = list("architecture")?;
+        recipe.drafters = list("drafter")?;
         recipe.moe = match m.get("moe") {
             None => None,
             Some(v) => Some(
@@ -132,7 +191,7 @@ fn check(item: &Value, n: usize) -> Result<Recipe, (String, String)> {
         };
     }
     if let Some(args) = obj.get("args") {
-        recipe.args = strings(args, "args").map_err(&fail)?;
+        recipe.args = strings(args).ok_or_else(|| fail(not_strings("args")))?;
         if let Some(first) = recipe.args.first().filter(|a| !is_flag(a)) {
             return Err(fail(format!(
                 "\"args\" must start with a flag, not \"{first}\""
@@ -175,14 +234,14 @@ pub fn selected(request: &PlanRequest) -> Result<Vec<Recipe>, Refusal> {
         return Ok(Vec::new());
     }
     match &o.recipes {
-        None => parse(BUILTIN_NAME, BUILTIN).map_err(Refusal::usage),
+        None => Ok(parse(BUILTIN_NAME, BUILTIN)?),
         Some(file) => {
             let text = std::fs::read_to_string(file).map_err(|e| {
                 Refusal::usage(format!(
                     "--recipes {file}: {e}; pass a recipes JSON file, or --no-recipes"
                 ))
             })?;
-            parse(file, &text).map_err(Refusal::usage)
+            Ok(parse(file, &text)?)
         }
     }
 }
@@ -371,7 +430,7 @@ mod tests {
             ("{", "bad.json: not valid JSON"),
         ];
         for (text, expected) in cases {
-            let err = parse("bad.json", text).unwrap_err();
+            let err = parse("bad.json", text).unwrap_err().to_string();
             assert!(err.starts_with(expected), "{text}: {err}");
         }
     }

@@ -12,6 +12,9 @@
 //! context, default 4096).
 #![forbid(unsafe_code)]
 
+use std::fmt;
+use std::io;
+use std::num::ParseIntError;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -39,6 +42,106 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// Why the provider failed: this binary's one error type (it is a crate of its own; the route's
+/// library, a cdylib, cannot be linked into it). `main` prints it as the one line serve's log
+/// shows, and exits non-zero; the line includes the cause's own text.
+#[derive(Debug)]
+enum PrefillError {
+    /// A flag or variable the provider needs is absent; the text names it and what to do.
+    Usage(&'static str),
+    /// The ids file cannot be read.
+    ReadTokens { file: String, source: io::Error },
+    /// A line of the ids file is not a token id.
+    BadToken {
+        file: String,
+        line: String,
+        source: ParseIntError,
+    },
+    /// No llama-server to start: serve's own search's refusal.
+    NoServer(String),
+    /// `ONEBIT_PREFILL_CTX` is not a number.
+    BadCtx(String),
+    /// The kernel gave no loopback port.
+    NoPort(io::Error),
+    /// The started server's slot directory cannot be made.
+    SlotDir { dir: PathBuf, source: io::Error },
+    /// The server cannot be started.
+    Spawn { binary: String, source: io::Error },
+    /// The started server exited before it was ready; `how` is its exit status.
+    Exited {
+        binary: String,
+        model: String,
+        how: String,
+    },
+    /// The started server was not ready within [`LOAD_LIMIT`].
+    LoadTimeout { binary: String, model: String },
+    /// The prefill server at `url` (the whole address called) did not answer.
+    Unreachable { url: String, source: ureq::Error },
+    /// The prefill server at `url` answered another status than 200.
+    Status {
+        url: String,
+        status: u16,
+        text: String,
+    },
+    /// The prefill server at `url` answered 200 without JSON.
+    NotJson {
+        url: String,
+        source: serde_json::Error,
+    },
+    /// The prefill server saved another number of tokens than the prompt has.
+    Saved { saved: Value, prompt: usize },
+    /// The state file cannot be copied into the decoder's slot directory.
+    Copy {
+        from: PathBuf,
+        to: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl fmt::Display for PrefillError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PrefillError::Usage(text) => f.write_str(text),
+            PrefillError::ReadTokens { file, source } => write!(f, "{file}: {source}"),
+            PrefillError::BadToken { file, line, source } => {
+                write!(f, "{file}: {line:?}: {source}")
+            }
+            PrefillError::NoServer(refusal) => f.write_str(refusal),
+            PrefillError::BadCtx(value) => {
+                write!(f, "ONEBIT_PREFILL_CTX={value}: not a number of tokens")
+            }
+            PrefillError::NoPort(e) => write!(f, "no free loopback port ({e})"),
+            PrefillError::SlotDir { dir, source } => write!(f, "{}: {source}", dir.display()),
+            PrefillError::Spawn { binary, source } => write!(f, "cannot start {binary} ({source})"),
+            PrefillError::Exited { binary, model, how } => {
+                write!(f, "{binary} exited while loading {model} ({how})")
+            }
+            PrefillError::LoadTimeout { binary, model } => write!(
+                f,
+                "{binary} did not load {model} within {} s",
+                LOAD_LIMIT.as_secs()
+            ),
+            PrefillError::Unreachable { url, source } => write!(f, "{url}: {source}"),
+            PrefillError::Status { url, status, text } => {
+                write!(f, "{url}: status {status}: {text}")
+            }
+            PrefillError::NotJson { url, source } => write!(f, "{url}: {source}"),
+            PrefillError::Saved { saved, prompt } => write!(
+                f,
+                "the prefill server saved {saved} tokens, not the prompt's {prompt}"
+            ),
+            PrefillError::Copy { from, to, source } => write!(
+                f,
+                "cannot copy {} to {} ({source})",
+                from.display(),
+                to.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PrefillError {}
+
 /// The llama-server this provider started (by the one spawner, so it dies with this provider,
 /// which dies with serve), stopped and its slot directory removed on drop. The directory is
 /// inside serve's own (`ONEBIT_HYBRID_SLOT_DIR`), so a provider killed with serve leaves
@@ -55,7 +158,7 @@ impl Drop for Started {
     }
 }
 
-fn run() -> Result<Value, String> {
+fn run() -> Result<Value, PrefillError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| {
         args.iter()
@@ -63,29 +166,37 @@ fn run() -> Result<Value, String> {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
-    let tokens = value("--tokens").ok_or("--tokens IDS is missing")?;
-    let out = value("--out").ok_or("--out NAME is missing")?;
-    let model = value("--model").ok_or("--model MODEL is missing")?;
+    let tokens = value("--tokens").ok_or(PrefillError::Usage("--tokens IDS is missing"))?;
+    let out = value("--out").ok_or(PrefillError::Usage("--out NAME is missing"))?;
+    let model = value("--model").ok_or(PrefillError::Usage("--model MODEL is missing"))?;
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let target_dir = env("ONEBIT_HYBRID_SLOT_DIR")
-        .ok_or("ONEBIT_HYBRID_SLOT_DIR is not set (serve sets it: the decoder's slot directory)")?;
+    let target_dir = env("ONEBIT_HYBRID_SLOT_DIR").ok_or(PrefillError::Usage(
+        "ONEBIT_HYBRID_SLOT_DIR is not set (serve sets it: the decoder's slot directory)",
+    ))?;
     let ids: Vec<i64> = std::fs::read_to_string(&tokens)
-        .map_err(|e| format!("{tokens}: {e}"))?
+        .map_err(|source| PrefillError::ReadTokens {
+            file: tokens.clone(),
+            source,
+        })?
         .lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
             l.trim()
                 .parse::<i64>()
-                .map_err(|e| format!("{tokens}: {l:?}: {e}"))
+                .map_err(|source| PrefillError::BadToken {
+                    file: tokens.clone(),
+                    line: l.to_string(),
+                    source,
+                })
         })
         .collect::<Result<_, _>>()?;
 
     let mut started = None;
     let (url, slot_dir) = match value("--prefill-url").or_else(|| env("ONEBIT_PREFILL_URL")) {
         Some(url) => {
-            let dir = env("ONEBIT_PREFILL_SLOT_DIR").ok_or(
+            let dir = env("ONEBIT_PREFILL_SLOT_DIR").ok_or(PrefillError::Usage(
                 "ONEBIT_PREFILL_SLOT_DIR is not set: with a URL, name that server's --slot-save-path as a path here",
-            )?;
+            ))?;
             (url.trim_end_matches('/').to_string(), PathBuf::from(dir))
         }
         None => {
@@ -101,18 +212,22 @@ fn run() -> Result<Value, String> {
         .http_status_as_error(false)
         .build()
         .into();
-    let post = |path: &str, body: Value| -> Result<Value, String> {
+    let post = |path: &str, body: Value| -> Result<Value, PrefillError> {
+        let url = format!("{url}{path}");
         let mut reply = agent
-            .post(format!("{url}{path}"))
+            .post(&url)
             .header("content-type", "application/json")
             .send(body.to_string())
-            .map_err(|e| format!("{url}{path}: {e}"))?;
+            .map_err(|source| PrefillError::Unreachable {
+                url: url.clone(),
+                source,
+            })?;
         let status = reply.status().as_u16();
         let text = reply.body_mut().read_to_string().unwrap_or_default();
         if status != 200 {
-            return Err(format!("{url}{path}: status {status}: {text}"));
+            return Err(PrefillError::Status { url, status, text });
         }
-        serde_json::from_str(&text).map_err(|e| format!("{url}{path}: {e}"))
+        serde_json::from_str(&text).map_err(|source| PrefillError::NotJson { url, source })
     };
     let began = Instant::now();
     let done = post(
@@ -125,18 +240,21 @@ fn run() -> Result<Value, String> {
         .unwrap_or_else(|| began.elapsed().as_secs_f64() * 1000.0);
     let saved = post("/slots/0?action=save", json!({"filename": out}))?;
     if saved["n_saved"].as_u64() != Some(ids.len() as u64) {
-        return Err(format!(
-            "the prefill server saved {} tokens, not the prompt's {}",
-            saved["n_saved"],
-            ids.len()
-        ));
+        return Err(PrefillError::Saved {
+            saved: saved["n_saved"].clone(),
+            prompt: ids.len(),
+        });
     }
     let from = slot_dir.join(&out);
     let to = Path::new(&target_dir).join(&out);
     let partial = Path::new(&target_dir).join(format!("{out}.part"));
     std::fs::copy(&from, &partial)
         .and_then(|_| std::fs::rename(&partial, &to))
-        .map_err(|e| format!("cannot copy {} to {} ({e})", from.display(), to.display()))?;
+        .map_err(|source| PrefillError::Copy {
+            from: from.clone(),
+            to: to.clone(),
+            source,
+        })?;
     let _ = std::fs::remove_file(&from);
     drop(started);
     Ok(json!({
@@ -148,29 +266,34 @@ fn run() -> Result<Value, String> {
 
 /// Start a llama-server of the decoder's kind on the CPU, one slot, f16 cache and flash
 /// attention as llama-server defaults them (the decoder's settings), and wait until it is ready.
-fn start_server(model: &str, n: usize, under: &Path) -> Result<(String, Started), String> {
+fn start_server(model: &str, n: usize, under: &Path) -> Result<(String, Started), PrefillError> {
     let request = PlanRequest {
         env: std::env::vars().collect(),
         ..Default::default()
     };
     let binary = match request.env.get("ONEBIT_PREFILL_LLAMA_SERVER") {
         Some(b) if !b.is_empty() => b.clone(),
-        _ => llama_server::server_binary(&request).map_err(|r| r.message)?,
+        _ => {
+            llama_server::server_binary(&request).map_err(|r| PrefillError::NoServer(r.message))?
+        }
     };
     let ctx: usize = match request.env.get("ONEBIT_PREFILL_CTX") {
         Some(c) => c
             .trim()
             .parse()
-            .map_err(|_| format!("ONEBIT_PREFILL_CTX={c}: not a number of tokens"))?,
+            .map_err(|_| PrefillError::BadCtx(c.clone()))?,
         None => 4096,
     };
     let ctx = ctx.max(n + 1);
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| format!("no free loopback port ({e})"))?;
+        .map_err(PrefillError::NoPort)?;
     let dir = under.join(format!("1bit-prefill-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|source| PrefillError::SlotDir {
+        dir: dir.clone(),
+        source,
+    })?;
     let mut command = Command::new(&binary);
     command
         .args([
@@ -194,7 +317,10 @@ fn start_server(model: &str, n: usize, under: &Path) -> Result<(String, Started)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let child = process::spawn(command).map_err(|e| format!("cannot start {binary} ({e})"))?;
+    let child = process::spawn(command).map_err(|source| PrefillError::Spawn {
+        binary: binary.clone(),
+        source,
+    })?;
     let started = Started { child, dir };
     let url = format!("http://127.0.0.1:{port}");
     let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -213,13 +339,17 @@ fn start_server(model: &str, n: usize, under: &Path) -> Result<(String, Started)
             let how = status
                 .map(|s| s.to_string())
                 .unwrap_or_else(|e| e.to_string());
-            return Err(format!("{binary} exited while loading {model} ({how})"));
+            return Err(PrefillError::Exited {
+                binary,
+                model: model.to_string(),
+                how,
+            });
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "{binary} did not load {model} within {} s",
-                LOAD_LIMIT.as_secs()
-            ));
+            return Err(PrefillError::LoadTimeout {
+                binary,
+                model: model.to_string(),
+            });
         }
         std::thread::sleep(Duration::from_millis(25));
     }
