@@ -383,6 +383,19 @@ pub fn post(url: &str, body: &str) -> (u16, String) {
 }
 
 /// POST with a chosen time limit.
+/// A 20-second tool call (`POST /tools`, llama-server's `slow_sleep` of an MCP server named
+/// `slow`) on its own thread: its status and body when it ends (within 30 s).
+pub fn slow_tool_call(serve: &Serve) -> std::thread::JoinHandle<(u16, String)> {
+    let url = serve.url("/tools");
+    std::thread::spawn(move || {
+        post_with_timeout(
+            &url,
+            r#"{"tool":"slow_sleep","params":{"seconds":20}}"#,
+            Duration::from_secs(30),
+        )
+    })
+}
+
 pub fn post_with_timeout(url: &str, body: &str, timeout: Duration) -> (u16, String) {
     match agent(timeout)
         .post(url)

@@ -168,14 +168,7 @@ fn a_tool_call_in_flight_does_not_hold_the_stop_but_a_stream_beside_it_does() {
         ],
     );
     serve.ready();
-    let url = serve.url("/tools");
-    let call = std::thread::spawn(move || {
-        post_with_timeout(
-            &url,
-            r#"{"tool":"slow_sleep","params":{"seconds":20}}"#,
-            Duration::from_secs(30),
-        )
-    });
+    let call = slow_tool_call(&serve);
     assert!(
         wait_until(Duration::from_secs(5), || in_flight(&serve) == Some(1)),
         "the tool call is not in flight: {:?}",

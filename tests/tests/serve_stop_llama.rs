@@ -227,14 +227,7 @@ fn sigterm_with_only_a_tool_call_in_flight_stops_at_once() {
         "{}",
         serve.output()
     );
-    let url = serve.url("/tools");
-    let call = std::thread::spawn(move || {
-        post_with_timeout(
-            &url,
-            r#"{"tool":"slow_sleep","params":{"seconds":20}}"#,
-            Duration::from_secs(30),
-        )
-    });
+    let call = slow_tool_call(&serve);
     // The call is under way once the tool server has it (its python process is busy).
     std::thread::sleep(Duration::from_secs(1));
     let took = sigterm_and_time(&mut serve);
