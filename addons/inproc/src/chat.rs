@@ -1,4 +1,6 @@
-//! Chat prompts: the GGUF's own `tokenizer.chat_template` rendered with minijinja, with the
+//! Chat prompts: the GGUF's own chat template rendered as llama-server's `--jinja` renders it.
+//!
+//! The template (`tokenizer.chat_template`) is rendered with minijinja, with the
 //! variables llama-server's `--jinja` passes (messages, add_generation_prompt, bos_token,
 //! eos_token, and the request's `chat_template_kwargs`); ChatML for a GGUF without one, as
 //! llama-server falls back; and the text that starts a user message in the template's prompts.

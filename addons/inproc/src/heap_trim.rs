@@ -9,6 +9,7 @@
 //! `MADV_DONTNEED`; it takes about a millisecond for serve's heap. The engine thread calls it
 //! between its steps (whether or not more work waits, so a busy engine trims too), at most
 //! once per [`EVERY`] and only after work.
+// `malloc_trim` is glibc's, called through C.
 #![allow(unsafe_code)]
 
 use std::time::{Duration, Instant};

@@ -1,6 +1,8 @@
-//! The OpenAI side of the route: reads `/v1/completions` and `/v1/chat/completions` bodies and
-//! writes the replies as llama-server writes them (whole JSON, or SSE chunks ending in
-//! `data: [DONE]`), with `usage` and `timings`.
+//! The OpenAI side of the route: request bodies read, replies written as llama-server's.
+//!
+//! It reads `/v1/completions` and `/v1/chat/completions` bodies and writes the replies as
+//! llama-server writes them (whole JSON, or SSE chunks ending in `data: [DONE]`), with `usage`
+//! and `timings`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};

@@ -1,12 +1,12 @@
-//! The prompt cache's copies of slot states, each in pages of its own (an anonymous `mmap`)
-//! rather than on the heap.
+//! The prompt cache's copies of slot states, each in pages of its own rather than on the heap.
 //!
-//! A state is a megabyte or more, and the cache keeps, evicts and restores them all the time.
-//! From the heap, glibc serves such blocks from the engine thread's arena once the first one
-//! is freed (its mmap threshold rises to the largest block freed), and blocks of varying size
-//! coming and going there leave holes the arena keeps: serve's RSS crept up for thousands of
-//! requests after warm-up (the soak's inproc phase). In pages of their own, a state's memory
-//! goes back to the kernel the moment it is dropped.
+//! Each is an anonymous `mmap`. A state is a megabyte or more, and the cache keeps, evicts and
+//! restores them all the time. From the heap, glibc serves such blocks from the engine thread's
+//! arena once the first one is freed (its mmap threshold rises to the largest block freed), and
+//! blocks of varying size coming and going there leave holes the arena keeps: serve's RSS crept
+//! up for thousands of requests after warm-up (the soak's inproc phase). In pages of their own,
+//! a state's memory goes back to the kernel the moment it is dropped.
+// `mmap`, `munmap` and `mincore` are C calls; the bytes are read through the mapping's pointer.
 #![allow(unsafe_code)]
 
 use std::ptr::NonNull;
