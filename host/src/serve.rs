@@ -469,7 +469,7 @@ async fn supervise(
             notify::draining(what, window);
             let cut = drain.run(what).await;
             // The states of the replies that ended in the window are saved before the backend
-            // stops; a save still running at its deadline is ended.
+            // stops; a save still running at its deadline is given up.
             if let Some(cache) = &app.prompt_cache {
                 cache
                     .settle(stopping + window + SAVES_PAST_THE_WINDOW)

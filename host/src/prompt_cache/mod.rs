@@ -117,9 +117,6 @@ pub struct PromptCache {
     seq: AtomicU64,
     pending: AtomicUsize,
     settled: tokio::sync::Notify,
-    /// The saves under way, so a stop whose time ran out can end them (llama-server waits on
-    /// a save request whose client is still there, and would hold its own stop for it).
-    saves: Mutex<Vec<tokio::task::AbortHandle>>,
     counts: Counts,
 }
 
@@ -136,7 +133,6 @@ impl PromptCache {
             seq: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
             settled: tokio::sync::Notify::new(),
-            saves: Mutex::new(Vec::new()),
             counts: Counts::default(),
         }
     }
@@ -463,14 +459,12 @@ impl PromptCache {
         };
         self.pending.fetch_add(1, Ordering::SeqCst);
         let cache = self.clone();
-        let save = runtime.spawn(async move {
-            let _done = SaveDone(&cache);
+        runtime.spawn(async move {
             cache.save(prepared.slot).await;
+            if cache.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+                cache.settled.notify_waiters();
+            }
         });
-        if let Ok(mut saves) = self.saves.lock() {
-            saves.retain(|s| !s.is_finished());
-            saves.push(save.abort_handle());
-        }
     }
 
     /// The stop is cutting the replies still in flight: their slots hold a prompt half
@@ -530,8 +524,8 @@ impl PromptCache {
 
     /// At drain, after the requests in flight: wait until `deadline` at the latest for the
     /// saves under way, so the backend is not stopped in the middle of one. The deadline is the
-    /// stop's bound (the drain window and half a second): a save still running then is given
-    /// up, with one line, rather than holding serve past Lemonade's SIGKILL.
+    /// stop's bound (the drain window and 0.3 s): a save still running then is given up, with
+    /// one line, rather than holding serve past Lemonade's SIGKILL.
     pub async fn settle(&self, deadline: tokio::time::Instant) {
         let wait = async {
             while self.pending.load(Ordering::SeqCst) > 0 {
@@ -547,10 +541,6 @@ impl PromptCache {
                 "1bit serve: prompt cache: {} save(s) still under way when the stop's time ran out; not kept (a longer --drain-s gives them time)",
                 self.pending.load(Ordering::SeqCst)
             );
-            // Their requests to the backend close, so it does not wait on them at its stop.
-            if let Ok(saves) = self.saves.lock() {
-                saves.iter().for_each(tokio::task::AbortHandle::abort);
-            }
         }
     }
 
@@ -570,14 +560,3 @@ impl PromptCache {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// Counts a save out when its task ends, finished or aborted at a stop.
-struct SaveDone<'a>(&'a PromptCache);
-
-impl Drop for SaveDone<'_> {
-    fn drop(&mut self) {
-        if self.0.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.0.settled.notify_waiters();
-        }
-    }
-}
