@@ -100,6 +100,26 @@ fn kill_9_during_a_stream_through_a_mem_relay_leaves_nothing() {
     );
 }
 
+/// `1bit llama-server -m SmolLM2 --port <free> ARGS` with the pinned llama-server, ready.
+fn drop_in_ready(args: &[&str]) -> Serve {
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let port = free_port();
+    let mut command = std::process::Command::new(onebit());
+    command
+        .arg("llama-server")
+        .args(["-m", model.to_str().unwrap(), "--port", &port.to_string()])
+        .args(args)
+        .env("ONEBIT_STATE_DIR", temp_dir("state"))
+        .env("ONEBIT_LLAMA_SERVER", installed_llama_server());
+    let serve = Serve::spawn(command, port);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(120)),
+        "{}",
+        serve.output()
+    );
+    serve
+}
+
 /// SIGTERM to `serve`; how long it took to exit, which it must do with status 0 within 40 s.
 fn sigterm_and_time(serve: &mut Serve) -> Duration {
     let signalled = Instant::now();
@@ -142,20 +162,7 @@ fn sigterm_with_a_stream_in_flight_on_the_cpu_route_exits_within_the_drain_windo
 
 #[test]
 fn sigterm_with_a_stream_in_flight_on_the_drop_in_exits_within_lemonades_window() {
-    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
-    let port = free_port();
-    let mut command = std::process::Command::new(onebit());
-    command
-        .arg("llama-server")
-        .args(["-m", model.to_str().unwrap(), "--port", &port.to_string()])
-        .env("ONEBIT_STATE_DIR", temp_dir("state"))
-        .env("ONEBIT_LLAMA_SERVER", installed_llama_server());
-    let serve = Serve::spawn(command, port);
-    assert!(
-        serve.wait_health(200, Duration::from_secs(120)),
-        "{}",
-        serve.output()
-    );
+    let serve = drop_in_ready(&[]);
     // The default window (3 s) + 1 s is the target, inside Lemonade's 5 s before its SIGKILL;
     // without the cut at the window's end llama-server waits 30 s for its task.
     sigterm_mid_stream_exits(serve, Duration::from_secs(3), Duration::from_secs(5));
@@ -208,25 +215,11 @@ fn sigterm_during_a_long_prefill_waits_for_the_batch_not_the_grace() {
 /// cut (it does not, while the tool runs).
 #[test]
 fn sigterm_with_only_a_tool_call_in_flight_stops_at_once() {
-    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
     let tool = onebit_tests::route_fixture::root().join("tests/fixtures/mcp_sleep_tool.py");
     let servers = serde_json::json!({"mcpServers": {"slow": {
         "command": "python3", "args": [tool], "timeout_ms": 30000}}})
     .to_string();
-    let port = free_port();
-    let mut command = std::process::Command::new(onebit());
-    command
-        .arg("llama-server")
-        .args(["-m", model.to_str().unwrap(), "--port", &port.to_string()])
-        .args(["--tools", "all", "--mcp-servers-json", &servers])
-        .env("ONEBIT_STATE_DIR", temp_dir("state"))
-        .env("ONEBIT_LLAMA_SERVER", installed_llama_server());
-    let mut serve = Serve::spawn(command, port);
-    assert!(
-        serve.wait_health(200, Duration::from_secs(120)),
-        "{}",
-        serve.output()
-    );
+    let mut serve = drop_in_ready(&["--tools", "all", "--mcp-servers-json", &servers]);
     let call = slow_tool_call(&serve);
     // The call is under way once the tool server has it (its python process is busy).
     std::thread::sleep(Duration::from_secs(1));
