@@ -16,6 +16,7 @@ mod cli;
 mod error;
 mod front;
 mod guard;
+mod heap_trim;
 mod laya;
 mod llama_server_cli;
 mod log;
@@ -36,6 +37,8 @@ mod settings;
 use clap::Parser;
 
 fn main() {
+    // Before any thread starts (plugin-api's heap.rs says why).
+    onebit_plugin_api::heap::tune();
     let code = run();
     // The one place serve exits, with the code each command decided after stopping what it
     // started; threads still parked on a blocking read are not waited for.

@@ -177,6 +177,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         app.ports.clone(),
     );
 
+    crate::heap_trim::start();
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let server = tokio::spawn(accept_loop(
         listeners,

@@ -5,14 +5,14 @@
 //! hop). The template a vendor copies: see docs/routes/inproc.md and docs/plugins.md.
 //!
 //! `unsafe` is denied in the crate (Cargo.toml's `[lints]`) and allowed only in the modules that
-//! call C: ffi's parts that do, heap_trim and state_buffer, each saying why.
+//! call C: ffi's parts that do and state_buffer, each saying why. The heap is trimmed with
+//! plugin-api's `heap::Trimmer`, as the host's is.
 
 pub mod chat;
 mod engine;
 pub mod error;
 pub mod ffi;
 pub mod generate;
-pub mod heap_trim;
 mod host;
 mod libraries;
 mod metrics;
@@ -20,11 +20,6 @@ pub mod openai;
 mod plan;
 mod respond;
 pub mod state_buffer;
-
-/// Held by the unit tests that measure this process's memory (its RssAnon, or a mapping's
-/// pages), so one test's 64 MiB does not land inside another's measurement.
-#[cfg(test)]
-static PROCESS_MEMORY_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 use std::sync::{Arc, Mutex, OnceLock};
 

@@ -107,7 +107,6 @@ mod tests {
 
     #[test]
     fn a_dropped_buffer_goes_back_to_the_kernel() {
-        let _alone = crate::PROCESS_MEMORY_TESTS.lock();
         let len = 64 << 20;
         let mut buffer = StateBuffer::zeroed(len).expect("mapped");
         let start = buffer.as_mut_ptr();

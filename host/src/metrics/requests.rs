@@ -227,6 +227,7 @@ impl Default for RequestSeries {
 impl RequestSeries {
     /// One request answered with `status` (counted when its reply head goes out).
     pub fn count(&self, path: PathClass, status: u16, engine: Engine) {
+        crate::heap_trim::worked();
         if path == PathClass::Status {
             return;
         }

@@ -111,7 +111,13 @@ pub(super) fn report(phase: &PhaseRun) -> bool {
             _ => 0,
         }
     };
-    let rss_growth = growth(&|s| s.rss_kib);
+    // RSS moves by a few hundred KiB between two looks (requests in flight, the heap's
+    // trims every 5 s), so its growth compares the medians of the window's two ends.
+    let median_growth = |f: &dyn Fn(&Sample) -> u64| -> i64 {
+        let points: Vec<(f64, u64)> = after.iter().map(|s| (s.at_s, f(s))).collect();
+        median_growth(&points)
+    };
+    let rss_growth = median_growth(&|s| s.rss_kib);
     let fd_growth = growth(&|s| s.fds);
     let tasks_seen = after.iter().all(|s| s.tasks.is_some()) && !after.is_empty();
     let task_growth = growth(&|s| s.tasks.unwrap_or(0));
@@ -119,17 +125,17 @@ pub(super) fn report(phase: &PhaseRun) -> bool {
     let cache = if after.iter().any(|s| s.prompt_cache_kib.is_some()) {
         format!(
             ", the add-on's prompt cache {:+} KiB",
-            growth(&|s| s.prompt_cache_kib.unwrap_or(0))
+            median_growth(&|s| s.prompt_cache_kib.unwrap_or(0))
         )
     } else {
         String::new()
     };
     println!(
-        "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB: anonymous {:+}, file-backed {:+}{cache}; {}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), tasks {:+.2}/min (grew {task_growth}; slack {TASK_SLACK}; last {}), threads {}",
+        "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB, median of the last {END_WINDOW_S:.0} s against the first: anonymous {:+}, file-backed {:+}{cache}; {}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), tasks {:+.2}/min (grew {task_growth}; slack {TASK_SLACK}; last {}), threads {}",
         after.len(),
         slope(&|s| s.rss_kib as f64),
-        growth(&|s| s.rss_anon_kib),
-        growth(&|s| s.rss_file_kib),
+        median_growth(&|s| s.rss_anon_kib),
+        median_growth(&|s| s.rss_file_kib),
         if rss_judged {
             format!("limit {GROWTH_LIMIT_KIB}")
         } else {
@@ -162,6 +168,36 @@ pub(super) fn report(phase: &PhaseRun) -> bool {
     met
 }
 
+/// How long each end of the window is whose medians [`median_growth`] compares (at most a
+/// third of the window).
+const END_WINDOW_S: f64 = 60.0;
+
+/// How much a series of (time, value) points grew: the median of its last [`END_WINDOW_S`]
+/// against the median of its first (each end at most a third of the series' span; a single
+/// point at each end when the span is shorter than three samples).
+pub(super) fn median_growth(points: &[(f64, u64)]) -> i64 {
+    let (Some(first), Some(last)) = (points.first(), points.last()) else {
+        return 0;
+    };
+    let span = last.0 - first.0;
+    let end = END_WINDOW_S.min(span / 3.0);
+    let median = |mut values: Vec<u64>| -> i64 {
+        values.sort_unstable();
+        values.get(values.len() / 2).copied().unwrap_or(0) as i64
+    };
+    let head: Vec<u64> = points
+        .iter()
+        .filter(|p| p.0 <= first.0 + end)
+        .map(|p| p.1)
+        .collect();
+    let tail: Vec<u64> = points
+        .iter()
+        .filter(|p| p.0 >= last.0 - end)
+        .map(|p| p.1)
+        .collect();
+    median(tail) - median(head)
+}
+
 /// Whether a phase of `length_s` seconds, warm after `warm_s`, is long enough for its RSS to be
 /// judged: a full warm-up minute, then a window of [`JUDGED_WINDOW_S`].
 pub(super) fn rss_is_judged(warm_s: f64, length_s: f64) -> bool {
@@ -190,7 +226,24 @@ pub(super) fn report_watchdog(run: &WatchdogRun) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::rss_is_judged;
+    use super::{median_growth, rss_is_judged};
+
+    #[test]
+    fn growth_compares_the_medians_of_the_two_ends() {
+        // Flat at 8,000 KiB with one high and one low look at the ends: no growth.
+        let mut flat: Vec<(f64, u64)> = (0..=60).map(|i| (i as f64 * 10.0, 8_000)).collect();
+        flat[0].1 = 7_000;
+        flat[60].1 = 9_500;
+        assert_eq!(median_growth(&flat), 0);
+        // A step of 2,000 KiB half way: all of it.
+        let step: Vec<(f64, u64)> = (0..=60)
+            .map(|i| (i as f64 * 10.0, if i < 30 { 8_000 } else { 10_000 }))
+            .collect();
+        assert_eq!(median_growth(&step), 2_000);
+        // Too few points for windows: the ends themselves.
+        assert_eq!(median_growth(&[(0.0, 5), (10.0, 9)]), 4);
+        assert_eq!(median_growth(&[]), 0);
+    }
 
     #[test]
     fn rss_is_judged_only_after_a_full_warm_up_and_a_minute_of_window() {

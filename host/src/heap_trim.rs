@@ -1,0 +1,46 @@
+//! serve's heap handed back to the kernel after work: plugin-api's [`Trimmer`] on a thread of
+//! its own, told of each request by the request series. Under heaptrack serve's live heap is
+//! level through a soak while its RSS steps up by megabytes (holes glibc keeps in its arenas'
+//! heaps); with a trim at most every five seconds after requests it stays level. An idle serve
+//! never trims.
+
+use std::sync::LazyLock;
+
+use onebit_plugin_api::heap::Trimmer;
+
+static TRIMMER: LazyLock<Trimmer> = LazyLock::new(Trimmer::default);
+
+/// A request was answered (its allocations may have left holes).
+pub fn worked() {
+    TRIMMER.worked();
+}
+
+/// Start the thread that trims (once per serve; it lives as long as the process). Each trim
+/// says, at debug level, what serve's anonymous memory is after it.
+pub fn start() {
+    let started = std::thread::Builder::new()
+        .name("heap-trim".into())
+        .spawn(|| {
+            loop {
+                std::thread::sleep(onebit_plugin_api::heap::EVERY);
+                if TRIMMER.trim_if_due() {
+                    tracing::debug!("heap trimmed: RssAnon {} KiB", rss_anon_kib().unwrap_or(0));
+                }
+            }
+        });
+    if let Err(e) = started {
+        tracing::warn!("cannot start the heap trimmer ({e}); serve runs without it");
+    }
+}
+
+/// This process's anonymous resident memory (`RssAnon` in /proc/self/status).
+fn rss_anon_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
