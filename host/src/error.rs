@@ -87,8 +87,10 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    /// The error of a request that reached no answer from the backend.
+    /// The error of a request that reached no answer from the backend; its 502 says "see
+    /// serve's log", so the log gets the line (a warning: the client saw a failure).
     pub fn no_answer(device: &str, why: &str) -> ApiError {
+        tracing::warn!("1bit serve: 502: the {device} backend did not answer ({why})");
         ApiError::BadGateway(format!(
             "the {device} backend did not answer ({why}); see serve's log"
         ))

@@ -182,6 +182,14 @@ fn a_backend_that_dies_mid_request_gets_502_not_a_dropped_connection_and_serve_e
     assert!(body.contains("did not answer"), "{body}");
     let exit = serve.wait_exit(SECS(10)).expect("serve exits");
     assert_eq!(exit.code(), Some(1), "{}", serve.output());
+    // The 502 says "see serve's log": the log has its line.
+    assert!(
+        serve
+            .output()
+            .contains("1bit serve: 502: the cpu backend did not answer ("),
+        "{}",
+        serve.output()
+    );
 }
 
 #[test]

@@ -22,7 +22,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -437,7 +437,9 @@ fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Fa
     let run_for = Duration::from_secs_f64(minutes * 60.0);
     let deadline = Instant::now() + run_for;
     let idle = std::thread::spawn(move || keep_idle_pool(port, deadline));
-    let fault = Arc::new(AtomicBool::new(false));
+    // The fault's window as a count: odd while it lasts (from SIGSTOP to 5 s after SIGCONT),
+    // so a request that spans the whole window is seen to have met it too.
+    let fault = Arc::new(AtomicU64::new(0));
     let outcomes = Arc::new(Mutex::new(Vec::<Outcome>::new()));
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let sample_every = if minutes <= 2.0 {
@@ -468,13 +470,13 @@ fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Fa
             let at = start + run_for.mul_f64(0.4);
             std::thread::sleep(at.saturating_duration_since(Instant::now()));
             if let Some(b) = backend {
-                fault.store(true, Ordering::SeqCst);
+                fault.fetch_add(1, Ordering::SeqCst);
                 let _ = kill(Pid::from_raw(b as i32), Signal::SIGSTOP);
                 std::thread::sleep(Duration::from_secs(3));
                 let _ = kill(Pid::from_raw(b as i32), Signal::SIGCONT);
                 // Requests that met the stop finish within a few seconds of it.
                 std::thread::sleep(Duration::from_secs(5));
-                fault.store(false, Ordering::SeqCst);
+                fault.fetch_add(1, Ordering::SeqCst);
             }
         })
     };
@@ -488,9 +490,10 @@ fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Fa
                     let kind = KINDS[n % KINDS.len()];
                     let prompt = n % PROMPTS.len();
                     n += 1;
-                    let in_fault = fault.load(Ordering::SeqCst);
+                    let before = fault.load(Ordering::SeqCst);
                     let (status, corrupted) = one(port, kind, PROMPTS[prompt], &references[prompt]);
-                    let in_fault = in_fault || fault.load(Ordering::SeqCst);
+                    let after = fault.load(Ordering::SeqCst);
+                    let in_fault = before % 2 == 1 || after != before;
                     outcomes.lock().unwrap().push(Outcome {
                         kind,
                         status,
