@@ -131,7 +131,7 @@ pub(super) fn report(phase: &PhaseRun) -> bool {
         String::new()
     };
     println!(
-        "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB, median of the last {END_WINDOW_S:.0} s against the first: anonymous {:+}, file-backed {:+}{cache}; {}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), tasks {:+.2}/min (grew {task_growth}; slack {TASK_SLACK}; last {}), threads {}",
+        "  serve after warm-up ({} samples from {warm:.0} s): RSS {:+.0} KiB/min (grew {rss_growth} KiB, median of the last {END_WINDOW_S:.0} s against the first, or of a third each in a shorter window: anonymous {:+}, file-backed {:+}{cache}; {}), FDs {:+.2}/min (grew {fd_growth}; slack {FD_SLACK}), tasks {:+.2}/min (grew {task_growth}; slack {TASK_SLACK}; last {}), threads {}",
         after.len(),
         slope(&|s| s.rss_kib as f64),
         median_growth(&|s| s.rss_anon_kib),
