@@ -1,5 +1,5 @@
-//! Freed heap memory handed back to the kernel, for the host and the routes that share its
-//! process.
+//! Freed heap memory handed back to the kernel, for serve and the routes that share its
+//! process (the inproc add-on).
 //!
 //! glibc gives a freed block's pages back only when they sit at the top of an arena's heap
 //! (or the block had a mapping of its own). Serve's connections, requests and buffers come
@@ -15,8 +15,8 @@
 //! large buffer (a body of hundreds of KiB) is its own mapping, unmapped when freed, instead of
 //! raising glibc's threshold and landing in the middle of an arena. In the soak the two
 //! together kept serve's RSS within a few hundred KiB where the trim alone still drifted.
-//! Not part of the ABI: each library that links this crate has its own copy, and a trim or a
-//! setting by any of them covers the whole process.
+//! A crate of its own, not part of plugin-api's ABI: each library that links it has its own
+//! copy, and a trim or a setting by any of them covers the whole process.
 
 // `malloc_trim` is glibc's, called through C.
 #![allow(unsafe_code)]

@@ -1,4 +1,4 @@
-//! serve's heap handed back to the kernel after work: plugin-api's [`Trimmer`] on a thread of
+//! serve's heap handed back to the kernel after work: the heap crate's [`Trimmer`] on a thread of
 //! its own, told of each request by the request series. Under heaptrack serve's live heap is
 //! level through a soak while its RSS steps up by megabytes (holes glibc keeps in its arenas'
 //! heaps); with a trim at most every five seconds after requests it stays level. An idle serve
@@ -6,7 +6,7 @@
 
 use std::sync::LazyLock;
 
-use onebit_plugin_api::heap::Trimmer;
+use onebit_heap::Trimmer;
 
 static TRIMMER: LazyLock<Trimmer> = LazyLock::new(Trimmer::default);
 
@@ -22,7 +22,7 @@ pub fn start() {
         .name("heap-trim".into())
         .spawn(|| {
             loop {
-                std::thread::sleep(onebit_plugin_api::heap::EVERY);
+                std::thread::sleep(onebit_heap::EVERY);
                 if TRIMMER.trim_if_due() {
                     tracing::debug!("heap trimmed: RssAnon {} KiB", rss_anon_kib().unwrap_or(0));
                 }

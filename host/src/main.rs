@@ -37,8 +37,8 @@ mod settings;
 use clap::Parser;
 
 fn main() {
-    // Before any thread starts (plugin-api's heap.rs says why).
-    onebit_plugin_api::heap::tune();
+    // Before any thread starts (the heap crate says why).
+    onebit_heap::tune();
     let code = run();
     // The one place serve exits, with the code each command decided after stopping what it
     // started; threads still parked on a blocking read are not waited for.

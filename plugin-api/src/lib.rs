@@ -13,18 +13,16 @@
 //!
 //! `unsafe` is allowed in this crate alone (the workspace denies it), and only where
 //! abi_stable needs it (this root, whose derives write unsafe accessors, [`export`], `loader`,
-//! `legacy`), in [`process`]'s pre-exec hook (the parent-death signal, which has no safe
-//! equivalent) and in [`heap`]'s call of glibc's `malloc_trim`; [`types`] forbids it.
+//! `legacy`) and in [`process`]'s pre-exec hook (the parent-death signal, which has no safe
+//! equivalent); [`types`] forbids it.
 //!
-//! [`process`] and [`heap`] are not part of the ABI: the one way the host, a route and a
-//! program they start start a process (it dies with its starter), and the one way they give
-//! freed heap pages back to the kernel, linked as ordinary Rust code.
+//! [`process`] is not part of the ABI: the one way the host, a route and a program they start
+//! start a process (it dies with its starter), linked as ordinary Rust code.
 
 // abi_stable's derives and macros for the root module below write unsafe code.
 #![allow(unsafe_code)]
 
 pub mod calls;
-pub mod heap;
 pub mod process;
 pub mod rules;
 pub mod types;

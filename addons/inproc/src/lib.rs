@@ -6,7 +6,7 @@
 //!
 //! `unsafe` is denied in the crate (Cargo.toml's `[lints]`) and allowed only in the modules that
 //! call C: ffi's parts that do and state_buffer, each saying why. The heap is trimmed with
-//! plugin-api's `heap::Trimmer`, as the host's is.
+//! the `onebit-heap` crate's `Trimmer`, as the host's is.
 
 pub mod chat;
 mod engine;

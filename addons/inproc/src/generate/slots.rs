@@ -100,7 +100,7 @@ impl<'a> SlotEngine<'a> {
     /// every generating slot's next token and the waiting prompts' tokens. Blocks the calling
     /// thread (the engine thread).
     pub fn run(&mut self, queue: &std::sync::mpsc::Receiver<Job>) {
-        let trim = onebit_plugin_api::heap::Trimmer::default();
+        let trim = onebit_heap::Trimmer::default();
         loop {
             let idle = self.slots.iter().all(|s| s.active.is_none());
             if idle {
