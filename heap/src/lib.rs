@@ -60,6 +60,19 @@ pub fn trim() {
     }
 }
 
+/// This process's anonymous resident memory (`RssAnon` in /proc/self/status), in KiB: what
+/// a trim gives back is taken from it.
+pub fn rss_anon_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// When the process last trimmed, and whether it has worked since. Shared by the threads that
 /// work (they call [`Trimmer::worked`]) and the one that trims.
 pub struct Trimmer {
@@ -108,16 +121,6 @@ mod tests {
     /// another's count.
     static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-    fn rss_anon_kib() -> u64 {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("RssAnon:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    }
-
     #[test]
     fn a_trim_gives_back_pages_freed_in_the_middle_of_the_heap() {
         let _alone = ALONE.lock();
@@ -127,9 +130,9 @@ mod tests {
         let mut blocks: Vec<Vec<u8>> = (0..16 * 1024).map(|_| vec![1u8; 4096]).collect();
         let last = blocks.pop();
         drop(blocks);
-        let before = rss_anon_kib();
+        let before = rss_anon_kib().expect("RssAnon");
         trim();
-        let after = rss_anon_kib();
+        let after = rss_anon_kib().expect("RssAnon");
         drop(last);
         assert!(
             before.saturating_sub(after) > 32 * 1024,

@@ -24,23 +24,14 @@ pub fn start() {
             loop {
                 std::thread::sleep(onebit_heap::EVERY);
                 if TRIMMER.trim_if_due() {
-                    tracing::debug!("heap trimmed: RssAnon {} KiB", rss_anon_kib().unwrap_or(0));
+                    tracing::debug!(
+                        "heap trimmed: RssAnon {} KiB",
+                        onebit_heap::rss_anon_kib().unwrap_or(0)
+                    );
                 }
             }
         });
     if let Err(e) = started {
         tracing::warn!("cannot start the heap trimmer ({e}); serve runs without it");
     }
-}
-
-/// This process's anonymous resident memory (`RssAnon` in /proc/self/status).
-fn rss_anon_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("RssAnon:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
 }

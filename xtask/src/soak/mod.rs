@@ -55,6 +55,8 @@ const PROMPTS: [&str; 3] = [
     "Count from one to ten.",
 ];
 const MAX_TOKENS: u32 = 32;
+/// serve's `--parallel` in the traffic phases: the engine's slots.
+const PARALLEL: usize = 4;
 /// How long a client waits for the next bytes of its reply (the first ones included) before it
 /// counts the request as unanswered: 4 slots serve 6 clients, so a request may wait for a slot
 /// behind others, longer on a loaded machine.
@@ -346,7 +348,12 @@ fn start_serve(
     let stderr = std::fs::File::create(log).map_err(|e| Failure::new(e, "check /tmp"))?;
     let serve = Killed(
         command
-            .args(["--parallel", "4", "--port", &port.to_string()])
+            .args([
+                "--parallel",
+                &PARALLEL.to_string(),
+                "--port",
+                &port.to_string(),
+            ])
             .args(extra)
             .env("ONEBIT_STATE_DIR", &kit.scratch)
             // A chunked body over the limit is cheap to send at 1 MiB (the default is 64).
@@ -419,7 +426,7 @@ fn fill_the_micro_batch(port: u16) {
         r#"{{"prompt":{},"max_tokens":1,"temperature":0}}"#,
         serde_json::Value::from(prompt)
     );
-    let asks: Vec<_> = (0..4)
+    let asks: Vec<_> = (0..PARALLEL)
         .map(|_| {
             let request = client::post("/v1/completions", &body, "127.0.0.1");
             std::thread::spawn(move || exchange(port, &request, None))
