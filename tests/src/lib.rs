@@ -6,19 +6,20 @@
 
 mod fake_lemonade;
 pub mod inproc_addon;
+mod ports;
 mod processes;
 mod prometheus;
 pub mod route_fixture;
 pub mod rpc_worker;
 
 use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use fake_lemonade::{FakeLemonade, LemonadeAnswer};
+pub use ports::free_port;
 pub use processes::{
     alive, children_of, cmdline, connections_to, descendants, kill9_leaves_nothing, run_dir_of,
 };
@@ -78,14 +79,6 @@ pub fn fake_prefill_provider() -> PathBuf {
 /// its own.
 pub fn prefill_llama() -> PathBuf {
     built("1bit-prefill-llama")
-}
-
-/// A free loopback port, from the kernel.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("the kernel has a free port")
 }
 
 /// A fresh directory under the system temp dir.
