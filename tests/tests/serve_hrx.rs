@@ -542,11 +542,12 @@ fn recipes_are_applied_replaced_disabled_and_a_malformed_file_is_refused() {
         &[],
     );
     assert!(stderr.contains("recipe qwen3-hrx: --cache-reuse 512, -ub 1024, GGML_HRX_EXTRA=1"));
+    let argv = argv_of(&stdout).join(" ");
     assert!(
-        argv_of(&stdout)
-            .join(" ")
-            .contains("-ngl 0 -c 4096 --cache-reuse 512")
+        argv.contains("-ngl 0 -c 4096 --cache-reuse 512 -ub 1024"),
+        "{argv}"
     );
+    assert!(!argv.contains("-ub 256"), "the recipe's -ub wins: {argv}");
     for extra in [&[][..], &["--no-recipes"]] {
         let mut args = print_args(&model, "hrx", &["--llama-server", &fake]);
         args.extend_from_slice(extra);

@@ -16,8 +16,8 @@ use serde_json::{Value, json};
 /// The shortest prefix kept in these tests: the prompts below are 350-450 tokens, so a cold
 /// prefill stays a few seconds on a loaded 2-core machine.
 const MIN_TOKENS: &str = "256";
-/// llama-server's default micro-batch.
-const UBATCH: u64 = 512;
+/// The cpu route's micro-batch (`-ub 256`).
+const UBATCH: u64 = 256;
 
 /// One llama-server at a time: the machine has two cores.
 fn one_at_a_time() -> MutexGuard<'static, ()> {
@@ -223,6 +223,133 @@ fn a_restored_prefix_answers_exactly_as_a_cold_prefill_across_a_restart() {
     assert_eq!(text_streamed, text(&cold));
     assert_eq!(timings["cache"]["source"], "disk", "{timings}");
     stop(serve);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A whole chat of `messages`, greedy, at most 24 tokens.
+fn chat_of(serve: &Serve, messages: &Value) -> Value {
+    let body = json!({"messages": messages, "temperature": 0, "max_tokens": 24});
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body.to_string());
+    assert_eq!(status, 200, "{reply}\n{}", serve.output());
+    serde_json::from_str(&reply).unwrap()
+}
+
+/// How many tokens the backend makes of a chat's templated prompt.
+fn prompt_tokens(serve: &Serve, messages: &Value) -> u64 {
+    let (status, templated) = post(
+        &serve.url("/apply-template"),
+        &json!({ "messages": messages }).to_string(),
+    );
+    assert_eq!(status, 200, "{templated}");
+    let prompt = serde_json::from_str::<Value>(&templated).unwrap()["prompt"].clone();
+    let (status, tokens) = post(
+        &serve.url("/tokenize"),
+        &json!({"content": prompt, "add_special": true, "parse_special": true}).to_string(),
+    );
+    assert_eq!(status, 200, "{tokens}");
+    serde_json::from_str::<Value>(&tokens).unwrap()["tokens"]
+        .as_array()
+        .unwrap()
+        .len() as u64
+}
+
+/// The first turn's reply was decoded a token at a time and its prompt's last micro-batch was
+/// a short one: of its state, only the prompt's whole micro-batches are what a cold prefill
+/// computes. The second turn shares the prompt and the reply with that state, past the next
+/// micro-batch boundary; the restore still stops at the first turn's last whole micro-batch,
+/// and the reply is the cold one's. A second turn served from llama-server's memory (the same
+/// serve) began its prefill where that memory ended, so its state is not saved.
+#[test]
+fn a_restore_stops_at_the_first_turns_last_whole_micro_batch() {
+    let _turn = one_at_a_time();
+    let dir = temp_dir("pc-boundary");
+    let serve = serve_with(&dir, &[]);
+    // The first turn's prompt ends 1 to 8 tokens short of a micro-batch boundary, so a
+    // reply of more than 8 tokens carries what the turns share across it.
+    let first_turn = |pad: usize| {
+        json!([
+            {"role": "system", "content": format!("{}{}", system("rivers"), " Be kind.".repeat(pad))},
+            {"role": "user", "content": "Tell me about item 7 and its colour in two sentences."},
+        ])
+    };
+    let (first, p1) = (0..200)
+        .map(first_turn)
+        .map(|m| {
+            let p = prompt_tokens(&serve, &m);
+            (m, p)
+        })
+        .find(|(_, p)| p % UBATCH >= UBATCH - 8)
+        .expect("a padding that ends the prompt just short of a boundary");
+    let reply1 = chat_of(&serve, &first);
+    let generated = reply1["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(generated > 8, "the reply crosses the boundary: {reply1}");
+    let mut second = first.clone();
+    let second_list = second.as_array_mut().unwrap();
+    second_list.push(json!({"role": "assistant", "content": text(&reply1)}));
+    second_list.push(json!({"role": "user", "content": "And item 8?"}));
+    // The second turn in the same serve: llama-server reuses its memory of the first.
+    let reused = chat_of(&serve, &second);
+    assert!(
+        reused["timings"]["cache_n"].as_u64().unwrap() > p1,
+        "{reused}"
+    );
+    stop(serve);
+    let descriptions: Vec<Value> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .map(|e| serde_json::from_str(&std::fs::read_to_string(e.path()).unwrap()).unwrap())
+        .collect();
+    assert_eq!(descriptions.len(), 1, "{descriptions:?}");
+    let exact = p1 / UBATCH * UBATCH;
+    assert_eq!(descriptions[0]["exact"].as_u64(), Some(exact));
+    assert!(
+        (descriptions[0]["tokens"].as_array().unwrap().len() as u64) < p1 + 30,
+        "the first turn's state, not the second's"
+    );
+
+    let serve = serve_with(&dir, &[]);
+    let warm = chat_of(&serve, &second);
+    assert_eq!(
+        warm["timings"]["cache"]["n"].as_u64(),
+        Some(exact),
+        "{warm}"
+    );
+    stop(serve);
+    let serve = serve_cpu_with_env(
+        &installed_model("SmolLM2-135M-Instruct-Q4_1.gguf"),
+        &["--ctx-size", "2048", "--no-prompt-cache"],
+        &[],
+    );
+    let cold = chat_of(&serve, &second);
+    assert_eq!(text(&warm), text(&cold), "the cold reply, token for token");
+    stop(serve);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A slot that held a short chat shares its template's first tokens with a long prompt, and
+/// llama-server would reuse them: serve empties the slot first, so the long prompt is
+/// prefilled from its first token, as a cold run does, and its state is saved.
+#[test]
+fn a_long_prompt_after_a_short_chat_on_its_slot_is_prefilled_whole_and_saved() {
+    let _turn = one_at_a_time();
+    let dir = temp_dir("pc-erase");
+    let serve = serve_with(&dir, &[]);
+    let short = json!({
+        "messages": [{"role": "system", "content": "Rule 0 about ships: be brief."},
+                     {"role": "user", "content": "Hello."}],
+        "temperature": 0, "max_tokens": 4, "id_slot": 0,
+    });
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &short.to_string());
+    assert_eq!(status, 200, "{reply}");
+    let mut long = chat_body("ships", false);
+    long["id_slot"] = json!(0);
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &long.to_string());
+    assert_eq!(status, 200, "{reply}");
+    let reply: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(reply["timings"]["cache_n"].as_u64(), Some(0), "{reply}");
+    stop(serve);
+    assert_eq!(states(&dir).len(), 1, "the long prompt's state is saved");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

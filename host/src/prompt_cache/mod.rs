@@ -33,7 +33,7 @@ mod backend_calls;
 mod note;
 mod series;
 
-pub use note::noted_in_reply;
+pub use note::{ReplyWatch, noted_in_reply};
 use series::{Counts, ReasonLabel};
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -46,9 +46,10 @@ pub struct Setup {
     pub dir: PathBuf,
     pub budget_bytes: u64,
     pub min_tokens: usize,
-    /// llama-server's micro-batch (`-ub`, 512): a cold prefill decodes the prompt in runs of
-    /// this many tokens from its start, so a restore that stops at a multiple of it leaves the
-    /// rest to be decoded in the very runs a cold prefill decodes, bit for bit.
+    /// llama-server's micro-batch (`-ub`: 256 on the cpu route, else llama-server's 512): a
+    /// cold prefill decodes the prompt in runs of this many tokens from its start, so a
+    /// restore that stops at a multiple of it, within what the state holds exactly, leaves
+    /// the rest to be decoded in the very runs a cold prefill decodes, bit for bit.
     pub ubatch: usize,
     /// The model file and the backend's command line, for the identity.
     pub model: PathBuf,
@@ -88,6 +89,28 @@ pub struct Prepared {
     /// Tokens restored from the disk (the prefix the prompt shares with the state), and the
     /// restore's time.
     pub restored: Option<Restored>,
+    /// The prompt tokens llama-server reused rather than prefilled (its reply's
+    /// `timings.cache_n`), once the relay has read it; `usize::MAX` until then.
+    reused: Arc<AtomicUsize>,
+}
+
+impl Prepared {
+    /// What the relay reads from and notes in this request's reply.
+    pub fn watch(&self) -> ReplyWatch {
+        ReplyWatch {
+            restored: self.restored,
+            reused: self.reused.clone(),
+        }
+    }
+}
+
+/// Where a request's prefill began: the prompt's length, the prefix restored from disk, and
+/// the tokens llama-server reused (as its reply said).
+#[derive(Clone, Copy, Debug)]
+struct Prefill {
+    prompt_tokens: usize,
+    restored: Option<usize>,
+    reused: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -258,10 +281,10 @@ impl PromptCache {
             .and_then(|store| {
                 let (entry, shared) = store.best(&tokens)?;
                 // llama-server evaluates at least the prompt's last token; the restore stops
-                // at a micro-batch boundary, so what is prefilled is what a cold prefill
-                // decodes in its last runs, and the reply is the cold one's.
-                let unit = self.setup.ubatch.max(1);
-                let k = shared.min(tokens.len() - 1) / unit * unit;
+                // at a micro-batch boundary within the state's exact part, so what is
+                // prefilled is what a cold prefill decodes in its last runs, and the reply is
+                // the cold one's.
+                let k = self.exact_cut(shared.min(entry.exact).min(tokens.len() - 1));
                 // A prefix the slot already holds is a use of its state too (least recently
                 // used is what the budget evicts).
                 if k >= self.setup.min_tokens && k <= held {
@@ -274,6 +297,12 @@ impl PromptCache {
             Some((entry, k, reusable)) => self.restore(slot, entry, k, reusable).await,
             None => None,
         };
+        if restored.is_none() && held < self.setup.min_tokens {
+            // What the slot holds is not worth keeping: emptied, the prompt is prefilled from
+            // its first token as a cold run prefills it, and its state can be saved as exact
+            // (llama-server would otherwise reuse the few tokens a template's preamble shares).
+            self.erase(slot).await;
+        }
         let object = value.as_object_mut()?;
         object.insert("id_slot".to_string(), Value::from(slot));
         object.insert("cache_prompt".to_string(), Value::from(true));
@@ -283,8 +312,41 @@ impl PromptCache {
                 slot,
                 tokens,
                 restored,
+                reused: Arc::new(AtomicUsize::new(usize::MAX)),
             },
         ))
+    }
+
+    /// The longest prefix of `n` tokens that ends on a micro-batch boundary.
+    fn exact_cut(&self, n: usize) -> usize {
+        let unit = self.setup.ubatch.max(1);
+        n / unit * unit
+    }
+
+    /// Empty an idle slot (`POST /slots/<id>?action=erase`); a refusal leaves it as it was.
+    async fn erase(&self, slot: usize) {
+        let idle = self
+            .slots
+            .lock()
+            .ok()
+            .and_then(|slots| slots.get(slot).map(|s| s.busy <= 1))
+            .unwrap_or(false);
+        if !idle {
+            return;
+        }
+        if self
+            .post_json(
+                &format!("/slots/{slot}?action=erase"),
+                Bytes::new(),
+                CALL_TIMEOUT,
+            )
+            .await
+            .is_ok()
+            && let Ok(mut slots) = self.slots.lock()
+            && let Some(s) = slots.get_mut(slot)
+        {
+            s.tokens.clear();
+        }
     }
 
     /// The slot a prepared request goes to: the one it asked for, else among the idle slots
@@ -445,11 +507,12 @@ impl PromptCache {
         if !self.saving.load(Ordering::Relaxed) {
             return;
         }
+        let at_best = self.exact_cut(prepared.tokens.len());
         let held = self
             .store
             .lock()
             .ok()
-            .and_then(|s| s.as_ref().map(|s| s.holds(&prepared.tokens)))
+            .and_then(|s| s.as_ref().map(|s| s.holds(&prepared.tokens, at_best)))
             .unwrap_or(true);
         if held {
             return;
@@ -459,8 +522,16 @@ impl PromptCache {
         };
         self.pending.fetch_add(1, Ordering::SeqCst);
         let cache = self.clone();
+        let prefill = Prefill {
+            prompt_tokens: prepared.tokens.len(),
+            restored: prepared.restored.map(|r| r.n_tokens),
+            reused: match prepared.reused.load(Ordering::Relaxed) {
+                usize::MAX => None,
+                n => Some(n),
+            },
+        };
         runtime.spawn(async move {
-            cache.save(prepared.slot).await;
+            cache.save(prepared.slot, prefill).await;
             if cache.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
                 cache.settled.notify_waiters();
             }
@@ -474,7 +545,30 @@ impl PromptCache {
         self.saving.store(false, Ordering::Relaxed);
     }
 
-    async fn save(&self, slot: usize) {
+    /// How many tokens of what the slot holds after `prefill` a cold prefill computes bit
+    /// for bit. Begun at the first token (llama-server reused none) or at a prefix restored
+    /// on a micro-batch boundary: the prompt's whole micro-batches. Begun anywhere else (a
+    /// prefix llama-server kept in its memory), or where the reply did not say: none that
+    /// serve can vouch for. What was generated is never a cold prefill's.
+    fn exact_after(&self, prefill: Prefill) -> usize {
+        match prefill.reused {
+            Some(0) => self.exact_cut(prefill.prompt_tokens),
+            Some(reused) if prefill.restored == Some(reused) => {
+                self.exact_cut(prefill.prompt_tokens)
+            }
+            _ => 0,
+        }
+    }
+
+    async fn save(&self, slot: usize, prefill: Prefill) {
+        let exact = self.exact_after(prefill);
+        if exact < self.setup.min_tokens {
+            tracing::debug!(
+                "1bit serve: prompt cache: slot {slot} not saved: {exact} of its tokens are a cold prefill's (whole micro-batches prefilled from an empty slot or an exact restore), fewer than --prompt-cache-min-tokens {}",
+                self.setup.min_tokens
+            );
+            return;
+        }
         let temp = Store::temp_name(self.seq.fetch_add(1, Ordering::Relaxed));
         let request = serde_json::json!({ "filename": temp }).to_string();
         let saved = self
@@ -497,7 +591,7 @@ impl PromptCache {
         let min = self.setup.min_tokens;
         let admitted = tokio::task::spawn_blocking(move || {
             let mut store = store.lock().ok()?;
-            Some(store.as_mut()?.admit(&temp, min))
+            Some(store.as_mut()?.admit(&temp, min, exact))
         })
         .await
         .ok()

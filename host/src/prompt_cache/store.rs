@@ -13,8 +13,8 @@ use serde::{Deserialize, Serialize};
 
 use super::identity::Identity;
 
-/// The description's format; another is discarded as foreign.
-const FORMAT: u32 = 1;
+/// The description's format; another is discarded as foreign. Format 2 added `exact`.
+const FORMAT: u32 = 2;
 /// llama.cpp's sequence-state file: `ggsq`, version 4 (include/llama.h).
 const SEQ_MAGIC: u32 = 0x6767_7371;
 const SEQ_VERSION: u32 = 4;
@@ -59,6 +59,10 @@ pub struct Entry {
     pub name: String,
     /// The tokens the state holds, read from the state file itself.
     pub tokens: Vec<i32>,
+    /// How many of them hold what a cold prefill of the same tokens computes, bit for bit (a
+    /// multiple of the micro-batch; `PromptCache` works it out when it saves): a restore
+    /// stops there at the latest.
+    pub exact: usize,
     pub bytes: u64,
     crc32: u32,
     used: SystemTime,
@@ -72,6 +76,7 @@ struct Description {
     bytes: u64,
     crc32: u32,
     tokens: Vec<i32>,
+    exact: usize,
 }
 
 /// A token of a state file changed for one restore, and what it was.
@@ -201,6 +206,7 @@ impl Store {
             .unwrap_or(SystemTime::UNIX_EPOCH);
         Ok(Entry {
             name: name.to_string(),
+            exact: d.exact.min(d.tokens.len()),
             tokens: d.tokens,
             bytes: d.bytes,
             crc32: d.crc32,
@@ -208,12 +214,13 @@ impl Store {
         })
     }
 
-    /// The entry sharing the longest prefix with `tokens`, and that prefix's length.
+    /// The entry sharing the longest exact prefix with `tokens` (the shared prefix, up to the
+    /// entry's `exact`), and the whole shared prefix's length.
     pub fn best(&self, tokens: &[i32]) -> Option<(Entry, usize)> {
         self.entries
             .iter()
             .map(|e| (e, common_prefix(&e.tokens, tokens)))
-            .max_by_key(|(e, n)| (*n, std::cmp::Reverse(e.tokens.len())))
+            .max_by_key(|(e, n)| ((*n).min(e.exact), *n, std::cmp::Reverse(e.tokens.len())))
             .filter(|(_, n)| *n > 0)
             .map(|(e, n)| (e.clone(), n))
     }
@@ -323,9 +330,12 @@ impl Store {
         }
     }
 
-    /// Whether an entry already holds all of `tokens` (a save would add nothing).
-    pub fn holds(&self, tokens: &[i32]) -> bool {
-        self.entries.iter().any(|e| e.tokens.starts_with(tokens))
+    /// Whether an entry already holds all of `tokens`, at least `exact` of them exactly (a
+    /// save would add nothing).
+    pub fn holds(&self, tokens: &[i32], exact: usize) -> bool {
+        self.entries
+            .iter()
+            .any(|e| e.tokens.starts_with(tokens) && e.exact >= exact.min(tokens.len()))
     }
 
     /// A temporary name in the directory for llama-server to save a slot as.
@@ -336,16 +346,28 @@ impl Store {
     /// Take the state llama-server saved as `temp` (a name from [`temp_name`](Self::temp_name)):
     /// its tokens read from the file, made 0600, its description written, both renamed into
     /// place (the description last: a state without one is never restored); entries that are
-    /// a prefix of it and the least recently used beyond the budget removed. An I/O error
-    /// (a full or read-only disk) is returned, the temporary file removed.
-    pub fn admit(&mut self, temp: &str, min_tokens: usize) -> std::io::Result<Admitted> {
+    /// a prefix of it (and no more exact) and the least recently used beyond the budget
+    /// removed. `exact`: how many of its tokens hold what a cold prefill computes; a state
+    /// with fewer than `min_tokens` of them could never be restored and is not kept. An I/O
+    /// error (a full or read-only disk) is returned, the temporary file removed.
+    pub fn admit(
+        &mut self,
+        temp: &str,
+        min_tokens: usize,
+        exact: usize,
+    ) -> std::io::Result<Admitted> {
         let temp_path = self.dir.join(temp);
-        let result = self.admit_file(&temp_path, min_tokens);
+        let result = self.admit_file(&temp_path, min_tokens, exact);
         let _ = std::fs::remove_file(&temp_path);
         result
     }
 
-    fn admit_file(&mut self, temp_path: &Path, min_tokens: usize) -> std::io::Result<Admitted> {
+    fn admit_file(
+        &mut self,
+        temp_path: &Path,
+        min_tokens: usize,
+        exact: usize,
+    ) -> std::io::Result<Admitted> {
         let data = std::fs::read(temp_path)?;
         let tokens = state_tokens(&data).ok_or_else(|| {
             std::io::Error::new(
@@ -356,7 +378,13 @@ impl Store {
         if tokens.len() < min_tokens {
             return Ok(Admitted::Dropped("shorter than --prompt-cache-min-tokens"));
         }
-        if self.holds(&tokens) {
+        let exact = exact.min(tokens.len());
+        if exact < min_tokens {
+            return Ok(Admitted::Dropped(
+                "fewer exact tokens than --prompt-cache-min-tokens",
+            ));
+        }
+        if self.holds(&tokens, exact) {
             return Ok(Admitted::Dropped("already held"));
         }
         let bytes = data.len() as u64;
@@ -369,6 +397,7 @@ impl Store {
             bytes,
             crc32: crc32fast::hash(&data),
             tokens,
+            exact,
         };
         drop(data);
         let name = {
@@ -395,11 +424,12 @@ impl Store {
             return Err(e);
         }
         let tokens = description.tokens;
-        // An entry whose tokens this state extends holds nothing this one does not.
+        // An entry whose tokens this state extends, no more exactly, holds nothing this one
+        // does not.
         let superseded: Vec<String> = self
             .entries
             .iter()
-            .filter(|e| e.name != name && tokens.starts_with(&e.tokens))
+            .filter(|e| e.name != name && tokens.starts_with(&e.tokens) && e.exact <= exact)
             .map(|e| e.name.clone())
             .collect();
         for gone in &superseded {
@@ -411,6 +441,7 @@ impl Store {
         self.entries.push(Entry {
             name: name.clone(),
             tokens,
+            exact,
             bytes,
             crc32: description.crc32,
             used: SystemTime::now(),

@@ -57,7 +57,7 @@ fn a_saved_state_is_kept_0600_found_by_prefix_and_verified() {
     assert!(gone.is_empty());
     let temp = saved(&d, 1, &[1, 2, 3, 4], 100);
     assert!(matches!(
-        store.admit(&temp, 2).unwrap(),
+        store.admit(&temp, 2, usize::MAX).unwrap(),
         Admitted::Kept { evicted: 0, .. }
     ));
     let names = files(&d);
@@ -82,19 +82,22 @@ fn short_held_and_oversized_states_are_not_kept() {
     let (mut store, _) = Store::open(&d, 1000, identity(2048));
     let t = saved(&d, 1, &[1, 2], 10);
     assert_eq!(
-        store.admit(&t, 3).unwrap(),
+        store.admit(&t, 3, usize::MAX).unwrap(),
         Admitted::Dropped("shorter than --prompt-cache-min-tokens")
     );
     let t = saved(&d, 2, &[1, 2, 3], 10);
-    assert!(matches!(store.admit(&t, 3).unwrap(), Admitted::Kept { .. }));
+    assert!(matches!(
+        store.admit(&t, 3, usize::MAX).unwrap(),
+        Admitted::Kept { .. }
+    ));
     let t = saved(&d, 3, &[1, 2, 3], 10);
     assert_eq!(
-        store.admit(&t, 3).unwrap(),
+        store.admit(&t, 3, usize::MAX).unwrap(),
         Admitted::Dropped("already held")
     );
     let t = saved(&d, 4, &[5, 6, 7], 2000);
     assert_eq!(
-        store.admit(&t, 3).unwrap(),
+        store.admit(&t, 3, usize::MAX).unwrap(),
         Admitted::Dropped("larger than the whole budget")
     );
     assert_eq!(files(&d).len(), 2, "no temporary file is left");
@@ -107,7 +110,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
     let (mut store, _) = Store::open(&d, 750, identity(2048));
     for (seq, first) in [(1, 10), (2, 20), (3, 30)] {
         let t = saved(&d, seq, &[first, 1, 2], 200);
-        store.admit(&t, 1).unwrap();
+        store.admit(&t, 1, usize::MAX).unwrap();
         std::thread::sleep(Duration::from_millis(20));
     }
     // Used: 10 is now the most recent; a fourth evicts 20, the least recently used.
@@ -115,7 +118,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
     store.touch(&ten);
     let t = saved(&d, 4, &[40, 1, 2], 200);
     assert!(matches!(
-        store.admit(&t, 1).unwrap(),
+        store.admit(&t, 1, usize::MAX).unwrap(),
         Admitted::Kept { evicted: 1, .. }
     ));
     assert!(store.total_bytes() <= 750);
@@ -130,7 +133,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
     let (mut store, _) = Store::open(&d, 10_000, identity(2048));
     let t = saved(&d, 5, &[10, 1, 2, 3, 4], 200);
     assert!(matches!(
-        store.admit(&t, 1).unwrap(),
+        store.admit(&t, 1, usize::MAX).unwrap(),
         Admitted::Kept { evicted: 1, .. }
     ));
     assert_eq!(store.count(), 2);
@@ -143,7 +146,7 @@ fn foreign_truncated_and_corrupt_files_are_discarded_with_a_reason() {
     let (mut store, _) = Store::open(&d, 1 << 20, identity(2048));
     for seq in 1..=3 {
         let t = saved(&d, seq, &[seq as i32, 1, 2], 100);
-        store.admit(&t, 1).unwrap();
+        store.admit(&t, 1, usize::MAX).unwrap();
     }
     // Another ctx: every file is foreign.
     let (other, gone) = Store::open(&d, 1 << 20, identity(4096));
@@ -156,7 +159,7 @@ fn foreign_truncated_and_corrupt_files_are_discarded_with_a_reason() {
     let (mut store, _) = Store::open(&d, 1 << 20, identity(2048));
     for seq in 1..=2 {
         let t = saved(&d, seq, &[seq as i32, 1, 2], 100);
-        store.admit(&t, 1).unwrap();
+        store.admit(&t, 1, usize::MAX).unwrap();
     }
     let state = |first: i32| {
         let (e, _) = store.best(&[first, 1, 2]).unwrap();
@@ -203,4 +206,46 @@ fn the_token_list_is_read_packed_or_plain() {
     assert_eq!(state_tokens(&plain), Some(vec![5, 6]));
     assert_eq!(state_tokens(&plain[..12]), None);
     assert_eq!(state_tokens(b"GGUFxxxxxxxxxxxx"), None);
+}
+
+#[test]
+fn a_state_is_chosen_and_kept_by_its_exact_part() {
+    let d = dir("exact");
+    let (mut store, _) = Store::open(&d, 1 << 20, identity(2048));
+    // Too few exact tokens to be restored at all: not kept.
+    let t = saved(&d, 1, &[1, 2, 3, 4, 5, 6], 10);
+    assert_eq!(
+        store.admit(&t, 3, 2).unwrap(),
+        Admitted::Dropped("fewer exact tokens than --prompt-cache-min-tokens")
+    );
+    // Exact through 4 of its 6 tokens.
+    let t = saved(&d, 2, &[1, 2, 3, 4, 5, 6], 10);
+    assert!(matches!(
+        store.admit(&t, 3, 4).unwrap(),
+        Admitted::Kept { .. }
+    ));
+    // A longer state of the same conversation, but exact through only 3: it does not replace
+    // the more exact one, and a prompt both share is given the more exact.
+    let t = saved(&d, 3, &[1, 2, 3, 4, 5, 6, 7, 8], 10);
+    assert!(matches!(
+        store.admit(&t, 3, 3).unwrap(),
+        Admitted::Kept { evicted: 0, .. }
+    ));
+    assert_eq!(store.count(), 2);
+    let (entry, shared) = store.best(&[1, 2, 3, 4, 5, 6, 7, 9]).unwrap();
+    assert_eq!((entry.tokens.len(), entry.exact, shared), (6, 4, 6));
+    // The same tokens again, no more exact: already held; more exact: it replaces the entry.
+    let t = saved(&d, 4, &[1, 2, 3, 4, 5, 6], 10);
+    assert_eq!(
+        store.admit(&t, 3, 4).unwrap(),
+        Admitted::Dropped("already held")
+    );
+    assert!(store.holds(&[1, 2, 3, 4, 5, 6], 4));
+    assert!(!store.holds(&[1, 2, 3, 4, 5, 6], 6));
+    // Its exact part is read back by the next serve.
+    let (store, gone) = Store::open(&d, 1 << 20, identity(2048));
+    assert!(gone.is_empty());
+    let (entry, _) = store.best(&[1, 2, 3, 4, 5, 6]).unwrap();
+    assert_eq!(entry.exact, 4);
+    std::fs::remove_dir_all(&d).unwrap();
 }

@@ -67,7 +67,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         _ => None,
     };
     let (body, release) = prepare_slot(&app, &plan, &parts, body).await;
-    let restored = release.as_ref().and_then(Release::restored);
+    let watch = release.as_ref().and_then(Release::watch);
     let chosen = match backend_for(&app, &plan, &parts, body).await {
         Chosen::Backend(chosen) => chosen,
         Chosen::InProcess(body) => {
@@ -103,7 +103,7 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         on_first_byte: chosen.on_first_byte,
         in_flight,
         release,
-        restored,
+        watch,
     };
     sent(&relaying, upstream, carried).await
 }
@@ -140,13 +140,13 @@ struct Relaying<'a> {
 
 /// What rides on a relayed reply's body: the watchdog's ticket, the route's first-byte line,
 /// the in-flight count, the prompt cache's slot (released with the body), and what the
-/// cache restored (said in the reply).
+/// cache reads from and notes in the reply.
 struct Carried {
     ticket: Option<Ticket>,
     on_first_byte: Option<FirstByte>,
     in_flight: InFlight,
     release: Option<Release>,
-    restored: Option<crate::prompt_cache::Restored>,
+    watch: Option<crate::prompt_cache::ReplyWatch>,
 }
 
 /// The persistent prompt cache's step before forwarding: a saved prefix of the prompt restored
@@ -352,11 +352,11 @@ async fn sent(
                 on_first_byte,
                 in_flight,
                 release,
-                restored,
+                watch,
             } = carried;
             let wrap = move |body| {
                 let body = watched(body, ticket, on_first_byte, in_flight, streamed, release);
-                noted_stream(body, restored)
+                noted_stream(body, watch)
             };
             let mut response = general_early::early_stream(pending, wrap, app.device.clone());
             response.extensions_mut().insert(Relayed { backend, added });
@@ -392,21 +392,29 @@ async fn reply(
         reply_parts.headers.insert("x-1bit-route", why.clone());
     }
     let streamed = Streamed::new(app, plan, began, path);
-    let restored = carried.restored;
+    let watch = carried.watch;
+    let json_reply = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    let whole = plan.name_reply && json_reply;
+    // A whole reply's slot is released once the reply has been read (where llama-server began
+    // its prefill, which the save needs), a stream's when its body ends.
+    let (release_with_body, release_after_reading) = if whole {
+        (None, carried.release)
+    } else {
+        (carried.release, None)
+    };
     let reply_body = watched(
         reply_body,
         carried.ticket,
         carried.on_first_byte,
         carried.in_flight,
         streamed,
-        carried.release,
+        release_with_body,
     );
-    let json_reply = reply_parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("application/json"));
-    if plan.name_reply && json_reply {
+    if whole {
         // A whole JSON reply: name the model as serve serves it.
         let collecting = Instant::now();
         let collected = reply_body.collect().await;
@@ -423,10 +431,11 @@ async fn reply(
             }
         };
         let bytes = served_name::in_reply(bytes, &app.served_name);
-        let bytes = match &restored {
-            Some(restored) => crate::prompt_cache::noted_in_reply(bytes, restored),
+        let bytes = match &watch {
+            Some(watch) => crate::prompt_cache::noted_in_reply(bytes, watch),
             None => bytes,
         };
+        drop(release_after_reading);
         reply_parts.headers.remove(header::CONTENT_LENGTH);
         reply_parts.extensions.insert(added(backend_time));
         return Response::from_parts(reply_parts, Body::from(bytes));
@@ -438,7 +447,7 @@ async fn reply(
         // every event as it passes.
         reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
-        let renamed = noted_stream(renamed.boxed_unsync(), restored);
+        let renamed = noted_stream(renamed.boxed_unsync(), watch);
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
     reply_parts.extensions.insert(added(backend_time));
@@ -447,7 +456,7 @@ async fn reply(
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let reply_body = noted_stream(reply_body, restored);
+    let reply_body = noted_stream(reply_body, watch);
     Response::from_parts(
         reply_parts,
         sse_keepalive::during(reply_body, plan.inference && plan.streamed && event_stream),

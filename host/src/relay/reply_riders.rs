@@ -26,8 +26,8 @@ pub(super) struct Release(
 );
 
 impl Release {
-    pub(super) fn restored(&self) -> Option<crate::prompt_cache::Restored> {
-        self.0.as_ref().and_then(|(_, p)| p.restored)
+    pub(super) fn watch(&self) -> Option<crate::prompt_cache::ReplyWatch> {
+        self.0.as_ref().map(|(_, p)| p.watch())
     }
 }
 
@@ -39,19 +39,20 @@ impl Drop for Release {
     }
 }
 
-/// A streamed reply whose prefix came from the disk: the event that carries `timings` (the
-/// last) says so (`prompt_cache::noted_in_reply`). Any other reply passes as it is.
+/// A prepared request's streamed reply: the event that carries `timings` (the last) is read
+/// and, where the prefix came from the disk, says so (`prompt_cache::noted_in_reply`). Any
+/// other reply passes as it is.
 pub(super) fn noted_stream(
     body: http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error>,
-    restored: Option<crate::prompt_cache::Restored>,
+    watch: Option<crate::prompt_cache::ReplyWatch>,
 ) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
-    let Some(restored) = restored else {
+    let Some(watch) = watch else {
         return body;
     };
     served_name::each_event(body, move |event| {
         // Only the last event carries `timings`; the others pass unparsed.
         if event.windows(9).any(|w| w == b"\"timings\"") {
-            crate::prompt_cache::noted_in_reply(event, &restored)
+            crate::prompt_cache::noted_in_reply(event, &watch)
         } else {
             event
         }

@@ -12,6 +12,10 @@ use onebit_plugin_api::{
 /// allocates the whole KV cache; serve asks for this much instead unless told otherwise.
 pub const DEFAULT_CTX: u64 = 4096;
 
+/// The micro-batch (`-ub`) the cpu route runs llama-server with unless an option, a recipe or
+/// the user sets one.
+pub const UBATCH: u32 = 256;
+
 /// One per process: it keeps the series it derives from its backend's stderr.
 #[derive(Default)]
 pub struct CpuRoute {
@@ -78,6 +82,10 @@ impl DeviceRoute for CpuRoute {
                 ctx_source,
                 pool: "ram".to_string(),
                 full: true,
+                // A 256-token micro-batch prefills as fast as llama-server's 512 on the CPU
+                // (docs/performance.md), and the prompt cache restores a prefix cut at a
+                // multiple of it: half the prompt left to prefill again at worst.
+                defaults: vec![vec!["-ub".to_string(), UBATCH.to_string()]],
                 ..Default::default()
             },
         )?;
@@ -140,10 +148,10 @@ mod tests {
         assert!(joined.contains("-ngl 0"));
         assert!(joined.contains("--jinja") && joined.contains("--metrics"));
         assert!(joined.contains("--alias smol"));
-        assert!(joined.ends_with("-c 4096"));
+        assert!(joined.ends_with("-c 4096 -ub 256"), "{joined}");
         assert!(plan.one_hop);
         let plan = CpuRoute::default().plan(&request(Some(512))).unwrap();
-        assert!(plan.backends[0].argv.join(" ").ends_with("-c 512"));
+        assert!(plan.backends[0].argv.join(" ").ends_with("-c 512 -ub 256"));
     }
 
     #[test]

@@ -127,7 +127,7 @@ pub fn build(request: &PlanRequest, main: Main) -> Result<Built, Refusal> {
         )?);
     }
     for group in main.defaults {
-        if !group.is_empty() && !argv.contains(&group[0]) {
+        if group.first().is_some_and(|flag| !has_flag(&argv, flag)) {
             argv.extend(group);
         }
     }
@@ -196,6 +196,26 @@ pub fn router(request: &PlanRequest, device_argv: &[&str]) -> Result<Built, Refu
     })
 }
 
+/// Flags llama-server reads as one (`-ub 256` and `--ubatch-size=256`).
+const SAME_FLAGS: &[&[&str]] = &[&["-ub", "--ubatch-size"], &["-b", "--batch-size"]];
+
+/// Whether `argv` sets `flag`, under any of its names, as `--name value` or `--name=value`.
+fn has_flag(argv: &[String], flag: &str) -> bool {
+    let names = SAME_FLAGS
+        .iter()
+        .find(|names| names.contains(&flag))
+        .copied()
+        .unwrap_or(std::slice::from_ref(&flag));
+    argv.iter().any(|arg| {
+        names.iter().any(|name| {
+            arg == name
+                || arg
+                    .strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with('='))
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +254,35 @@ mod tests {
             side_env: true,
             ..Default::default()
         }
+    }
+
+    /// A default is added only where nothing set its flag, under whichever of its names.
+    #[test]
+    fn a_default_flag_is_not_added_beside_the_same_flag_under_another_name() {
+        let argv = |words: &[&str]| words.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        assert!(has_flag(&argv(&["-ub", "512"]), "-ub"));
+        assert!(has_flag(&argv(&["--ubatch-size", "512"]), "-ub"));
+        assert!(has_flag(&argv(&["--ubatch-size=512"]), "-ub"));
+        assert!(has_flag(&argv(&["-b", "4096"]), "--batch-size"));
+        assert!(!has_flag(&argv(&["-b", "4096"]), "-ub"));
+        assert!(!has_flag(&argv(&["--ubatch-sizes", "1"]), "-ub"));
+        assert!(has_flag(&argv(&["--cache-reuse", "512"]), "--cache-reuse"));
+
+        let mut main = hrx_main();
+        main.defaults = vec![vec!["-ub".into(), "256".into()]];
+        let mmproj =
+            std::env::temp_dir().join(format!("onebit-plan-ub-{}.gguf", std::process::id()));
+        std::fs::write(&mmproj, b"x").unwrap();
+        let mut r = request(&[]);
+        r.options.mmproj = Some(mmproj.to_string_lossy().into_owned());
+        let built = build(&r, main).unwrap();
+        let argv = &built.backends[0].argv;
+        assert_eq!(
+            argv.iter().filter(|a| *a == "-ub").count(),
+            1,
+            "--mmproj sets -ub itself: {argv:?}"
+        );
+        let _ = std::fs::remove_file(&mmproj);
     }
 
     /// The rule, end to end through the builder: every variable the plan would set and the user
