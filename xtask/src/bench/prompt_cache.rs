@@ -35,7 +35,8 @@ const TARGET: f64 = 0.25;
 /// The issue's ~2,000-token system prompt: this many rules.
 const RULES: usize = 41;
 /// More lengths, one round each, so the figure does not hang on where one prompt ends
-/// against llama-server's 512-token runs (a rule is about 48 tokens: these step about 144).
+/// against llama-server's runs of the cpu route's micro-batch, 256 tokens (a rule is about 48
+/// tokens: these step about 144).
 const SWEEP: [usize; 3] = [44, 47, 50];
 
 /// The system prompt: an agent's rules and tool list, ~2,000 tokens at [`RULES`].
@@ -175,10 +176,12 @@ fn conversation(
 }
 
 /// The cache and no-cache arms once each at the [`SWEEP`] lengths: the prompt, what the
-/// restore brought (a multiple of 512 below the part turn one's state holds), both times to
+/// restore brought (a multiple of 256 within the exact part of turn one's state), both times to
 /// the first token and their ratio, and whether the replies match. Printed, not judged.
 fn sweep(kit: &Kit) -> Result<(), Failure> {
-    println!("\nWhere the prompt ends against llama-server's 512-token runs (one round each):");
+    println!(
+        "\nWhere the prompt ends against llama-server's 256-token runs (the cpu route's -ub; one round each):"
+    );
     println!(
         "  {:>6} {:>14} {:>9} {:>12} {:>15} {:>8} {:>10}",
         "rules", "prompt tokens", "restored", "cache (ms)", "no cache (ms)", "ratio", "identical"
