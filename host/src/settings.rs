@@ -2,6 +2,10 @@
 //! table, the backends' ports, the limits and the rewrites. Run-time state (status, pools,
 //! the watchdog) lives in `relay::App`, beside these.
 
+mod rule_table;
+
+pub use rule_table::RuleTable;
+
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use onebit_plugin_api::{Plan, Rule};
@@ -26,7 +30,8 @@ pub struct Settings {
     pub device: String,
     /// Unix time serve started, for `/v1/models`.
     pub created: u64,
-    pub rules: Vec<Rule>,
+    /// The plan's request table (`rule_for` looks a request up in it).
+    pub rules: RuleTable,
     /// The loopback port of each backend, in the plan's order.
     pub ports: Vec<u16>,
     pub body_limit: usize,
@@ -55,13 +60,7 @@ impl Settings {
     /// The route's rule for a request, the first that matches in the plan's order. Called by
     /// both relay engines on the connection's task; never blocks.
     pub fn rule_for(&self, method: &str, path: &str) -> Option<&Rule> {
-        self.rules.iter().find(|r| {
-            r.method.eq_ignore_ascii_case(method)
-                && match r.path.strip_suffix('*') {
-                    Some(prefix) => path.starts_with(prefix),
-                    None => r.path == path,
-                }
-        })
+        self.rules.find(method, path)
     }
 
     /// The relay's settings for this command line and plan.
@@ -82,7 +81,7 @@ impl Settings {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
-            rules: plan.rules.clone(),
+            rules: RuleTable::new(plan.rules.clone()),
             ports,
             body_limit: env_number(args.env.max_body_bytes.as_deref())
                 .filter(|n| *n >= 1.0)

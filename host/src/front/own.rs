@@ -39,7 +39,13 @@ pub fn router(app: Arc<App>) -> Router {
             // go to the relay, which knows what the route does with them.
             .route("/models", get(models).fallback(relay));
     }
-    if !app.metrics.backends.is_empty() || app.rules.iter().any(|r| r.action == Action::InProcess) {
+    if !app.metrics.backends.is_empty()
+        || app
+            .rules
+            .all()
+            .iter()
+            .any(|r| r.action == Action::InProcess)
+    {
         // On every route that runs a child or answers in process.
         router = router.route("/metrics", get(scrape));
     }
