@@ -16,6 +16,9 @@ const DEFAULT_CTX: u32 = 4096;
 
 /// The prompt cache in RAM when `--route-opt cache_ram_mib` is not given, in MiB.
 const DEFAULT_CACHE_RAM_MIB: u64 = 256;
+/// llama.cpp's micro-batch: the cpu route's (`-ub 256`), so a prompt is decoded in the runs
+/// the cpu route's llama-server decodes it in and the greedy replies agree token for token.
+pub const UBATCH: u32 = 256;
 
 /// What llama.cpp's compute buffers take beyond weights and KV, counted as the llama-server
 /// routes count it (SmolLM2 at ctx 4096 takes about 100 MiB; larger vocabularies more).
@@ -178,7 +181,10 @@ pub fn plan(request: &PlanRequest) -> Result<Plan, Refusal> {
         ctx: u64::from(ctx),
         ctx_source,
         pool: "ram".to_string(),
-        llama_kv: Some(LlamaKv::new(u64::from(ctx), slots)),
+        llama_kv: Some(LlamaKv {
+            n_ubatch: u64::from(UBATCH),
+            ..LlamaKv::new(u64::from(ctx), slots)
+        }),
         ..Default::default()
     };
     let state = State {

@@ -292,7 +292,8 @@ impl Memory {
 /// The memory facts of a llama-server plan, for the host's admission check: the model's files,
 /// the KV cache and recurrent state llama.cpp will allocate at `ctx` (None: the model's own
 /// training context), and compute. `ctx_source` is how the line names the context, e.g.
-/// `ctx 4096 (--ctx-size)`. A model whose header cannot be read, or says too little to
+/// `ctx 4096 (--ctx-size)`; `n_ubatch` is the command line's micro-batch (a windowed model's
+/// cache holds its window and one), else llama-server's 512. A model whose header cannot be read, or says too little to
 /// estimate from, gets the reason instead: that is the host's to judge (a warning, or nothing
 /// under `--no-mem-check`), never a refusal, since the backend may still load it.
 pub fn memory_need(
@@ -300,6 +301,7 @@ pub fn memory_need(
     ctx: Option<u64>,
     ctx_source: String,
     pool: &str,
+    n_ubatch: Option<u64>,
 ) -> Memory {
     let unknown = |why: String| Memory {
         need: None,
@@ -315,7 +317,10 @@ pub fn memory_need(
         Ok(h) => h,
         Err(e) => return unknown(format!("its GGUF header cannot be read: {e}")),
     };
-    let settings = kv_settings(ctx, request.options.parallel);
+    let mut settings = kv_settings(ctx, request.options.parallel);
+    if let Some(n) = n_ubatch {
+        settings.n_ubatch = n.max(1);
+    }
     match memory::kv_estimate(&header, &settings) {
         Ok(estimate) => Memory {
             need: Some(MemoryNeed {

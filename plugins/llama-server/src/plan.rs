@@ -96,8 +96,7 @@ pub fn build(request: &PlanRequest, main: Main) -> Result<Built, Refusal> {
         options::ModelArgs::default()
     };
     let drafter = asked.drafter;
-    let mut memory = crate::memory_need(request, main.ctx, main.ctx_source, &main.pool);
-    memory.add(asked.extra_weights_bytes, asked.extra_kv_bytes);
+    let extra = (asked.extra_weights_bytes, asked.extra_kv_bytes);
 
     let mut argv = crate::base_argv(&server, request, port);
     argv.extend(main.device_argv);
@@ -131,6 +130,11 @@ pub fn build(request: &PlanRequest, main: Main) -> Result<Built, Refusal> {
             argv.extend(group);
         }
     }
+    // Sized for the command line as it stands: a windowed model's cache holds its window
+    // and one micro-batch.
+    let n_ubatch = flag_value(&argv, "-ub").and_then(|v| v.parse().ok());
+    let mut memory = crate::memory_need(request, main.ctx, main.ctx_source, &main.pool, n_ubatch);
+    memory.add(extra.0, extra.1);
     let (env, env_combined) = env.resolve(request);
     let mut backend = crate::backend(argv, port);
     backend.env = env;
@@ -201,11 +205,7 @@ const SAME_FLAGS: &[&[&str]] = &[&["-ub", "--ubatch-size"], &["-b", "--batch-siz
 
 /// Whether `argv` sets `flag`, under any of its names, as `--name value` or `--name=value`.
 fn has_flag(argv: &[String], flag: &str) -> bool {
-    let names = SAME_FLAGS
-        .iter()
-        .find(|names| names.contains(&flag))
-        .copied()
-        .unwrap_or(std::slice::from_ref(&flag));
+    let names = names_of(flag);
     argv.iter().any(|arg| {
         names.iter().any(|name| {
             arg == name
@@ -214,6 +214,30 @@ fn has_flag(argv: &[String], flag: &str) -> bool {
                     .is_some_and(|rest| rest.starts_with('='))
         })
     })
+}
+
+/// The value `argv` gives `flag` last (llama-server takes the last), under any of its names.
+fn flag_value<'a>(argv: &'a [String], flag: &str) -> Option<&'a str> {
+    let names = names_of(flag);
+    let mut value = None;
+    for (i, arg) in argv.iter().enumerate() {
+        for name in &names {
+            if arg == name {
+                value = argv.get(i + 1).map(String::as_str);
+            } else if let Some(v) = arg.strip_prefix(name).and_then(|r| r.strip_prefix('=')) {
+                value = Some(v);
+            }
+        }
+    }
+    value
+}
+
+/// `flag` and the other names llama-server reads as it.
+fn names_of(flag: &str) -> Vec<&str> {
+    SAME_FLAGS
+        .iter()
+        .find(|names| names.contains(&flag))
+        .map_or_else(|| vec![flag], |names| names.to_vec())
 }
 
 #[cfg(test)]
@@ -267,6 +291,13 @@ mod tests {
         assert!(!has_flag(&argv(&["-b", "4096"]), "-ub"));
         assert!(!has_flag(&argv(&["--ubatch-sizes", "1"]), "-ub"));
         assert!(has_flag(&argv(&["--cache-reuse", "512"]), "--cache-reuse"));
+        let both = argv(&["-ub", "256", "--ubatch-size=1024"]);
+        assert_eq!(flag_value(&both, "-ub"), Some("1024"));
+        assert_eq!(
+            flag_value(&argv(&["-ub", "256"]), "--ubatch-size"),
+            Some("256")
+        );
+        assert_eq!(flag_value(&argv(&["-b", "256"]), "-ub"), None);
 
         let mut main = hrx_main();
         main.defaults = vec![vec!["-ub".into(), "256".into()]];

@@ -33,6 +33,7 @@ impl Llama {
             unsafe { ((f.model_default_params)(), (f.context_default_params)()) };
         model_params.n_gpu_layers = 0;
         context_params.n_ctx = n_ctx;
+        context_params.n_ubatch = crate::plan::UBATCH;
         context_params.n_threads = threads;
         context_params.n_threads_batch = threads;
         // One sequence per slot; each gets n_ctx / slots cells (llama.cpp's split, as
