@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::NAME;
 use crate::error::InprocError;
+use crate::ffi::UBATCH;
 use crate::host::default_threads;
 use crate::libraries::{LIB_DIR_VAR, check_lib_dir, lib_dir};
 use crate::openai::Kind;
@@ -16,9 +17,6 @@ const DEFAULT_CTX: u32 = 4096;
 
 /// The prompt cache in RAM when `--route-opt cache_ram_mib` is not given, in MiB.
 const DEFAULT_CACHE_RAM_MIB: u64 = 256;
-/// llama.cpp's micro-batch: the cpu route's (`-ub 256`), so a prompt is decoded in the runs
-/// the cpu route's llama-server decodes it in and the greedy replies agree token for token.
-pub const UBATCH: u32 = 256;
 
 /// What llama.cpp's compute buffers take beyond weights and KV, counted as the llama-server
 /// routes count it (SmolLM2 at ctx 4096 takes about 100 MiB; larger vocabularies more).

@@ -20,7 +20,7 @@ mod session;
 pub use abi::{ContextParams, ModelParams};
 pub use batch::{SamplerChain, TokenBatch};
 pub use log::buffer_size;
-pub use session::Session;
+pub use session::{Session, UBATCH};
 
 use libloading::Library;
 

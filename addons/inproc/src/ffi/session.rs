@@ -13,6 +13,10 @@ use super::{Llama, Token};
 use crate::error::InprocError;
 use crate::state_buffer::StateBuffer;
 
+/// llama.cpp's micro-batch: the cpu route's (`-ub 256`), so a prompt is decoded in the runs
+/// the cpu route's llama-server decodes it in and the greedy replies agree token for token.
+pub const UBATCH: u32 = 256;
+
 impl Llama {
     /// Load a GGUF and make a context of `n_ctx` tokens with `threads` threads. Blocks for
     /// the loading (a second for a small model).
@@ -33,7 +37,7 @@ impl Llama {
             unsafe { ((f.model_default_params)(), (f.context_default_params)()) };
         model_params.n_gpu_layers = 0;
         context_params.n_ctx = n_ctx;
-        context_params.n_ubatch = crate::plan::UBATCH;
+        context_params.n_ubatch = UBATCH;
         context_params.n_threads = threads;
         context_params.n_threads_batch = threads;
         // One sequence per slot; each gets n_ctx / slots cells (llama.cpp's split, as
