@@ -353,6 +353,29 @@ fn a_long_prompt_after_a_short_chat_on_its_slot_is_prefilled_whole_and_saved() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A streamed chat too long for the context, prepared like any long prompt: llama-server's
+/// refusal is one JSON object, not an event stream, and reaches the client whole.
+#[test]
+fn a_streamed_chat_too_long_for_the_context_gets_llama_servers_400() {
+    let _turn = one_at_a_time();
+    let dir = temp_dir("pc-too-long");
+    let serve = serve_with(&dir, &[]);
+    let long: String = (0..6).map(|i| system(&format!("topic {i}"))).collect();
+    let body = json!({
+        "messages": [{"role": "system", "content": long}, {"role": "user", "content": "Hi."}],
+        "stream": true, "max_tokens": 8,
+    });
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body.to_string());
+    assert_eq!(status, 400, "{reply}\n{}", serve.output());
+    let reply: Value = serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
+    assert_eq!(
+        reply["error"]["type"], "exceed_context_size_error",
+        "{reply}"
+    );
+    stop(serve);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The state `saved` left, under a second serve with `extra` (or another model): the line that
 /// discards it, and the request answering as a cold one does.
 fn discarded_under(

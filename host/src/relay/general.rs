@@ -354,9 +354,9 @@ async fn sent(
                 release,
                 watch,
             } = carried;
-            let wrap = move |body| {
+            let wrap = move |body, event_stream: bool| {
                 let body = watched(body, ticket, on_first_byte, in_flight, streamed, release);
-                noted_stream(body, watch)
+                noted_stream(body, watch.filter(|_| event_stream))
             };
             let mut response = general_early::early_stream(pending, wrap, app.device.clone());
             response.extensions_mut().insert(Relayed { backend, added });
@@ -398,6 +398,12 @@ async fn reply(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("application/json"));
+    // Events are read (and noted) only in an event stream: a streamed request's error reply
+    // is one JSON object, passed as it came.
+    let event_stream = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     let whole = plan.name_reply && json_reply;
     // A whole reply's slot is released once the reply has been read (where llama-server began
     // its prefill, which the save needs), a stream's when its body ends.
@@ -447,16 +453,12 @@ async fn reply(
         // every event as it passes.
         reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
-        let renamed = noted_stream(renamed.boxed_unsync(), watch);
+        let renamed = noted_stream(renamed.boxed_unsync(), watch.filter(|_| event_stream));
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
     reply_parts.extensions.insert(added(backend_time));
     // Comments go only into an event stream (a streamed request's error reply is JSON).
-    let event_stream = reply_parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let reply_body = noted_stream(reply_body, watch);
+    let reply_body = noted_stream(reply_body, watch.filter(|_| event_stream));
     Response::from_parts(
         reply_parts,
         sse_keepalive::during(reply_body, plan.inference && plan.streamed && event_stream),

@@ -16,7 +16,8 @@ use crate::relay::sse_keepalive::{COMMENT, DEFAULT_SECS, every};
 /// been silent for `every` before its head: the general engine's driver of the one
 /// early-stream state machine (`relay::early_stream`), which decides every byte; here the
 /// backend's frames and the silences are fed to it and what it says becomes the client's
-/// frames. `wrap` puts the request's watchdog ticket and counters on the backend's body.
+/// frames. `wrap` puts the request's watchdog ticket and counters on the backend's body; it is
+/// told whether that body is an event stream (`text/event-stream`; an error reply is JSON).
 /// Called by the general path; the relay runs on a task of its own that ends when the client
 /// goes away.
 pub fn early_stream<F, E, W, B>(
@@ -27,7 +28,7 @@ pub fn early_stream<F, E, W, B>(
 where
     F: Future<Output = Result<hyper::Response<hyper::body::Incoming>, E>> + Send + 'static,
     E: std::fmt::Display + Send + 'static,
-    W: FnOnce(hyper::body::Incoming) -> B + Send + 'static,
+    W: FnOnce(hyper::body::Incoming, bool) -> B + Send + 'static,
     B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
     B::Error: std::fmt::Display + Send,
 {
@@ -55,7 +56,7 @@ async fn drive_early<F, E, W, B>(
 ) where
     F: Future<Output = Result<hyper::Response<hyper::body::Incoming>, E>>,
     E: std::fmt::Display,
-    W: FnOnce(hyper::body::Incoming) -> B,
+    W: FnOnce(hyper::body::Incoming, bool) -> B,
     B: HttpBody<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
@@ -82,7 +83,11 @@ async fn drive_early<F, E, W, B>(
         }
     };
     stream.head(reply.status().as_u16());
-    let mut body = wrap(reply.into_body());
+    let event_stream = reply
+        .headers()
+        .get(hyper::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let mut body = wrap(reply.into_body(), event_stream);
     let silence = tokio::time::sleep(every);
     tokio::pin!(silence);
     loop {
