@@ -427,11 +427,7 @@ async fn relay_reply(
             }
         }
         if done {
-            // llama-server (its cpp-httplib) closes the connection after every chunked reply
-            // (a stream) without saying `Connection: close`; kept, the next request could be
-            // written before its FIN arrives and meet a close no retry may answer (a 502 the
-            // soak met). A chunked reply's connection is not kept.
-            if !head.backend_close && !leftover && head.framing != Framing::Chunked {
+            if head.keeps_connection() && !leftover {
                 app.pool.checkin(fast.port, backend);
             }
             drop(ticket);

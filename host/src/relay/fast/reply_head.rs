@@ -15,6 +15,16 @@ pub(super) struct ReplyHead {
     pub(super) event_stream: bool,
 }
 
+impl ReplyHead {
+    /// Whether the backend connection may carry another request once this reply's body has
+    /// ended. Not after the backend said `Connection: close`, and not after a chunked reply (a
+    /// stream): llama-server (its cpp-httplib) closes the connection then without saying so,
+    /// and a request written before that FIN arrives meets a close no retry may answer.
+    pub(super) fn keeps_connection(&self) -> bool {
+        !self.backend_close && self.framing != Framing::Chunked
+    }
+}
+
 pub(super) enum ReplyError {
     /// The connection closed cleanly before a byte of the reply: the backend may have read
     /// the request.
@@ -180,6 +190,24 @@ mod tests {
         let mut response = httparse::Response::new(&mut headers);
         assert!(response.parse(raw).is_ok());
         reply_head(&response)
+    }
+
+    #[test]
+    fn only_a_reply_of_known_length_that_does_not_close_keeps_its_connection() {
+        let keeps = |raw: &[u8]| head_of(raw).ok().map(|h| h.keeps_connection());
+        assert_eq!(
+            keeps(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"),
+            Some(true)
+        );
+        assert_eq!(
+            keeps(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"),
+            Some(false)
+        );
+        // llama-server's stream: chunked, no `Connection: close`, and closed after it.
+        assert_eq!(
+            keeps(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            Some(false)
+        );
     }
 
     #[test]
