@@ -17,13 +17,7 @@ const POLL: Duration = Duration::from_millis(5);
 
 /// Connections to a port in `backend_ports` that serve closed and the backend has not.
 pub fn not_let_go(proc_root: &Path, backend_ports: &[u16]) -> usize {
-    tcp_table::sockets(proc_root)
-        .iter()
-        .filter(|s| {
-            backend_ports.contains(&s.remote_port)
-                && tcp_table::CLOSED_HERE_NOT_THERE.contains(&s.state.as_str())
-        })
-        .count()
+    tcp_table::closed_here_not_there(proc_root, backend_ports)
 }
 
 /// Wait until no connection to the backends is left half closed, or `deadline`. Returns how

@@ -10,6 +10,7 @@ pub mod health;
 pub mod let_go;
 pub mod port_owner;
 pub mod route_calls;
+mod sock_diag;
 pub mod supervisor;
 mod tcp_table;
 pub mod watchdog;

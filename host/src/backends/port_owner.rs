@@ -1,7 +1,7 @@
 //! Who listens on a backend's port: the listening socket's owner, read from /proc, so serve
 //! becomes ready only against the backend it started and never relays clients to an impostor.
 //!
-//! A socket listening on the port (`/proc/net/tcp{,6}`, state LISTEN) belongs to the backend
+//! A socket listening on the port (the kernel's TCP table, state LISTEN) belongs to the backend
 //! when one of the backend's processes holds it as an open file (`/proc/<pid>/fd/*` →
 //! `socket:[inode]`). The backend's processes are its pid and every descendant, so a wrapper
 //! script that starts the engine as its child passes; a process that merely shares the port (or
@@ -30,7 +30,7 @@ pub enum Listener {
 /// ready (and wherever a backend is started again). Blocks on reading /proc: a few hundred small
 /// files, a millisecond or two; call it where that is fine (it runs once per start).
 pub fn listener(proc_root: &Path, port: u16, pid: u32) -> Listener {
-    let inodes = listening_inodes(proc_root, port);
+    let inodes = tcp_table::listening_inodes(proc_root, port);
     if inodes.is_empty() {
         return Listener::Unknown;
     }
@@ -58,15 +58,6 @@ pub fn impostor_line(engine: &str, port: u16, owner: &Option<(u32, String)>) -> 
     format!(
         "port {port}, which serve gave its {engine}, is held by {who}: the answers there are not from the backend serve started"
     )
-}
-
-/// Inodes of the sockets in state LISTEN on `port`, over IPv4 and IPv6.
-fn listening_inodes(proc_root: &Path, port: u16) -> BTreeSet<u64> {
-    tcp_table::sockets(proc_root)
-        .into_iter()
-        .filter(|s| s.state == tcp_table::LISTEN && s.local_port == port && s.inode != 0)
-        .map(|s| s.inode)
-        .collect()
 }
 
 fn all_pids(proc_root: &Path) -> Vec<u32> {

@@ -1,7 +1,48 @@
-//! The kernel's table of TCP sockets (`/proc/net/tcp{,6}`), read as rows: the ports at both
-//! ends, the state, and the inode (0 once no process holds the socket).
+//! The kernel's table of TCP sockets, as rows: the ports at both ends, the state, and the inode
+//! (0 once no process holds the socket). Asked through `sock_diag` (filtered in the kernel);
+//! read from `/proc/net/tcp{,6}` (every socket, formatted) where the kernel refuses that.
 
+use std::collections::BTreeSet;
 use std::path::Path;
+
+use super::sock_diag::{self, Query};
+
+/// The inodes of the sockets listening on `port` (any address, IPv4 and IPv6).
+pub fn listening_inodes(proc_root: &Path, port: u16) -> BTreeSet<u64> {
+    let query = Query {
+        states: sock_diag::LISTEN,
+        local_port: Some(port),
+        remote_port: None,
+    };
+    matching(proc_root, query)
+        .filter(|s| s.state == LISTEN && s.local_port == port && s.inode != 0)
+        .map(|s| s.inode)
+        .collect()
+}
+
+/// How many connections toward a port in `remote_ports` this end has closed and the peer not.
+pub fn closed_here_not_there(proc_root: &Path, remote_ports: &[u16]) -> usize {
+    let of = |port| {
+        let query = Query {
+            states: sock_diag::CLOSED_HERE_NOT_THERE,
+            local_port: None,
+            remote_port: Some(port),
+        };
+        matching(proc_root, query)
+            .filter(|s| s.remote_port == port && CLOSED_HERE_NOT_THERE.contains(&s.state.as_str()))
+            .count()
+    };
+    remote_ports.iter().copied().map(of).sum()
+}
+
+/// The rows `query` asks for: the kernel's answer, or (refused) every row of /proc, for the
+/// caller to filter alike.
+fn matching(proc_root: &Path, query: Query) -> impl Iterator<Item = Socket> {
+    match sock_diag::sockets(query) {
+        Ok(rows) if proc_root == Path::new("/proc") => rows.into_iter(),
+        _ => sockets(proc_root).into_iter(),
+    }
+}
 
 /// `LISTEN` in the table's state column.
 pub const LISTEN: &str = "0A";
