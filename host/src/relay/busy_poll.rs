@@ -6,10 +6,12 @@
 //! not: serve waiting for its backend's reply, and serve waiting for the client's next request
 //! on a kept-alive connection (or the first one on a new connection). Linux offers the remedy
 //! for network cards (`SO_BUSY_POLL`) but not for loopback, so serve does it itself: it asks
-//! the socket (a non-blocking `MSG_PEEK`) and yields the CPU (`sched_yield`) in turn. The yield
-//! matters: the thread that owes the answer was often just woken onto this very CPU (the kernel
-//! places a wakee near its waker), and a bare spin would keep it from running; measured on the
-//! 2-core VM, a bare spin made the backend's reply 20 µs later, the yielding one 25 µs sooner.
+//! the socket (a non-blocking read into the reader's buffer, so the answer is taken in the call
+//! that finds it; a `MSG_PEEK` where there is no buffer, as in a flush) and yields the CPU
+//! (`sched_yield`) in turn. The yield matters: the thread that owes the answer was often just
+//! woken onto this very CPU (the kernel places a wakee near its waker), and a bare spin would
+//! keep it from running; measured on the 2-core VM, a bare spin made the backend's reply 20 µs
+//! later, the yielding one 25 µs sooner.
 //!
 //! Within strict limits:
 //! - once per message sent: after this socket wrote (hyper flushes a whole message, and the
@@ -112,42 +114,68 @@ impl BusyPollStream {
         )
     }
 
-    /// Spin (once per message sent, within the limits above) until bytes are waiting or the
-    /// budget is spent; true when they are.
-    fn spin(&mut self) -> bool {
+    /// Take this socket's one spin if it may spin now (once per message sent, within the
+    /// limits above): its deadline. The spinner clears `SPINNING` when it is done.
+    fn begin_spin(&mut self) -> Option<Instant> {
         if !std::mem::take(&mut self.may_spin_once) {
-            return false;
+            return None;
         }
         let budget = budget();
         let own = usize::from(self.side == Side::Backend);
         if budget.is_zero() || in_flight() > own || SPINNING.swap(true, Ordering::Acquire) {
-            return false;
+            return None;
         }
-        let deadline = Instant::now() + budget;
+        Some(Instant::now() + budget)
+    }
+
+    /// Spin until bytes are waiting or the budget is spent; true when they are. For a caller
+    /// with no buffer to read into (a flush).
+    fn spin(&mut self) -> bool {
+        let Some(deadline) = self.begin_spin() else {
+            return false;
+        };
         let socket = socket2::SockRef::from(&self.tcp);
         let mut byte = [MaybeUninit::<u8>::uninit(); 1];
         let waiting = loop {
             match socket.peek(&mut byte) {
                 // Bytes, or the end of the stream: either way a read answers now.
                 Ok(_) => break true,
-                Err(e)
-                    if e.kind() == io::ErrorKind::WouldBlock
-                        || e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if would_block(&e) => {}
                 Err(e) => {
                     self.peeked_error = Some(e);
                     break true;
                 }
             }
-            if Instant::now() >= deadline {
+            if !yield_until(deadline) {
                 break false;
             }
-            // Not a bare spin: the thread that owes the answer was often just woken onto
-            // this CPU (the kernel places a wakee near its waker), and must run here first.
-            std::thread::yield_now();
         };
         SPINNING.store(false, Ordering::Release);
         self.bytes_waiting = waiting;
         waiting
+    }
+
+    /// Spin by reading into `buf` until the answer comes or the budget is spent: the answer
+    /// read (bytes, the end of the stream or an error), or None with `buf` untouched.
+    fn spin_reading(&mut self, buf: &mut ReadBuf<'_>) -> Option<io::Result<()>> {
+        let deadline = self.begin_spin()?;
+        let socket = socket2::SockRef::from(&self.tcp);
+        let mut reader: &socket2::Socket = &socket;
+        let read = loop {
+            match reader.read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    break Some(Ok(()));
+                }
+                Err(e) if would_block(&e) => {}
+                Err(e) => break Some(Err(e)),
+            }
+            if !yield_until(deadline) {
+                break None;
+            }
+        };
+        SPINNING.store(false, Ordering::Release);
+        read
     }
 
     /// Read what a spin found, past the runtime's readiness (which says "not yet" until its
@@ -170,6 +198,25 @@ impl BusyPollStream {
     }
 }
 
+/// A non-blocking socket call that found nothing yet.
+fn would_block(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+    )
+}
+
+/// Between two asks of a spin: false once the deadline has passed, else yield the CPU and
+/// true. Not a bare spin: the thread that owes the answer was often just woken onto this CPU
+/// (the kernel places a wakee near its waker), and must run here first.
+fn yield_until(deadline: Instant) -> bool {
+    if Instant::now() >= deadline {
+        return false;
+    }
+    std::thread::yield_now();
+    true
+}
+
 impl AsyncRead for BusyPollStream {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -184,6 +231,12 @@ impl AsyncRead for BusyPollStream {
             && let Some(read) = this.read_waiting(buf)
         {
             this.may_spin_once = false;
+            return Poll::Ready(read);
+        }
+        // An answer is owed: ask for it with reads of its own first. The runtime's read below
+        // would only find the socket empty (the answer is microseconds away), and the spin
+        // then peeked before it read; reading in the spin takes it in one call.
+        if let Some(read) = this.spin_reading(buf) {
             return Poll::Ready(read);
         }
         let polled = match Pin::new(&mut this.tcp).poll_read(cx, buf) {
