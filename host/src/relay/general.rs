@@ -24,7 +24,7 @@ use crate::relay::in_flight::InFlight;
 use crate::relay::plan::{self, Decided, DeviceChoice, Engine, RelayPlan, Target, Way};
 use crate::relay::reply_riders::{FirstByte, Release, Streamed, noted_stream, watched};
 use crate::relay::request_id::RequestId;
-use crate::relay::{general_early, in_process, served_name, sse_keepalive};
+use crate::relay::{general_early, in_process, pool, served_name, sse_keepalive};
 
 /// What the general engine tells the request's log line about a relayed request: its backend
 /// and serve's added time. Rides on the response's extensions.
@@ -335,7 +335,7 @@ async fn sent(
         path,
     } = *relaying;
     let sent_at = Instant::now();
-    let pending = app.client.request(upstream);
+    let pending = pool::send(&app.client, upstream);
     match sse_keepalive::wait_head(pending, plan.inference && plan.streamed).await {
         sse_keepalive::Waited::Arrived(Ok(head)) => {
             reply(relaying, head, sent_at.elapsed(), carried).await

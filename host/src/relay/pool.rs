@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::Uri;
+use hyper::body::{Body as _, Incoming};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
@@ -101,6 +102,34 @@ pub fn backend_client() -> BackendClient {
     crate::backends::health::pooled_client(|http| BackendConnector { http })
 }
 
+/// Send a relayed request on the general engine's client and wait for its reply's head. After a
+/// reply of unknown length (chunked: a stream) the connection is not pooled, as the fast
+/// engine's `ReplyHead::keeps_connection` rules: llama-server (its cpp-httplib) closes the
+/// connection after every stream without `Connection: close`, and a request hyper's pool put on
+/// it before that FIN arrived would meet a close after it was written, which hyper does not
+/// retry (it cannot know the backend did not take it) and serve answers with a 502. Called by
+/// `general` on the request's task; the pool's own connections never block it.
+pub fn send(
+    client: &BackendClient,
+    mut request: hyper::Request<Full<Bytes>>,
+) -> impl Future<Output = Result<hyper::Response<Incoming>, hyper_util::client::legacy::Error>>
++ Send
++ 'static {
+    let connection = capture_connection(&mut request);
+    let pending = client.request(request);
+    async move {
+        let reply = pending.await?;
+        if reply.body().size_hint().exact().is_none()
+            && let Some(connected) = connection.connection_metadata().as_ref()
+        {
+            // The pool neither takes it back nor hands it out; hyper closes it once the body
+            // has ended.
+            connected.poison();
+        }
+        Ok(reply)
+    }
+}
+
 /// hyper-util's TCP connector, handing out [`BusyPollStream`]s (`busy_poll`).
 #[derive(Clone)]
 pub struct BackendConnector {
@@ -158,5 +187,85 @@ mod tests {
         let (_, reused) = pool.checkout(port).await.unwrap();
         assert!(!reused, "idle past the limit: a new connection");
         held.abort();
+    }
+}
+
+#[cfg(test)]
+mod send_tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::BodyExt as _;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    /// A backend that keeps every connection open and answers each GET whole
+    /// (`Content-Length`), or chunked for a path with `stream` in it; it counts connections.
+    async fn backend() -> (u16, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((mut tcp, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = tcp.read(&mut buf).await {
+                        if n == 0 {
+                            return;
+                        }
+                        head.extend_from_slice(&buf[..n]);
+                        if !head.ends_with(b"\r\n\r\n") {
+                            continue;
+                        }
+                        let reply: &[u8] = if head.windows(6).any(|w| w == b"stream") {
+                            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
+                        } else {
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"
+                        };
+                        head.clear();
+                        if tcp.write_all(reply).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (port, accepted)
+    }
+
+    async fn get(client: &BackendClient, port: u16, path: &str) {
+        let request = hyper::Request::get(format!("http://127.0.0.1:{port}{path}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let reply = send(client, request).await.unwrap();
+        let body = reply.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"hi");
+        // hyper hands a connection back to its pool on a task of its own.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    #[tokio::test]
+    async fn a_chunked_replys_connection_is_not_reused_and_a_whole_ones_is() {
+        let client = backend_client();
+        let (port, accepted) = backend().await;
+        get(&client, port, "/whole").await;
+        get(&client, port, "/whole").await;
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "a whole reply's is reused"
+        );
+        get(&client, port, "/stream").await;
+        get(&client, port, "/stream").await;
+        get(&client, port, "/whole").await;
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            3,
+            "each chunked reply's connection is left, the next request takes a new one"
+        );
     }
 }

@@ -16,6 +16,8 @@ macro_rules! log {
 
 #[path = "fake_backend/app.rs"]
 mod app;
+#[path = "fake_backend/close_after_stream.rs"]
+mod close_after_stream;
 #[path = "fake_backend/config.rs"]
 mod config;
 #[path = "fake_backend/generate.rs"]
@@ -167,6 +169,10 @@ async fn run(cfg: Config) -> ExitCode {
         });
     }
 
+    if let Some(after) = cfg.close_after_stream {
+        close_after_stream::serve(listener, app::app(Arc::clone(&state)), after).await;
+        return ExitCode::SUCCESS;
+    }
     // Small SSE writes must leave at once, not wait for Nagle.
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);

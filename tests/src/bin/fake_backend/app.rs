@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::close_after_stream::{self, StreamEnd};
 use crate::config::Config;
 use crate::generate::{self, Api};
 use crate::slots;
@@ -303,6 +304,8 @@ pub fn app(state: Arc<State>) -> Router {
 }
 
 async fn dispatch(AxumState(st): AxumState<Arc<State>>, req: Request) -> Response {
+    // Present only under `FAKE_CLOSE_AFTER_STREAM_MS`: the connection's own accept loop put it.
+    let stream_end = req.extensions().get::<Arc<StreamEnd>>().cloned();
     let mut response = answer(&st, req).await;
     let every = st.cfg.close_every;
     if every > 0 && (st.answered.fetch_add(1, Ordering::AcqRel) + 1) % every == 0 {
@@ -311,7 +314,10 @@ async fn dispatch(AxumState(st): AxumState<Arc<State>>, req: Request) -> Respons
             .headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
-    response
+    match stream_end {
+        Some(end) => close_after_stream::mark_end(response, end),
+        None => response,
+    }
 }
 
 async fn answer(st: &Arc<State>, req: Request) -> Response {

@@ -72,6 +72,10 @@ pub struct Config {
     /// `FAKE_CLOSE_EVERY`: every Nth reply closes its connection (0: never), as llama-server
     /// closes a kept-alive connection after its 100th request.
     pub close_every: u64,
+    /// `FAKE_CLOSE_AFTER_STREAM_MS`: after a streamed reply's last bytes its connection reads
+    /// nothing more and is closed this long later, as llama-server closes it at once (None:
+    /// connections are kept as usual).
+    pub close_after_stream: Option<Duration>,
     /// `FAKE_TOOL_MS`: how long a tool call (`POST /tools`, as llama-server's `--tools`) takes
     /// before its result.
     pub tool_call: Duration,
@@ -204,6 +208,7 @@ pub fn parse(
             .map(PathBuf::from),
         ds4: flag(&env, "FAKE_DS4")?,
         close_every: number(&env, "FAKE_CLOSE_EVERY")?.unwrap_or(0),
+        close_after_stream: millis(&env, "FAKE_CLOSE_AFTER_STREAM_MS")?,
         tool_call: millis(&env, "FAKE_TOOL_MS")?.unwrap_or(Duration::ZERO),
     })))
 }

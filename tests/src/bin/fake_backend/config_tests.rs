@@ -85,3 +85,12 @@ fn defaults_match_the_brief() {
     assert!(cfg.slots_endpoint && !cfg.metrics && !cfg.ds4);
     assert!(!serve(&["--no-slots"], &[]).slots_endpoint);
 }
+
+#[test]
+fn connections_are_kept_after_a_stream_unless_a_close_is_asked() {
+    assert_eq!(serve(&[], &[]).close_after_stream, None);
+    let cfg = serve(&[], &[("FAKE_CLOSE_AFTER_STREAM_MS", "300")]);
+    assert_eq!(cfg.close_after_stream, Some(Duration::from_millis(300)));
+    let at_once = serve(&[], &[("FAKE_CLOSE_AFTER_STREAM_MS", "0")]);
+    assert_eq!(at_once.close_after_stream, Some(Duration::ZERO));
+}
