@@ -343,6 +343,48 @@ pub fn pass_to_backend(plan: &mut Plan, args: &[String]) -> Result<(), Fatal> {
     }
 }
 
+/// Make serve's `--ctx-size` the context llama-server will use: a `-c`/`--ctx-size` among the
+/// arguments after `--` comes later on llama-server's command line than serve's own and wins
+/// there, so the memory check must size that one. Adopted when serve has none; Err (exit 2)
+/// when it is not a number of tokens, or when serve's own says another. Called by `serve::run`
+/// before anything is planned.
+pub fn adopt_backend_ctx(ctx_size: &mut Option<u64>, passed: &[String]) -> Result<(), Fatal> {
+    let mut found: Option<String> = None;
+    let mut i = 0;
+    while i < passed.len() {
+        let (flag, inline) = flag_and_inline_value(&passed[i]);
+        i += 1;
+        if matches!(flag, "-c" | "--ctx-size") {
+            let value = inline.or_else(|| {
+                i += 1;
+                passed.get(i - 1).cloned()
+            });
+            found = Some(value.ok_or_else(|| {
+                Fatal::usage(format!(
+                    "{flag} after --: no value; give llama-server's context in tokens, e.g. {flag} 8192"
+                ))
+            })?);
+        }
+    }
+    let Some(text) = found else {
+        return Ok(());
+    };
+    let Ok(n) = text.trim().parse::<u64>() else {
+        return Err(Fatal::usage(format!(
+            "-c {text} after --: not a number of tokens; give one such as 8192 (0: the model's own)"
+        )));
+    };
+    match *ctx_size {
+        Some(own) if own != n => Err(Fatal::usage(format!(
+            "--ctx-size {own} and -c {n} after -- disagree, and llama-server would take {n}; give the context once (--ctx-size {n})"
+        ))),
+        _ => {
+            *ctx_size = Some(n);
+            Ok(())
+        }
+    }
+}
+
 /// The role routes llama-server serves only when started with one of its flags, and serve's
 /// own ways to get each: (paths, llama-server's flags, what serve answers instead of
 /// llama-server's "Start it with `--embeddings`").

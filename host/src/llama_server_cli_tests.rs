@@ -240,3 +240,24 @@ fn a_host_list_stays_one_flag_for_serve_to_bind_each() {
     let serve = translate_in(&words("-m a --host 127.0.0.1,::1 --metrics"), &no_env).unwrap();
     assert_eq!(serve, words("-m a --host 127.0.0.1,::1 --port 8080"));
 }
+
+/// The last `-c`/`--ctx-size` after `--` is llama-server's context, and serve's own.
+#[test]
+fn a_context_after_the_separator_becomes_serves() {
+    let mut ctx = None;
+    adopt_backend_ctx(&mut ctx, &words("--temp 0.6 -c 1024 --ctx-size=2048")).unwrap();
+    assert_eq!(ctx, Some(2048));
+    let mut ctx = None;
+    adopt_backend_ctx(&mut ctx, &words("--temp 0.6")).unwrap();
+    assert_eq!(ctx, None, "nothing passed, nothing adopted");
+    let mut ctx = Some(512);
+    adopt_backend_ctx(&mut ctx, &words("-c 512")).unwrap();
+    assert_eq!(ctx, Some(512));
+    let refused = adopt_backend_ctx(&mut Some(512), &words("-c 1024")).unwrap_err();
+    assert_eq!(refused.code, crate::error::exit::USAGE);
+    let no_value = adopt_backend_ctx(&mut None, &words("-c")).unwrap_err();
+    assert_eq!(
+        no_value.message,
+        "-c after --: no value; give llama-server's context in tokens, e.g. -c 8192"
+    );
+}

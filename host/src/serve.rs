@@ -43,7 +43,12 @@ const SAVES_PAST_THE_WINDOW: Duration = Duration::from_millis(300);
 const PAST_THE_WINDOW: Duration = Duration::from_millis(900);
 
 /// Run `1bit serve` and return its exit status.
-pub fn run(args: ServeArgs) -> i32 {
+pub fn run(mut args: ServeArgs) -> i32 {
+    if let Err(fatal) =
+        crate::llama_server_cli::adopt_backend_ctx(&mut args.ctx_size, &args.backend_args)
+    {
+        return say_fatal(&fatal);
+    }
     match prepare(&args) {
         Ok(Prepared::Exit(code)) => code,
         Ok(Prepared::Serve(prepared)) => {

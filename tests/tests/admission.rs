@@ -102,6 +102,57 @@ fn mem_check_prints_the_estimate_and_exits_0_or_3() {
     assert!(printed.stdout.is_empty());
 }
 
+/// A context given to llama-server after `--` is the one llama-server allocates (it comes
+/// later on its command line than serve's), so it is the one the memory check sizes; serve's
+/// own `--ctx-size` that says another is refused before anything is read.
+#[test]
+fn a_context_passed_to_llama_server_is_the_one_checked() {
+    let dir = temp_dir("memcheck-passed-ctx");
+    let small = dummy_small_gguf(&dir);
+    let fake = fake_backend();
+    let check = |extra: &[&str]| {
+        let out = Command::new(onebit())
+            .arg("serve")
+            .args(serve_args(&small, &fake))
+            .arg("--mem-check")
+            .args(extra)
+            .output()
+            .unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), said)
+    };
+    // 1 Gi tokens of a 2-layer, 64-wide model's f16 cache: 512 GiB, more than any machine here.
+    let huge = "1073741824";
+    let inline = format!("--ctx-size={huge}");
+    for passed in [vec!["-c", huge], vec![inline.as_str()]] {
+        let mut extra = vec!["--"];
+        extra.extend(passed);
+        let (code, said) = check(&extra);
+        assert_eq!(code, Some(3), "{said}");
+        assert!(said.contains(&format!(" at ctx {huge} ")), "{said}");
+    }
+    let (code, said) = check(&["--ctx-size", "4096", "--", "-c", huge]);
+    assert_eq!(code, Some(2), "{said}");
+    assert_eq!(
+        said.trim(),
+        format!(
+            "1bit serve: --ctx-size 4096 and -c {huge} after -- disagree, and llama-server would take {huge}; give the context once (--ctx-size {huge})"
+        )
+    );
+    let (code, said) = check(&["--", "-c", "lots"]);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains("-c lots after --: not a number of tokens"),
+        "{said}"
+    );
+    let (code, said) = check(&["--ctx-size", "2048", "--", "-c", "2048"]);
+    assert_eq!(code, Some(0), "the same context twice is one: {said}");
+}
+
 #[test]
 fn hrx_judges_the_models_own_context_when_none_is_given() {
     let dir = temp_dir("memcheck-hrx");
