@@ -485,6 +485,40 @@ fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name
     }
 }
 
+/// ds4-server's refusal of a streamed request is one JSON object, not an event stream: it
+/// reaches the client whole (the served name is written into events only), with no keep-alive
+/// comment in it.
+#[test]
+fn ds4s_json_refusal_of_a_streamed_request_reaches_the_client_whole() {
+    let dir = temp_dir("ds4-refusal");
+    let model = dummy_model(&dir, "DeepSeek-V4-Flash.gguf");
+    let fake = fake();
+    let serve = Serve::start(
+        &[
+            "-m",
+            model.to_str().unwrap(),
+            "--device",
+            "ds4",
+            "--ds4",
+            &fake,
+        ],
+        &[("FAKE_DS4", "1")],
+    );
+    serve.ready();
+    // More words than the fake's 4,096-token context: it refuses with llama.cpp's 400.
+    let prompt = "word ".repeat(5000);
+    let body = serde_json::json!({
+        "stream": true,
+        "messages": [{"role": "user", "content": prompt}],
+    })
+    .to_string();
+    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body);
+    assert_eq!(status, 400, "{reply}");
+    let v: serde_json::Value = serde_json::from_str(&reply)
+        .unwrap_or_else(|e| panic!("not one JSON object ({e}): {reply:?}"));
+    assert_eq!(v["error"]["type"], "exceed_context_size_error", "{reply}");
+}
+
 #[test]
 fn recipes_are_applied_replaced_disabled_and_a_malformed_file_is_refused() {
     let dir = temp_dir("recipes");

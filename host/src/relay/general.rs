@@ -448,9 +448,10 @@ async fn reply(
     }
     // Streamed as it arrives: dropping this response (a client that went away) drops the
     // upstream body, which closes the backend connection, and the engine stops generating.
-    if plan.rename_stream {
+    if plan.rename_stream && event_stream {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
-        // every event as it passes.
+        // every event as it passes. (Its refusal of a streamed request is one JSON object,
+        // passed below as it came.)
         reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
         let renamed = noted_stream(renamed.boxed_unsync(), watch.filter(|_| event_stream));
