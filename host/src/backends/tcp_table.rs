@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
+pub use super::sock_diag::Socket;
 use super::sock_diag::{self, Query};
 
 /// The inodes of the sockets listening on `port` (any address, IPv4 and IPv6).
@@ -49,15 +50,6 @@ pub const LISTEN: &str = "0A";
 /// `FIN_WAIT1` and `FIN_WAIT2`: this end closed, the peer has not closed its own yet.
 pub const CLOSED_HERE_NOT_THERE: [&str; 2] = ["04", "05"];
 
-/// One row of the table.
-pub struct Socket {
-    pub local_port: u16,
-    pub remote_port: u16,
-    /// The state column, as the kernel writes it (two hex digits).
-    pub state: String,
-    pub inode: u64,
-}
-
 /// Every TCP socket of the machine's network namespace, IPv4 and IPv6. Reads /proc; blocks
 /// briefly.
 pub fn sockets(proc_root: &Path) -> Vec<Socket> {
@@ -90,4 +82,37 @@ pub fn sockets(proc_root: &Path) -> Vec<Socket> {
         }
     }
     rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel's answer and /proc agree on a listener: its port, state and inode.
+    #[test]
+    fn sock_diag_and_proc_see_the_same_listener() {
+        let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = socket.local_addr().unwrap().port();
+        let query = Query {
+            states: sock_diag::LISTEN,
+            local_port: Some(port),
+            remote_port: None,
+        };
+        let asked: Vec<u64> = sock_diag::sockets(query)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.inode)
+            .collect();
+        let read: Vec<u64> = sockets(Path::new("/proc"))
+            .into_iter()
+            .filter(|s| s.local_port == port && s.state == LISTEN)
+            .map(|s| s.inode)
+            .collect();
+        assert_eq!(asked.len(), 1);
+        assert_eq!(asked, read);
+        assert_eq!(
+            listening_inodes(Path::new("/proc"), port),
+            BTreeSet::from([asked[0]])
+        );
+    }
 }
