@@ -521,6 +521,24 @@ pub fn pinned_llama_cpp_source() -> Option<PathBuf> {
     Some(install.join(source_dir)).filter(|d| d.is_dir())
 }
 
+/// A `POST` of JSON `body` to `path` as raw HTTP/1.1 bytes for [`raw`], closing after its
+/// reply: the body whole with `Content-Length` (the fast engine carries such a request) or in
+/// one chunk with `Transfer-Encoding: chunked` (the general engine does).
+pub fn raw_json_post(port: u16, path: &str, body: &str, chunked_body: bool) -> Vec<u8> {
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    );
+    if chunked_body {
+        req.push_str(&format!(
+            "Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+            body.len()
+        ));
+    } else {
+        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    }
+    req.into_bytes()
+}
+
 /// One HTTP request of any method, with a body of any type: (status, reply body); status 0
 /// when nothing answered. `headers` are (name, value) pairs.
 pub fn request(

@@ -409,25 +409,32 @@ fn the_warmups_arrive_in_order_before_ready() {
     assert_eq!(completion["n_predict"], 0);
 }
 
-#[test]
-fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name() {
-    let dir = temp_dir("ds4");
+/// serve on the ds4 route, the fake standing in for ds4-server (`FAKE_DS4`), with `extra`
+/// flags and `env` besides; not yet ready.
+fn serve_ds4(name: &str, extra: &[&str], env: &[(&str, &str)]) -> Serve {
+    let dir = temp_dir(name);
     let model = dummy_model(&dir, "DeepSeek-V4-Flash.gguf");
     let fake = fake();
-    let serve = Serve::start(
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "ds4",
+        "--ds4",
+        &fake,
+    ];
+    args.extend_from_slice(extra);
+    let mut env = env.to_vec();
+    env.push(("FAKE_DS4", "1"));
+    Serve::start(&args, &env)
+}
+
+#[test]
+fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name() {
+    let serve = serve_ds4(
+        "ds4",
+        &["--alias", "flash", "--ssd-streaming"],
         &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "ds4",
-            "--ds4",
-            &fake,
-            "--alias",
-            "flash",
-            "--ssd-streaming",
-        ],
-        &[
-            ("FAKE_DS4", "1"),
             ("FAKE_LOAD_MS", "300"),
             ("FAKE_MODEL_NAME", "/models/ds4-internal-name"),
         ],
@@ -490,20 +497,7 @@ fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name
 /// comment in it.
 #[test]
 fn ds4s_json_refusal_of_a_streamed_request_reaches_the_client_whole() {
-    let dir = temp_dir("ds4-refusal");
-    let model = dummy_model(&dir, "DeepSeek-V4-Flash.gguf");
-    let fake = fake();
-    let serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "ds4",
-            "--ds4",
-            &fake,
-        ],
-        &[("FAKE_DS4", "1")],
-    );
+    let serve = serve_ds4("ds4-refusal", &[], &[]);
     serve.ready();
     // More words than the fake's 4,096-token context: it refuses with llama.cpp's 400.
     let prompt = "word ".repeat(5000);

@@ -27,18 +27,7 @@ fn assert_carried_by(serve: &Serve, chunked_body: bool) {
 /// chunks (the general path).
 fn request(port: u16, content: &str, chunked_body: bool) -> Vec<u8> {
     let body = format!(r#"{{"stream":true,"messages":[{{"role":"user","content":"{content}"}}]}}"#);
-    let mut req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nConnection: close\r\n"
-    );
-    if chunked_body {
-        req.push_str(&format!(
-            "Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
-            body.len()
-        ));
-    } else {
-        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    }
-    req.into_bytes()
+    raw_json_post(port, "/v1/chat/completions", &body, chunked_body)
 }
 
 /// What the client got: the head, each chunk's bytes in order, and when the first byte came.

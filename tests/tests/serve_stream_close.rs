@@ -12,23 +12,6 @@ use onebit_tests::*;
 /// longer than serve takes to relay the next request, so a kept connection is always met.
 const CLOSE_AFTER_MS: u64 = 500;
 
-/// A POST of JSON `body` to `path` as raw HTTP/1.1, the body sent whole (the fast engine
-/// carries it) or in chunks (the general engine does).
-fn post_raw(port: u16, path: &str, body: &str, chunked_body: bool) -> Vec<u8> {
-    let mut req = format!(
-        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nConnection: close\r\n"
-    );
-    if chunked_body {
-        req.push_str(&format!(
-            "Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
-            body.len()
-        ));
-    } else {
-        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    }
-    req.into_bytes()
-}
-
 fn a_request_right_after_a_stream_is_answered(chunked_body: bool) {
     let engine = if chunked_body { "general" } else { "fast" };
     let dir = temp_dir("stream-close");
@@ -46,7 +29,7 @@ fn a_request_right_after_a_stream_is_answered(chunked_body: bool) {
     let limit = Duration::from_secs(30);
 
     let stream = r#"{"stream":true,"messages":[{"role":"user","content":"one"}]}"#;
-    let stream = post_raw(serve.port, "/v1/chat/completions", stream, chunked_body);
+    let stream = raw_json_post(serve.port, "/v1/chat/completions", stream, chunked_body);
     let (status, streamed) = raw(serve.port, &stream, limit);
     let ended = Instant::now();
     assert_eq!(
@@ -59,7 +42,7 @@ fn a_request_right_after_a_stream_is_answered(chunked_body: bool) {
     std::thread::sleep(Duration::from_millis(20));
 
     let sent_within = ended.elapsed();
-    let whole = post_raw(
+    let whole = raw_json_post(
         serve.port,
         "/tokenize",
         r#"{"content":"hello world"}"#,
