@@ -521,6 +521,15 @@ pub fn pinned_llama_cpp_source() -> Option<PathBuf> {
     Some(install.join(source_dir)).filter(|d| d.is_dir())
 }
 
+/// What a finished command wrote: its stdout, then its stderr.
+pub fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// A `POST` of JSON `body` to `path` as raw HTTP/1.1 bytes for [`raw`], closing after its
 /// reply: the body whole with `Content-Length` (the fast engine carries such a request) or in
 /// one chunk with `Transfer-Encoding: chunked` (the general engine does).

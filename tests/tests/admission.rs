@@ -118,11 +118,7 @@ fn a_context_passed_to_llama_server_is_the_one_checked() {
             .args(extra)
             .output()
             .unwrap();
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let said = output_text(&out);
         (out.status.code(), said)
     };
     // 1 Gi tokens of a 2-layer, 64-wide model's f16 cache: 512 GiB, more than any machine here.

@@ -415,11 +415,7 @@ fn the_docs_route_template_builds_inside_another_workspaces_tree_and_its_tests_l
             .env("CARGO_TARGET_DIR", bin_dir().join("abi-fixtures/target"))
             .output()
             .unwrap();
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let said = output_text(&out);
         assert!(out.status.success(), "cargo {what}: {said}");
         said
     };

@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use onebit_tests::*;
 
@@ -16,14 +16,6 @@ fn root() -> PathBuf {
         .parent()
         .unwrap()
         .to_path_buf()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// `systemd-analyze`, installed from Debian's `systemd` package when this machine lacks it.
@@ -40,7 +32,7 @@ fn systemd_analyze() -> Command {
         assert!(
             update.is_ok() && install.as_ref().is_ok_and(|o| o.status.success()),
             "systemd-analyze is missing and `apt-get install systemd` failed: {}",
-            install.map(|o| text(&o)).unwrap_or_default()
+            install.map(|o| output_text(&o)).unwrap_or_default()
         );
     }
     Command::new("systemd-analyze")
@@ -61,7 +53,7 @@ fn verify(unit: &Path, home: &Path) -> (bool, String) {
         .current_dir(unit.parent().unwrap())
         .output()
         .expect("systemd-analyze runs");
-    (out.status.success(), text(&out))
+    (out.status.success(), output_text(&out))
 }
 
 /// The value of `Key=` in a unit's text.
@@ -110,7 +102,7 @@ fn xtask_install(prefix: &Path, args: &[&str]) -> String {
         .args(args)
         .output()
         .expect("cargo runs");
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
