@@ -149,6 +149,41 @@ fn a_context_passed_to_llama_server_is_the_one_checked() {
     assert_eq!(code, Some(0), "the same context twice is one: {said}");
 }
 
+/// A quantized cache passed to llama-server after `--` is the cache the check counts: SmolLM2's
+/// 90 MiB of f16 K and V at 4096 cells become 34/64 of that with q8_0.
+#[test]
+fn a_cache_type_passed_to_llama_server_is_counted() {
+    let dir = temp_dir("memcheck-passed-kv");
+    let model = dir.join("smollm2-shaped.gguf");
+    gguf::writer::Builder::smollm2_shaped()
+        .write(&model)
+        .unwrap();
+    let fake = fake_backend();
+    let kv_of = |extra: &[&str]| {
+        let out = Command::new(onebit())
+            .arg("serve")
+            .args(serve_args(&model, &fake))
+            .arg("--mem-check")
+            .args(extra)
+            .output()
+            .unwrap();
+        let said = output_text(&out);
+        assert_eq!(out.status.code(), Some(0), "{said}");
+        let kv = said
+            .split("KV/state ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{said}"));
+        kv.to_string()
+    };
+    assert_eq!(kv_of(&[]), "0.09");
+    assert_eq!(
+        kv_of(&["--", "-ctk", "q8_0", "--cache-type-v=q8_0"]),
+        "0.05"
+    );
+    assert_eq!(kv_of(&["--", "--temp", "0.6"]), "0.09");
+}
+
 #[test]
 fn hrx_judges_the_models_own_context_when_none_is_given() {
     let dir = temp_dir("memcheck-hrx");

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 pub mod llama_kv;
+pub mod passed_kv;
 
 use onebit_plugin_api::MemoryNeed;
 
