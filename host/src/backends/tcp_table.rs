@@ -15,7 +15,8 @@ pub fn listening_inodes(proc_root: &Path, port: u16) -> BTreeSet<u64> {
         local_port: Some(port),
         remote_port: None,
     };
-    matching(proc_root, query)
+    matching(proc_root, &[query])
+        .into_iter()
         .filter(|s| s.state == LISTEN && s.local_port == port && s.inode != 0)
         .map(|s| s.inode)
         .collect()
@@ -23,26 +24,34 @@ pub fn listening_inodes(proc_root: &Path, port: u16) -> BTreeSet<u64> {
 
 /// How many connections toward a port in `remote_ports` this end has closed and the peer not.
 pub fn closed_here_not_there(proc_root: &Path, remote_ports: &[u16]) -> usize {
-    let of = |port| {
-        let query = Query {
+    let queries: Vec<Query> = remote_ports
+        .iter()
+        .map(|&port| Query {
             states: sock_diag::CLOSED_HERE_NOT_THERE,
             local_port: None,
             remote_port: Some(port),
-        };
-        matching(proc_root, query)
-            .filter(|s| s.remote_port == port && CLOSED_HERE_NOT_THERE.contains(&s.state.as_str()))
-            .count()
-    };
-    remote_ports.iter().copied().map(of).sum()
+        })
+        .collect();
+    matching(proc_root, &queries)
+        .iter()
+        .filter(|s| {
+            remote_ports.contains(&s.remote_port)
+                && CLOSED_HERE_NOT_THERE.contains(&s.state.as_str())
+        })
+        .count()
 }
 
-/// The rows `query` asks for: the kernel's answer, or (refused) every row of /proc, for the
-/// caller to filter alike.
-fn matching(proc_root: &Path, query: Query) -> impl Iterator<Item = Socket> {
-    match sock_diag::sockets(query) {
-        Ok(rows) if proc_root == Path::new("/proc") => rows.into_iter(),
-        _ => sockets(proc_root).into_iter(),
+/// The rows `queries` ask for: the kernel's answers (for the real /proc), or, where it refuses,
+/// every row of `proc_root`'s table, read once, for the caller to filter alike.
+fn matching(proc_root: &Path, queries: &[Query]) -> Vec<Socket> {
+    if proc_root == Path::new("/proc") {
+        let asked: Result<Vec<Vec<Socket>>, _> =
+            queries.iter().map(|q| sock_diag::sockets(*q)).collect();
+        if let Ok(answers) = asked {
+            return answers.into_iter().flatten().collect();
+        }
     }
+    sockets(proc_root)
 }
 
 /// `LISTEN` in the table's state column.
