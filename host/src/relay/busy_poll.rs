@@ -233,26 +233,14 @@ impl AsyncRead for BusyPollStream {
             this.may_spin_once = false;
             return Poll::Ready(read);
         }
-        // An answer is owed: ask for it with reads of its own first. The runtime's read below
-        // would only find the socket empty (the answer is microseconds away), and the spin
-        // then peeked before it read; reading in the spin takes it in one call.
+        // An answer owed is asked for by reads into `buf` (the spin takes this socket's one
+        // chance to spin, whether it may spin now or not), so the call that finds it takes it.
         if let Some(read) = this.spin_reading(buf) {
             return Poll::Ready(read);
         }
-        let polled = match Pin::new(&mut this.tcp).poll_read(cx, buf) {
-            // The read above registered the runtime's interest, so if the spin finds
-            // nothing the waker still fires when bytes come.
-            Poll::Pending if this.spin() => match this.read_waiting(buf) {
-                Some(read) => Poll::Ready(read),
-                None => Poll::Pending,
-            },
-            other => other,
-        };
-        if polled.is_ready() {
-            // Bytes, the end of the stream or an error: the answer came.
-            this.may_spin_once = false;
-        }
-        polled
+        // Nothing yet, or no spin: the runtime's read, which registers its interest so the
+        // waker fires when bytes come.
+        Pin::new(&mut this.tcp).poll_read(cx, buf)
     }
 }
 
