@@ -454,7 +454,7 @@ async fn reply(
         // passed below as it came.)
         reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
-        let renamed = noted_stream(renamed.boxed_unsync(), watch.filter(|_| event_stream));
+        let renamed = noted_stream(renamed.boxed_unsync(), watch);
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
     reply_parts.extensions.insert(added(backend_time));

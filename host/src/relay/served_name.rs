@@ -3,9 +3,11 @@
 //! (OpenAI's `model`, Anthropic's `message.model` of its `message_start`). The one renamer of
 //! both places that rewrite: the general engine's relay and the in-process path.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
-use http_body_util::BodyExt;
-use hyper::body::Body as HttpBody;
+use hyper::body::{Body as HttpBody, Frame};
 use onebit_plugin_api::ReplyShape;
 
 /// `body`, an SSE stream, with every event naming `served` where `shape` names the model.
@@ -17,16 +19,13 @@ pub fn in_stream<B>(
 where
     B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
 {
-    let mut events = SseRenamer::new(served, shape);
-    body.map_frame(move |frame| match frame.into_data() {
-        Ok(data) => hyper::body::Frame::data(events.feed(&data)),
-        Err(frame) => frame,
-    })
+    each_event(body, renamer(served, shape))
 }
 
 /// `body`, an SSE stream, with each `data:` event's JSON object passed through `rewrite`
-/// (complete lines go out as they arrive, a partial line waits for the rest): the one event
-/// splitter, which the served-name rewrite and the prompt cache's note share.
+/// (complete lines go out as they arrive, a partial line waits for the rest, and whatever is
+/// still waiting when the body ends goes out as it came): the one event splitter, which the
+/// served-name rewrite and the prompt cache's note share.
 pub fn each_event<B>(
     body: B,
     rewrite: impl FnMut(Bytes) -> Bytes + Send + 'static,
@@ -34,50 +33,74 @@ pub fn each_event<B>(
 where
     B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
 {
-    let mut events = SseEvents {
-        rewrite,
-        partial: Vec::new(),
-    };
-    body.map_frame(move |frame| match frame.into_data() {
-        Ok(data) => hyper::body::Frame::data(events.feed(&data)),
-        Err(frame) => frame,
-    })
+    EventBody {
+        inner: body,
+        events: SseEvents {
+            rewrite: Box::new(rewrite),
+            partial: Vec::new(),
+        },
+        ended: false,
+    }
 }
 
-/// Rewrites the model each SSE `data:` event names to the served name, where the reply's
-/// shape names it (OpenAI's: every event's `model`; Anthropic's: `message.model` of its
-/// `message_start`), event by event: complete lines go out as they arrive, a partial line
-/// waits for the rest of it.
-struct SseRenamer {
-    events: SseEvents<Box<dyn FnMut(Bytes) -> Bytes + Send>>,
+/// The rewrite of one event's JSON that names `served` where `shape` names the model
+/// (OpenAI's: every event's `model`; Anthropic's: `message.model` of its `message_start`).
+fn renamer(served: String, shape: ReplyShape) -> impl FnMut(Bytes) -> Bytes + Send + 'static {
+    move |body: Bytes| match shape {
+        ReplyShape::OpenAi => in_reply(body, &served),
+        ReplyShape::Anthropic => with_message_model_name(body, &served),
+    }
 }
 
-impl SseRenamer {
-    fn new(served: String, shape: ReplyShape) -> Self {
-        let rewrite = move |body: Bytes| match shape {
-            ReplyShape::OpenAi => in_reply(body, &served),
-            ReplyShape::Anthropic => with_message_model_name(body, &served),
-        };
-        SseRenamer {
-            events: SseEvents {
-                rewrite: Box::new(rewrite),
-                partial: Vec::new(),
-            },
+/// A body whose data goes through the event splitter.
+struct EventBody<B> {
+    inner: B,
+    events: SseEvents,
+    /// The inner body has ended and what the splitter held back has gone out.
+    ended: bool,
+}
+
+impl<B> HttpBody for EventBody<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(match frame.into_data() {
+                Ok(data) => Frame::data(this.events.feed(&data)),
+                Err(frame) => frame,
+            }))),
+            Poll::Ready(None) => {
+                this.ended = true;
+                let rest = std::mem::take(&mut this.events.partial);
+                Poll::Ready((!rest.is_empty()).then(|| Ok(Frame::data(Bytes::from(rest)))))
+            }
+            other => other,
         }
     }
 
-    fn feed(&mut self, data: &[u8]) -> Bytes {
-        self.events.feed(data)
+    fn is_end_stream(&self) -> bool {
+        self.ended
     }
 }
 
 /// The event splitter: each complete `data: {...}` line's JSON goes through `rewrite`.
-struct SseEvents<F> {
-    rewrite: F,
+struct SseEvents {
+    rewrite: Box<dyn FnMut(Bytes) -> Bytes + Send>,
     partial: Vec<u8>,
 }
 
-impl<F: FnMut(Bytes) -> Bytes> SseEvents<F> {
+impl SseEvents {
     fn feed(&mut self, data: &[u8]) -> Bytes {
         self.partial.extend_from_slice(data);
         let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
@@ -147,6 +170,28 @@ fn with_message_model_name(bytes: Bytes, served: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt as _;
+
+    fn splitter(rewrite: impl FnMut(Bytes) -> Bytes + Send + 'static) -> SseEvents {
+        SseEvents {
+            rewrite: Box::new(rewrite),
+            partial: Vec::new(),
+        }
+    }
+
+    /// A body whose last line has no newline (a JSON refusal where events were expected)
+    /// reaches its end whole, after the events before it.
+    #[tokio::test]
+    async fn what_the_splitter_holds_back_goes_out_when_the_body_ends() {
+        let events = "data: {\"model\":\"ds4\"}\n\n{\"error\":{\"code\":400}}";
+        let body = http_body_util::Full::new(Bytes::from(events));
+        let body = in_stream(body, "smol".into(), ReplyShape::OpenAi);
+        let out = body.collect().await.unwrap().to_bytes();
+        assert_eq!(
+            &out[..],
+            b"data: {\"model\":\"smol\"}\n\n{\"error\":{\"code\":400}}"
+        );
+    }
 
     #[test]
     fn the_reply_model_becomes_the_served_name_and_other_bytes_pass() {
@@ -162,7 +207,7 @@ mod tests {
 
     #[test]
     fn streamed_events_get_the_served_name_even_when_split_across_frames() {
-        let mut r = SseRenamer::new("smol".into(), ReplyShape::OpenAi);
+        let mut r = splitter(renamer("smol".into(), ReplyShape::OpenAi));
         let first = r.feed(b"data: {\"model\":\"ds4\",\"n\":1}\n\ndata: {\"mo");
         assert_eq!(&first[..], b"data: {\"model\":\"smol\",\"n\":1}\n\n");
         let second = r.feed(b"del\":\"ds4\"}\n\ndata: [DONE]\n\n");
@@ -174,7 +219,7 @@ mod tests {
 
     #[test]
     fn an_anthropic_stream_gets_the_served_name_in_its_message_start() {
-        let mut r = SseRenamer::new("smol".into(), ReplyShape::Anthropic);
+        let mut r = splitter(renamer("smol".into(), ReplyShape::Anthropic));
         let start = r.feed(
             b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"model\":\"x.gguf\",\"role\":\"assistant\"}}\n\n",
         );
