@@ -349,7 +349,7 @@ pub fn pass_to_backend(plan: &mut Plan, args: &[String]) -> Result<(), Fatal> {
 /// when it is not a number of tokens, or when serve's own says another. Called by `serve::run`
 /// before anything is planned.
 pub fn adopt_backend_ctx(ctx_size: &mut Option<u64>, passed: &[String]) -> Result<(), Fatal> {
-    let mut found: Option<String> = None;
+    let mut found: Option<(&str, String)> = None;
     let mut i = 0;
     while i < passed.len() {
         let (flag, inline) = flag_and_inline_value(&passed[i]);
@@ -359,24 +359,25 @@ pub fn adopt_backend_ctx(ctx_size: &mut Option<u64>, passed: &[String]) -> Resul
                 i += 1;
                 passed.get(i - 1).cloned()
             });
-            found = Some(value.ok_or_else(|| {
+            let value = value.ok_or_else(|| {
                 Fatal::usage(format!(
                     "{flag} after --: no value; give llama-server's context in tokens, e.g. {flag} 8192"
                 ))
-            })?);
+            })?;
+            found = Some((flag, value));
         }
     }
-    let Some(text) = found else {
+    let Some((flag, text)) = found else {
         return Ok(());
     };
     let Ok(n) = text.trim().parse::<u64>() else {
         return Err(Fatal::usage(format!(
-            "-c {text} after --: not a number of tokens; give one such as 8192 (0: the model's own)"
+            "{flag} {text} after --: not a number of tokens; give one such as 8192 (0: the model's own)"
         )));
     };
     match *ctx_size {
         Some(own) if own != n => Err(Fatal::usage(format!(
-            "--ctx-size {own} and -c {n} after -- disagree, and llama-server would take {n}; give the context once (--ctx-size {n})"
+            "--ctx-size {own} and {flag} {n} after -- disagree, and llama-server would take {n}; give the context once (--ctx-size {n})"
         ))),
         _ => {
             *ctx_size = Some(n);

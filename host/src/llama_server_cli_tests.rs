@@ -255,6 +255,11 @@ fn a_context_after_the_separator_becomes_serves() {
     assert_eq!(ctx, Some(512));
     let refused = adopt_backend_ctx(&mut Some(512), &words("-c 1024")).unwrap_err();
     assert_eq!(refused.code, crate::error::exit::USAGE);
+    let not_a_number = adopt_backend_ctx(&mut None, &words("--ctx-size=lots")).unwrap_err();
+    assert_eq!(
+        not_a_number.message,
+        "--ctx-size lots after --: not a number of tokens; give one such as 8192 (0: the model's own)"
+    );
     let no_value = adopt_backend_ctx(&mut None, &words("-c")).unwrap_err();
     assert_eq!(
         no_value.message,
