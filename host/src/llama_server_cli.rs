@@ -265,7 +265,7 @@ fn serve_policy(
 const TOOL_FLAGS: &[&str] = &["--tools", "--mcp-servers-config", "--mcp-servers-json"];
 
 /// `--flag=value` as (`--flag`, the value); any other token as itself, with no value.
-fn flag_and_inline_value(arg: &str) -> (&str, Option<String>) {
+pub fn flag_and_inline_value(arg: &str) -> (&str, Option<String>) {
     match arg.split_once('=') {
         Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
         _ => (arg, None),

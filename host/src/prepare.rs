@@ -182,12 +182,7 @@ fn finish_plans(
     let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
     for each in std::iter::once(plan).chain(more.map(|(_, p)| p)) {
         admission::llama_kv::size(each, args.model());
-        admission::passed_kv::count(
-            each,
-            args.model(),
-            &args.backend_args,
-            llama_server_cli::LLAMA_SERVER,
-        );
+        admission::passed_kv::count(each, args.model(), &args.backend_args);
         llama_server_cli::pass_to_backend(each, &args.backend_args)?;
         llama_server_cli::refuse_self(each)?;
         let env = |name: &str| std::env::var(name).ok();

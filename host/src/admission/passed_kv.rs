@@ -8,6 +8,8 @@ use std::path::Path;
 use gguf::memory::{CacheType, KvSettings};
 use onebit_plugin_api::Plan;
 
+use crate::llama_server_cli::{LLAMA_SERVER, flag_and_inline_value};
+
 /// The flags that change the cache's size, as llama-server names them.
 const KV_FLAGS: &[&str] = &[
     "-ctk",
@@ -32,20 +34,21 @@ const KV_FLAGS: &[&str] = &[
 /// `prepare` before the arguments are appended; a plan with no known need, no llama-server
 /// backend, or no KV flag among `passed` is left as it is, and so is one whose flags do not
 /// parse (llama-server refuses those itself, with its own line).
-pub fn count(plan: &mut Plan, model: &Path, passed: &[String], engine: &str) {
-    if !passed.iter().any(|a| KV_FLAGS.contains(&flag_name(a))) {
+pub fn count(plan: &mut Plan, model: &Path, passed: &[String]) {
+    if !passed
+        .iter()
+        .any(|a| KV_FLAGS.contains(&flag_and_inline_value(a).0))
+    {
         return;
     }
-    let Some(backend) = plan.backends.first().filter(|b| b.engine == engine) else {
+    let Some(own) = plan.backends.first().filter(|b| b.engine == LLAMA_SERVER) else {
+        return;
+    };
+    let with_passed: Vec<String> = own.argv.iter().chain(passed).cloned().collect();
+    let (Some(before), Some(after)) = (settings(&own.argv), settings(&with_passed)) else {
         return;
     };
     let Some(need) = plan.memory.as_mut().filter(|n| n.llama_kv.is_none()) else {
-        return;
-    };
-    let own = backend.argv.clone();
-    let mut with_passed = own.clone();
-    with_passed.extend(passed.iter().cloned());
-    let (Some(before), Some(after)) = (settings(&own), settings(&with_passed)) else {
         return;
     };
     let Ok(header) = gguf::read_header_lean(model) else {
@@ -54,14 +57,6 @@ pub fn count(plan: &mut Plan, model: &Path, passed: &[String], engine: &str) {
     let bytes = |s: &KvSettings| gguf::memory::kv_estimate(&header, s).map(|e| e.total_bytes());
     if let (Ok(before), Ok(after)) = (bytes(&before), bytes(&after)) {
         need.kv_bytes = need.kv_bytes.saturating_sub(before).saturating_add(after);
-    }
-}
-
-/// `--flag=value` as `--flag`; any other token as itself.
-fn flag_name(arg: &str) -> &str {
-    match arg.split_once('=') {
-        Some((flag, _)) if flag.starts_with("--") => flag,
-        _ => arg,
     }
 }
 
@@ -77,10 +72,7 @@ fn settings(argv: &[String]) -> Option<KvSettings> {
     while i < argv.len() {
         let arg = &argv[i];
         i += 1;
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
+        let (flag, inline) = flag_and_inline_value(arg);
         let mut value = || {
             inline.clone().or_else(|| {
                 i += 1;
@@ -146,34 +138,24 @@ mod tests {
         let f16 = 4096 * 30 * 2 * 3 * 64 * 2;
         let other = 1000;
 
-        let mut p = plan(f16 + other);
-        count(
-            &mut p,
-            &model,
-            &words("-ctk q8_0 --cache-type-v=q8_0"),
-            "llama-server",
-        );
-        assert_eq!(p.memory.unwrap().kv_bytes, f16 * 34 / 64 + other);
-
-        let mut p = plan(f16 + other);
-        count(&mut p, &model, &words("--temp 0.6"), "llama-server");
-        assert_eq!(
-            p.memory.unwrap().kv_bytes,
-            f16 + other,
-            "no KV flag, no change"
-        );
-
-        let mut p = plan(f16 + other);
-        count(&mut p, &model, &words("-ctk f17"), "llama-server");
-        assert_eq!(
-            p.memory.unwrap().kv_bytes,
-            f16 + other,
-            "llama-server refuses it"
-        );
-
-        let mut p = plan(f16 + other);
-        count(&mut p, &model, &words("-ctk q8_0"), "ds4-server");
-        assert_eq!(p.memory.unwrap().kv_bytes, f16 + other, "not llama-server");
+        // (what is passed, the backend's engine, the KV counted, why)
+        let cases = [
+            (
+                "-ctk q8_0 --cache-type-v=q8_0",
+                "llama-server",
+                f16 * 34 / 64,
+                "a q8_0 cache",
+            ),
+            ("--temp 0.6", "llama-server", f16, "no KV flag, no change"),
+            ("-ctk f17", "llama-server", f16, "llama-server refuses it"),
+            ("-ctk q8_0", "ds4-server", f16, "not llama-server"),
+        ];
+        for (passed, engine, kv, why) in cases {
+            let mut p = plan(f16 + other);
+            p.backends[0].engine = engine.to_string();
+            count(&mut p, &model, &words(passed));
+            assert_eq!(p.memory.unwrap().kv_bytes, kv + other, "{why}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 
