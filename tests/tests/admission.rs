@@ -102,6 +102,19 @@ fn mem_check_prints_the_estimate_and_exits_0_or_3() {
     assert!(printed.stdout.is_empty());
 }
 
+/// `1bit serve ... --mem-check EXTRA` on the cpu route with the fake: its exit status and what
+/// it wrote.
+fn mem_check(model: &Path, fake: &Path, extra: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(onebit())
+        .arg("serve")
+        .args(serve_args(model, fake))
+        .arg("--mem-check")
+        .args(extra)
+        .output()
+        .unwrap();
+    (out.status.code(), output_text(&out))
+}
+
 /// A context given to llama-server after `--` is the one llama-server allocates (it comes
 /// later on its command line than serve's), so it is the one the memory check sizes; serve's
 /// own `--ctx-size` that says another is refused before anything is read.
@@ -110,17 +123,7 @@ fn a_context_passed_to_llama_server_is_the_one_checked() {
     let dir = temp_dir("memcheck-passed-ctx");
     let small = dummy_small_gguf(&dir);
     let fake = fake_backend();
-    let check = |extra: &[&str]| {
-        let out = Command::new(onebit())
-            .arg("serve")
-            .args(serve_args(&small, &fake))
-            .arg("--mem-check")
-            .args(extra)
-            .output()
-            .unwrap();
-        let said = output_text(&out);
-        (out.status.code(), said)
-    };
+    let check = |extra: &[&str]| mem_check(&small, &fake, extra);
     // 1 Gi tokens of a 2-layer, 64-wide model's f16 cache: 512 GiB, more than any machine here.
     let huge = "1073741824";
     let inline = format!("--ctx-size={huge}");
@@ -160,15 +163,8 @@ fn a_cache_type_passed_to_llama_server_is_counted() {
         .unwrap();
     let fake = fake_backend();
     let kv_of = |extra: &[&str]| {
-        let out = Command::new(onebit())
-            .arg("serve")
-            .args(serve_args(&model, &fake))
-            .arg("--mem-check")
-            .args(extra)
-            .output()
-            .unwrap();
-        let said = output_text(&out);
-        assert_eq!(out.status.code(), Some(0), "{said}");
+        let (code, said) = mem_check(&model, &fake, extra);
+        assert_eq!(code, Some(0), "{said}");
         let kv = said
             .split("KV/state ")
             .nth(1)
