@@ -245,11 +245,10 @@ async fn send(
             Ok(c) => c,
             Err(e) => return Err(bad_gateway(app, client, fast, &e.to_string(), began).await),
         };
-        let sent = async {
-            conn.write_all(&fast.upstream).await?;
-            conn.flush().await
-        }
-        .await;
+        // No flush: a socket has nothing to flush, and `BusyPollStream`'s flush would spin
+        // by peeking; the reply's first read spins by reading, so the call that finds the
+        // reply takes it.
+        let sent = conn.write_all(&fast.upstream).await;
         let at = Instant::now();
         let head = match sent {
             Ok(()) => match keepalive {
