@@ -116,7 +116,8 @@ impl BusyPollStream {
     }
 
     /// Take this socket's one spin if it may spin now (once per message sent, within the
-    /// limits above): its deadline. The spinner clears `SPINNING` when it is done.
+    /// limits above): its deadline, a backend's socket having yielded once. The spinner
+    /// clears `SPINNING` when it is done.
     fn begin_spin(&mut self) -> Option<Instant> {
         if !std::mem::take(&mut self.may_spin_once) {
             return None;
@@ -126,7 +127,13 @@ impl BusyPollStream {
         if budget.is_zero() || in_flight() > own || SPINNING.swap(true, Ordering::Acquire) {
             return None;
         }
-        Some(Instant::now() + budget)
+        let deadline = Instant::now() + budget;
+        // A backend has not answered a request sent a moment ago: it runs first, so the
+        // first ask can find its answer (a client's next request is often there already).
+        if self.side == Side::Backend {
+            std::thread::yield_now();
+        }
+        Some(deadline)
     }
 
     /// Spin until bytes are waiting or the budget is spent; true when they are. For a caller
@@ -162,11 +169,6 @@ impl BusyPollStream {
         let deadline = self.begin_spin()?;
         let socket = socket2::SockRef::from(&self.tcp);
         let mut reader: &socket2::Socket = &socket;
-        // A backend has not answered a request sent a moment ago: it runs first, so the
-        // first read can find its answer (a client's next request is often there already).
-        if self.side == Side::Backend {
-            std::thread::yield_now();
-        }
         let read = loop {
             match reader.read(buf.initialize_unfilled()) {
                 Ok(n) => {
