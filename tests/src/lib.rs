@@ -25,6 +25,23 @@ pub use processes::{
 };
 pub use prometheus::{Sample, parse_prometheus, requests_total, requests_total_in, sample};
 
+/// Every crate's `src` folder in the workspace (and the in-process add-on's, built apart).
+pub fn crate_sources() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut dirs = vec![root.join("addons/inproc/src")];
+    for group in ["", "plugins/"] {
+        let base = root.join(group);
+        for entry in std::fs::read_dir(&base).unwrap() {
+            let src = entry.unwrap().path().join("src");
+            if src.is_dir() && src.join("../Cargo.toml").is_file() {
+                dirs.push(src);
+            }
+        }
+    }
+    dirs.sort();
+    dirs
+}
+
 /// Put the library `built` into the plugin folder `dir` under its own file name. Each test
 /// process does this while other tests' serve may have that file mapped: a copy over it in
 /// place would change the pages under them (SIGBUS), so a new file is renamed over it.

@@ -237,26 +237,10 @@ fn circles(edges: &BTreeSet<(Module, Module)>) -> Vec<Vec<String>> {
     found.into_iter().collect()
 }
 
-fn crate_sources() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let mut dirs = vec![root.join("addons/inproc/src")];
-    for group in ["", "plugins/"] {
-        let base = root.join(group);
-        for entry in std::fs::read_dir(&base).unwrap() {
-            let src = entry.unwrap().path().join("src");
-            if src.is_dir() && src.join("../Cargo.toml").is_file() {
-                dirs.push(src);
-            }
-        }
-    }
-    dirs.sort();
-    dirs
-}
-
 #[test]
 fn no_crate_has_an_import_circle_between_its_modules() {
     let mut all = Vec::new();
-    for src in crate_sources() {
+    for src in onebit_tests::crate_sources() {
         for circle in circles(&sibling_edges(&src)) {
             all.push(format!("{}: {}", src.display(), circle.join(" <-> ")));
         }
