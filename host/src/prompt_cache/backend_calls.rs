@@ -24,6 +24,23 @@ impl PromptCache {
         self.call(request, limit).await
     }
 
+    /// `POST /slots/<slot>?action=<save|restore>` of the state file `file` (a name in the
+    /// backend's `--slot-save-path`): it reads or writes the whole state.
+    pub(super) async fn slot_file_action(
+        &self,
+        slot: usize,
+        action: &str,
+        file: &str,
+    ) -> Result<Value, String> {
+        let request = serde_json::json!({ "filename": file }).to_string();
+        self.post_json(
+            &format!("/slots/{slot}?action={action}"),
+            Bytes::from(request),
+            STATE_TIMEOUT,
+        )
+        .await
+    }
+
     async fn call(
         &self,
         request: hyper::Request<Full<Bytes>>,

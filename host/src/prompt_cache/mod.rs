@@ -477,14 +477,7 @@ impl PromptCache {
             return;
         }
         let temp = Store::temp_name(self.seq.fetch_add(1, Ordering::Relaxed));
-        let request = serde_json::json!({ "filename": temp }).to_string();
-        let saved = self
-            .post_json(
-                &format!("/slots/{slot}?action=save"),
-                Bytes::from(request),
-                STATE_TIMEOUT,
-            )
-            .await;
+        let saved = self.slot_file_action(slot, "save", &temp).await;
         if let Err(e) = saved {
             let _ = std::fs::remove_file(self.setup.dir.join(&temp));
             // A backend that refused (its disk full or read-only) stops saving; one that did

@@ -4,10 +4,8 @@
 
 use std::time::Instant;
 
-use bytes::Bytes;
-
 use super::store::{self, Reason, Store};
-use super::{PromptCache, Restored, STATE_TIMEOUT};
+use super::{PromptCache, Restored};
 
 impl PromptCache {
     /// Check a state file and restore it into `slot`; a file that fails the check or that the
@@ -40,14 +38,7 @@ impl PromptCache {
             .lock()
             .ok()
             .and_then(|s| s.as_ref().and_then(|s| s.mark_end(&entry, k)));
-        let request = serde_json::json!({ "filename": file }).to_string();
-        let reply = self
-            .post_json(
-                &format!("/slots/{slot}?action=restore"),
-                Bytes::from(request),
-                STATE_TIMEOUT,
-            )
-            .await;
+        let reply = self.slot_file_action(slot, "restore", &file).await;
         let whole = mark.is_none();
         if let Some(mark) = mark {
             Store::unmark(mark);
