@@ -9,10 +9,10 @@
 //! the socket (a non-blocking read into the reader's buffer, so the answer is taken in the call
 //! that finds it; a `MSG_PEEK` where there is no buffer, as in hyper's flush) and yields the
 //! CPU (`sched_yield`) in turn, a backend's socket yielding first (a request sent a moment
-//! ago is never answered yet; a client's next request often is). The yield matters: the thread that owes the answer was often just
-//! woken onto this very CPU (the kernel places a wakee near its waker), and a bare spin would
-//! keep it from running; measured on the 2-core VM, a bare spin made the backend's reply 20 µs
-//! later, the yielding one 25 µs sooner.
+//! ago is never answered yet; a client's next request often is). The yield matters: the
+//! thread that owes the answer was often just woken onto this very CPU (the kernel places a
+//! wakee near its waker), and a bare spin would keep it from running; measured on the 2-core
+//! VM, a bare spin made the backend's reply 20 µs later, the yielding one 25 µs sooner.
 //!
 //! Within strict limits:
 //! - once per message sent: after this socket wrote (hyper flushes a whole message, and the

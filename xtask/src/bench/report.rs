@@ -507,3 +507,50 @@ fn baseline_added_p50(samples: &[Vec<f64>; 4]) -> [f64; 2] {
     let direct = percentile(&samples[0], 0.5);
     [1, 3].map(|arm| percentile(&samples[arm], 0.5) - direct)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With a baseline arm, each mode gets its own target, judged on that mode's samples:
+    /// this build's added p50 against the baseline's, 2 µs allowed.
+    #[test]
+    fn the_baseline_is_compared_in_both_modes() {
+        let arms = |direct: f64, serve: f64, baseline: f64| {
+            [
+                vec![direct],
+                vec![serve],
+                vec![direct + 50.0],
+                vec![baseline],
+            ]
+        };
+        let mut report = Report::new(false);
+        report.hop = Some(Hop {
+            keep_alive: arms(50.0, 90.0, 89.0),
+            new_connection: arms(150.0, 180.0, 170.0),
+            reconnects: [0; 4],
+        });
+        let (mut rows, mut targets) = (Vec::new(), Vec::new());
+        report.hop_rows(&mut rows, &mut targets);
+        let judged: Vec<(&str, bool, &str)> = targets
+            .iter()
+            .filter(|t| t.text.contains("--baseline"))
+            .map(|t| (t.text, t.met, t.measured.as_str()))
+            .collect();
+        assert_eq!(
+            judged,
+            vec![
+                (
+                    "hop added p50 within 2 µs of the --baseline build's (keep-alive)",
+                    true,
+                    "this +40.0 µs, baseline +39.0 µs (+1.0)"
+                ),
+                (
+                    "hop added p50 within 2 µs of the --baseline build's (new connection)",
+                    false,
+                    "this +30.0 µs, baseline +20.0 µs (+10.0)"
+                ),
+            ]
+        );
+    }
+}
