@@ -34,7 +34,9 @@ usage: cargo xtask <subcommand>
                     (and, on the hop, another build's 1bit at PATH): hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/); alone:
                     inproc (the fixture route), inproc-llama (the inproc add-on against the hop),
-                    stop (SIGTERM to exit on every kind of route, idle and streaming)
+                    stop (SIGTERM to exit on every kind of route, idle and streaming);
+                    hop --repeat N [--baseline PATH]: N runs, each figure's median, and
+                    against PATH a verdict per figure (exit 1 when one is worse)
   soak [--minutes N]  N minutes (20) of mixed traffic and faults, half on the cpu route, half on
                     the inproc add-on, then a watchdog kill; the report of outcomes, corrupted
                     streams, RSS, FD and task slopes, the stops, what was left

@@ -8,7 +8,8 @@
 //! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`); `stop` alone
 //! (SIGTERM to exit on every kind of route, idle and with a stream in flight, `stop.rs`);
 //! `prompt-cache` alone (a conversation's second request after a restart, `prompt_cache.rs`).
-//! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`).
+//! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`);
+//! `hop --repeat N` measures the hop N times and judges the series (`series.rs`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
 
 mod arms;
@@ -22,6 +23,7 @@ mod prompt_cache;
 mod report;
 mod rpc;
 mod rpc_link;
+mod series;
 mod stop;
 
 use std::net::SocketAddr;
@@ -36,7 +38,7 @@ use report::Report;
 
 use crate::{Failure, Workspace, process, setup};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]` or `cargo xtask bench prompt-cache [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench hop --repeat N [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]` or `cargo xtask bench prompt-cache [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -45,7 +47,7 @@ const SSE_EVENTS: usize = 200;
 const SSE_INTERVAL_MS: u64 = 2;
 const READY_LIMIT: Duration = Duration::from_secs(120);
 
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone, Copy, PartialEq)]
 struct Parts {
     hop: bool,
     throughput: bool,
@@ -62,7 +64,13 @@ struct Options {
     /// Another build's `1bit` (`--baseline PATH`): a fourth arm on the hop, so a change's
     /// added time is compared with its parent's in the same run.
     baseline: Option<PathBuf>,
+    /// Runs of the hop (`--repeat N`, hop alone): more than one makes a series.
+    repeat: usize,
 }
+
+/// The runs `--repeat` takes: a series needs two for an interval, and past 30 a run's noise
+/// is no longer what limits a comparison.
+const REPEAT_RANGE: std::ops::RangeInclusive<usize> = 2..=30;
 
 impl Options {
     fn parse(args: &[String]) -> Result<Options, Failure> {
@@ -70,11 +78,26 @@ impl Options {
         let mut any = false;
         let mut quick = false;
         let mut baseline = None;
+        let mut repeat = 1;
         let mut args = args.iter();
         while let Some(arg) = args.next() {
-            any |= arg != "--quick" && arg != "--baseline";
+            any |= !matches!(arg.as_str(), "--quick" | "--baseline" | "--repeat");
             match arg.as_str() {
                 "--quick" => quick = true,
+                "--repeat" => {
+                    let runs = args.next().and_then(|n| n.parse::<usize>().ok());
+                    let Some(runs) = runs.filter(|n| REPEAT_RANGE.contains(n)) else {
+                        return Err(Failure::new(
+                            format!(
+                                "--repeat needs a number of runs from {} to {}",
+                                REPEAT_RANGE.start(),
+                                REPEAT_RANGE.end()
+                            ),
+                            "say how many times to measure the hop, e.g. `cargo xtask bench hop --repeat 10`",
+                        ));
+                    };
+                    repeat = runs;
+                }
                 "--baseline" => {
                     let path = args.next().map(PathBuf::from).filter(|p| p.is_file());
                     let Some(path) = path else {
@@ -108,10 +131,21 @@ impl Options {
                 rpc: true,
             };
         }
+        let hop_alone = Parts {
+            hop: true,
+            ..Parts::default()
+        };
+        if repeat > 1 && !(any && parts == hop_alone) {
+            return Err(Failure::new(
+                "--repeat measures the hop alone",
+                "use `cargo xtask bench hop --repeat N`, and the other parts without it",
+            ));
+        }
         Ok(Options {
             parts,
             quick,
             baseline,
+            repeat,
         })
     }
 }
@@ -137,6 +171,9 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
         return inproc::run(ws, args.iter().any(|a| a == "--quick"));
     }
     let options = Options::parse(args)?;
+    if options.repeat > 1 {
+        return series::run(ws, &options);
+    }
     let report = measure(ws, &options)?;
     Ok(match report.gate() {
         Gate::Failed(_) => ExitCode::FAILURE,
@@ -168,6 +205,7 @@ pub fn regression_check(ws: &Workspace) -> Result<Gate, Failure> {
         },
         quick: true,
         baseline: None,
+        repeat: 1,
     };
     let mut failed = Vec::new();
     let mut noisy = Vec::new();
@@ -194,13 +232,7 @@ fn measure(ws: &Workspace, options: &Options) -> Result<Report, Failure> {
     let parts = options.parts;
     setup::run(ws)?;
     let bins = build(ws, parts.sse)?;
-    let scratch = std::env::temp_dir().join(format!("onebit-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).map_err(|e| {
-        Failure::new(
-            format!("cannot create {}: {e}", scratch.display()),
-            "check /tmp",
-        )
-    })?;
+    let scratch = scratch_dir()?;
     let mut report = Report::new(options.quick);
     if parts.hop || parts.throughput || parts.rss {
         proxied(ws, &bins, options, &scratch, &mut report)?;
@@ -227,6 +259,18 @@ fn measure(ws: &Workspace, options: &Options) -> Result<Report, Failure> {
     }
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(report)
+}
+
+/// A folder of this run's own for the servers' logs and nginx's files.
+fn scratch_dir() -> Result<PathBuf, Failure> {
+    let scratch = std::env::temp_dir().join(format!("onebit-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).map_err(|e| {
+        Failure::new(
+            format!("cannot create {}: {e}", scratch.display()),
+            "check /tmp",
+        )
+    })?;
+    Ok(scratch)
 }
 
 /// The CI rule on one run's added keep-alive p50s (µs).
@@ -539,6 +583,45 @@ mod tests {
                 "{}",
                 failure.0
             );
+        }
+    }
+
+    #[test]
+    fn a_series_repeats_the_hop_alone_a_sane_number_of_times() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let cargo = std::env::var("CARGO").expect("cargo runs the tests");
+        let options =
+            Options::parse(&args(&["hop", "--repeat", "20", "--baseline", &cargo])).unwrap();
+        assert_eq!(options.repeat, 20);
+        assert!(options.parts.hop && !options.parts.throughput);
+        assert_eq!(Options::parse(&args(&["hop"])).unwrap().repeat, 1);
+        for (bad, says) in [
+            (
+                &["hop", "--repeat"][..],
+                "--repeat needs a number of runs from 2 to 30",
+            ),
+            (
+                &["hop", "--repeat", "1"],
+                "--repeat needs a number of runs from 2 to 30",
+            ),
+            (
+                &["hop", "--repeat", "31"],
+                "--repeat needs a number of runs from 2 to 30",
+            ),
+            (
+                &["hop", "--repeat", "ten"],
+                "--repeat needs a number of runs from 2 to 30",
+            ),
+            (&["--repeat", "5"], "--repeat measures the hop alone"),
+            (
+                &["hop", "sse", "--repeat", "5"],
+                "--repeat measures the hop alone",
+            ),
+        ] {
+            let Err(failure) = Options::parse(&args(bad)) else {
+                panic!("{bad:?} was taken");
+            };
+            assert!(failure.0.starts_with(says), "{bad:?}: {}", failure.0);
         }
     }
 }
