@@ -58,6 +58,7 @@ struct Parts {
     rpc: bool,
 }
 
+#[derive(Clone)]
 struct Options {
     parts: Parts,
     quick: bool,
@@ -291,6 +292,7 @@ fn gate_verdict(serve: f64, nginx: f64) -> Gate {
 /// Below this added p50 nginx's figure is noise (see `Report::gate`).
 const NOISE_FLOOR_US: f64 = 10.0;
 
+#[derive(Clone)]
 struct Binaries {
     onebit: PathBuf,
     llama_server: PathBuf,
