@@ -23,13 +23,7 @@ pub struct MemCheck {
 /// small table and writing `results/mem-check.json`. Needs the release build of `onebit`.
 pub fn measure(ws: &Workspace, onebit: &Path) -> Result<MemCheck, Failure> {
     let model = ws.layout.model(ws.pins.default_model());
-    let scratch = std::env::temp_dir().join(format!("onebit-bench-mem-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).map_err(|e| {
-        Failure::new(
-            format!("cannot create {}: {e}", scratch.display()),
-            "check /tmp",
-        )
-    })?;
+    let scratch = super::scratch_dir("onebit-bench-mem")?;
     let huge = sparse_4tib(&scratch)?;
 
     let start_only = time_runs(onebit, &["--version"], None)?;

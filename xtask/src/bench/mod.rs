@@ -233,7 +233,7 @@ fn measure(ws: &Workspace, options: &Options) -> Result<Report, Failure> {
     let parts = options.parts;
     setup::run(ws)?;
     let bins = build(ws, parts.sse)?;
-    let scratch = scratch_dir()?;
+    let scratch = scratch_dir("onebit-bench")?;
     let mut report = Report::new(options.quick);
     if parts.hop || parts.throughput || parts.rss {
         proxied(ws, &bins, options, &scratch, &mut report)?;
@@ -262,9 +262,9 @@ fn measure(ws: &Workspace, options: &Options) -> Result<Report, Failure> {
     Ok(report)
 }
 
-/// A folder of this run's own for the servers' logs and nginx's files.
-fn scratch_dir() -> Result<PathBuf, Failure> {
-    let scratch = std::env::temp_dir().join(format!("onebit-bench-{}", std::process::id()));
+/// A folder of this run's own (`/tmp/NAME-PID`) for the servers' logs and nginx's files.
+fn scratch_dir(name: &str) -> Result<PathBuf, Failure> {
+    let scratch = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).map_err(|e| {
         Failure::new(
             format!("cannot create {}: {e}", scratch.display()),

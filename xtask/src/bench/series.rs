@@ -36,7 +36,7 @@ pub(super) type RunQuantiles = [[[f64; QUANTILES.len()]; 4]; MODES.len()];
 pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure> {
     setup::run(ws)?;
     let bins = build(ws, false)?;
-    let scratch = scratch_dir()?;
+    let scratch = scratch_dir("onebit-bench")?;
     let mut runs = Vec::with_capacity(options.repeat);
     for i in 1..=options.repeat {
         // Every second run the two builds trade places (see `traded`).
