@@ -77,18 +77,10 @@ pub fn measure(ws: &Workspace, onebit: &Path) -> Result<MemCheck, Failure> {
         "process_start_median_ms": median(&start_only),
         "cases": results,
     });
-    let out = out_dir.join("mem-check.json");
-    std::fs::write(
-        &out,
-        serde_json::to_string_pretty(&report).unwrap_or_default(),
-    )
-    .map_err(|e| {
-        Failure::new(
-            format!("cannot write {}: {e}", out.display()),
-            "check the folder",
-        )
-    })?;
-    println!("written to {}", out.display());
+    super::write_result(
+        &out_dir.join("mem-check.json"),
+        &serde_json::to_string_pretty(&report).unwrap_or_default(),
+    )?;
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(MemCheck {
         start_median_ms: median(&start_only),

@@ -274,6 +274,21 @@ fn scratch_dir(name: &str) -> Result<PathBuf, Failure> {
     Ok(scratch)
 }
 
+/// Writes a result file (its folder made if need be) and says where.
+fn write_result(path: &Path, text: &str) -> Result<(), Failure> {
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    std::fs::write(path, text).map_err(|e| {
+        Failure::new(
+            format!("cannot write {}: {e}", path.display()),
+            "check the folder",
+        )
+    })?;
+    println!("written to {}", path.display());
+    Ok(())
+}
+
 /// The CI rule on one run's added keep-alive p50s (µs).
 fn gate_verdict(serve: f64, nginx: f64) -> Gate {
     if nginx < NOISE_FLOOR_US {

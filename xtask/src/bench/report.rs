@@ -7,7 +7,7 @@ use std::time::SystemTime;
 use super::measures::{Hop, Sse, late_ms};
 use super::{
     ARMS, CLIENTS, Gate, SSE_EVENTS, SSE_INTERVAL_MS, arms, chart, gate_verdict, loadavg,
-    mem_check, percentile,
+    mem_check, percentile, write_result,
 };
 use crate::Failure;
 
@@ -337,29 +337,13 @@ impl Report {
             self.load_before
         );
 
-        let _ = std::fs::create_dir_all(out_dir);
         let json = self.json(&load_after);
-        let path = out_dir.join("bench.json");
-        std::fs::write(
-            &path,
-            serde_json::to_string_pretty(&json).unwrap_or_default(),
-        )
-        .map_err(|e| {
-            Failure::new(
-                format!("cannot write {}: {e}", path.display()),
-                "check the folder",
-            )
-        })?;
-        println!("written to {}", path.display());
+        write_result(
+            &out_dir.join("bench.json"),
+            &serde_json::to_string_pretty(&json).unwrap_or_default(),
+        )?;
         if let Some(svg) = self.chart() {
-            let path = out_dir.join("latency.svg");
-            std::fs::write(&path, svg).map_err(|e| {
-                Failure::new(
-                    format!("cannot write {}: {e}", path.display()),
-                    "check the folder",
-                )
-            })?;
-            println!("written to {}", path.display());
+            write_result(&out_dir.join("latency.svg"), &svg)?;
         }
         Ok(())
     }

@@ -11,14 +11,16 @@
 //! what the machine does meanwhile falls on both; across runs the servers are new, so where
 //! the kernel placed them is sampled too, and the two builds trade places every second run.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use serde_json::json;
 
 use super::measures::Hop;
 use super::report::Report;
-use super::{Binaries, Options, build, gate_verdict, percentile, proxied, scratch_dir};
+use super::{
+    Binaries, Options, build, gate_verdict, percentile, proxied, scratch_dir, write_result,
+};
 use crate::{Failure, Workspace, setup};
 
 /// The quantiles a series reports: the table's p50 and p99, and the two where a tail begins.
@@ -30,7 +32,7 @@ const NGINX: usize = 2;
 const BASELINE: usize = 3;
 
 /// One run's latency quantiles (µs): `[mode][arm][quantile]`, the baseline's NaN without one.
-pub(super) type RunQuantiles = [[[f64; QUANTILES.len()]; 4]; MODES.len()];
+type RunQuantiles = [[[f64; QUANTILES.len()]; 4]; MODES.len()];
 
 /// Runs the series, prints each run's line and the summary, writes `results/hop_series.json`.
 pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure> {
@@ -76,9 +78,11 @@ pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure
     for line in summary.lines(options.baseline.as_deref()) {
         println!("{line}");
     }
-    let path = ws.root.join("results/hop_series.json");
-    write_json(&path, &summary.json(&runs, options.baseline.as_deref()))?;
-    println!("written to {}", path.display());
+    let json = summary.json(&runs, options.baseline.as_deref());
+    write_result(
+        &ws.root.join("results/hop_series.json"),
+        &serde_json::to_string_pretty(&json).unwrap_or_default(),
+    )?;
     Ok(if summary.passed() {
         ExitCode::SUCCESS
     } else {
@@ -109,7 +113,7 @@ fn trade_back(run: &mut RunQuantiles) {
     }
 }
 
-pub(super) fn run_quantiles(hop: &Hop) -> RunQuantiles {
+fn run_quantiles(hop: &Hop) -> RunQuantiles {
     [&hop.keep_alive, &hop.new_connection]
         .map(|arms| std::array::from_fn(|arm| QUANTILES.map(|(q, _)| percentile(&arms[arm], q))))
 }
@@ -138,7 +142,7 @@ fn run_line(run: &RunQuantiles) -> String {
 
 /// A figure's verdict against the baseline, from the interval of the mean difference.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) enum Verdict {
+enum Verdict {
     Better,
     Unchanged,
     Worse,
@@ -156,20 +160,20 @@ impl Verdict {
 
 /// This build minus the baseline at one figure, over the runs (µs).
 #[derive(Debug)]
-pub(super) struct Difference {
-    pub(super) mean: f64,
+struct Difference {
+    mean: f64,
     /// Half the width of the mean's interval (Student's t over the runs, the figures'
     /// intervals holding together at 95 %: `t_joint`).
-    pub(super) half_interval: f64,
-    pub(super) median: f64,
-    pub(super) min: f64,
-    pub(super) max: f64,
-    pub(super) verdict: Verdict,
+    half_interval: f64,
+    median: f64,
+    min: f64,
+    max: f64,
+    verdict: Verdict,
 }
 
 impl Difference {
     /// From the runs' paired differences (at least two).
-    pub(super) fn of(diffs: &[f64]) -> Difference {
+    fn of(diffs: &[f64]) -> Difference {
         let n = diffs.len() as f64;
         let mean = diffs.iter().sum::<f64>() / n;
         let variance = diffs.iter().map(|d| (d - mean).powi(2)).sum::<f64>() / (n - 1.0);
@@ -218,23 +222,23 @@ fn median(values: &[f64]) -> f64 {
 }
 
 /// One figure (a mode and a quantile) over the series.
-pub(super) struct Figure {
-    pub(super) name: String,
+struct Figure {
+    name: String,
     /// The median over the runs of what serve, nginx and the baseline add to direct (µs).
-    pub(super) serve: f64,
-    pub(super) nginx: f64,
-    pub(super) baseline: Option<f64>,
+    serve: f64,
+    nginx: f64,
+    baseline: Option<f64>,
     /// This build minus the baseline, where there is one.
-    pub(super) difference: Option<Difference>,
+    difference: Option<Difference>,
 }
 
-pub(super) struct Summary {
-    pub(super) runs: usize,
-    pub(super) figures: Vec<Figure>,
+struct Summary {
+    runs: usize,
+    figures: Vec<Figure>,
 }
 
 impl Summary {
-    pub(super) fn of(runs: &[RunQuantiles]) -> Summary {
+    fn of(runs: &[RunQuantiles]) -> Summary {
         let mut figures = Vec::new();
         for (m, mode) in MODES.iter().enumerate() {
             for (q, (_, quantile)) in QUANTILES.iter().enumerate() {
@@ -262,7 +266,7 @@ impl Summary {
     }
 
     /// Against a baseline: no figure worse. Alone: the CI rule on the series' keep-alive p50s.
-    pub(super) fn passed(&self) -> bool {
+    fn passed(&self) -> bool {
         if self.figures.iter().any(|f| f.difference.is_some()) {
             return self.figures.iter().all(|f| {
                 f.difference
@@ -274,7 +278,7 @@ impl Summary {
         !matches!(gate_verdict(p50.serve, p50.nginx), super::Gate::Failed(_))
     }
 
-    pub(super) fn lines(&self, baseline: Option<&Path>) -> Vec<String> {
+    fn lines(&self, baseline: Option<&Path>) -> Vec<String> {
         let mut lines = vec![format!(
             "hop series: {} runs; µs added to llama-server direct, the median over the runs",
             self.runs
@@ -378,22 +382,6 @@ impl Summary {
             "passed": self.passed(),
         })
     }
-}
-
-fn write_json(path: &PathBuf, value: &serde_json::Value) -> Result<(), Failure> {
-    if let Some(dir) = path.parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    std::fs::write(
-        path,
-        serde_json::to_string_pretty(value).unwrap_or_default(),
-    )
-    .map_err(|e| {
-        Failure::new(
-            format!("cannot write {}: {e}", path.display()),
-            "check the folder",
-        )
-    })
 }
 
 #[cfg(test)]
