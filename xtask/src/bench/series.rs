@@ -34,12 +34,19 @@ const BASELINE: usize = 3;
 /// One run's latency quantiles (µs): `[mode][arm][quantile]`, the baseline's NaN without one.
 type RunQuantiles = [[[f64; QUANTILES.len()]; 4]; MODES.len()];
 
+/// One run's difference at every percentile from 1 to 99, this build minus the baseline, per
+/// mode (µs). Four figures show four points of a difference; the curve shows its shape (a
+/// change that is better up to p90 and worse beyond shows as a crossing). Written to the
+/// series' JSON, not judged: 99 more verdicts would each need a wider interval.
+type RunCurve = [[f64; 99]; MODES.len()];
+
 /// Runs the series, prints each run's line and the summary, writes `results/hop_series.json`.
 pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure> {
     setup::run(ws)?;
     let bins = build(ws, false)?;
     let scratch = scratch_dir("onebit-bench")?;
     let mut runs = Vec::with_capacity(options.repeat);
+    let mut curves = Vec::with_capacity(options.repeat);
     for i in 1..=options.repeat {
         // Every second run the two builds trade places (see `traded`).
         let trade = options.baseline.is_some() && i % 2 == 0;
@@ -60,6 +67,9 @@ pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure
         if trade {
             trade_back(&mut quantiles);
         }
+        if options.baseline.is_some() {
+            curves.push(run_curve(hop, trade));
+        }
         println!(
             "run {i} of {}{}: {}",
             options.repeat,
@@ -78,7 +88,10 @@ pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure
     for line in summary.lines(options.baseline.as_deref()) {
         println!("{line}");
     }
-    let json = summary.json(&runs, options.baseline.as_deref());
+    let mut json = summary.json(&runs, options.baseline.as_deref());
+    if !curves.is_empty() {
+        json["difference_curve_us"] = curve_json(&curves);
+    }
     write_result(
         &ws.root.join("results/hop_series.json"),
         &serde_json::to_string_pretty(&json).unwrap_or_default(),
@@ -116,6 +129,38 @@ fn trade_back(run: &mut RunQuantiles) {
 fn run_quantiles(hop: &Hop) -> RunQuantiles {
     [&hop.keep_alive, &hop.new_connection]
         .map(|arms| std::array::from_fn(|arm| QUANTILES.map(|(q, _)| percentile(&arms[arm], q))))
+}
+
+/// This build minus the baseline at percentiles 1 to 99, per mode; in a traded run this
+/// build ran in the baseline's arm.
+fn run_curve(hop: &Hop, traded: bool) -> RunCurve {
+    let (this, baseline) = if traded {
+        (BASELINE, SERVE)
+    } else {
+        (SERVE, BASELINE)
+    };
+    [&hop.keep_alive, &hop.new_connection].map(|arms| {
+        std::array::from_fn(|i| {
+            let q = (i + 1) as f64 / 100.0;
+            percentile(&arms[this], q) - percentile(&arms[baseline], q)
+        })
+    })
+}
+
+/// The runs' curves as the JSON gives them: per mode, the mean and the median over the runs
+/// at each percentile (`p` lists them).
+fn curve_json(curves: &[RunCurve]) -> serde_json::Value {
+    let mut modes = serde_json::Map::new();
+    for (m, mode) in MODES.iter().enumerate() {
+        let at = |i: usize| -> Vec<f64> { curves.iter().map(|c| c[m][i]).collect() };
+        let mean: Vec<f64> = (0..99)
+            .map(|i| at(i).iter().sum::<f64>() / curves.len() as f64)
+            .collect();
+        let median: Vec<f64> = (0..99).map(|i| median(&at(i))).collect();
+        modes.insert((*mode).into(), json!({ "mean": mean, "median": median }));
+    }
+    modes.insert("p".into(), json!((1..=99).collect::<Vec<u32>>()));
+    serde_json::Value::Object(modes)
 }
 
 /// What serve adds to the direct arm at p50 and p99, per mode (and the baseline's).
@@ -495,6 +540,29 @@ mod tests {
             run.iter()
                 .all(|m| m[SERVE] == [100.0; 4] && m[BASELINE] == [200.0; 4])
         );
+    }
+
+    #[test]
+    fn the_curve_follows_the_builds_through_a_trade_and_averages_the_runs() {
+        // 100 requests per arm: this build took 200 + i µs at its i-th fastest, the baseline
+        // 100 + 2i, so this build is 100 - i µs slower at the i-th percentile.
+        let latencies = |base: f64, step: f64| (1..=100).map(|i| base + step * i as f64).collect();
+        let mut hop = Hop::default();
+        for arms in [&mut hop.keep_alive, &mut hop.new_connection] {
+            arms[SERVE] = latencies(200.0, 1.0);
+            arms[BASELINE] = latencies(100.0, 2.0);
+        }
+        let plain = run_curve(&hop, false);
+        assert_eq!((plain[0][0], plain[0][49], plain[1][98]), (99.0, 50.0, 1.0));
+        // Traded, the serve arm ran the baseline: the same latencies say the opposite.
+        let traded = run_curve(&hop, true);
+        assert_eq!((traded[0][0], traded[1][98]), (-99.0, -1.0));
+        let json = curve_json(&[plain, plain, traded]);
+        let p1 = &json["keep-alive"];
+        assert_eq!(p1["mean"][0].as_f64(), Some((99.0 + 99.0 - 99.0) / 3.0));
+        assert_eq!(p1["median"][0].as_f64(), Some(99.0));
+        assert_eq!(json["p"][98], 99);
+        assert_eq!(json["new conn"]["mean"].as_array().map(Vec::len), Some(99));
     }
 
     #[test]
