@@ -45,52 +45,7 @@ pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure
     setup::run(ws)?;
     let bins = build(ws, false)?;
     let scratch = scratch_dir("onebit-bench")?;
-    let mut runs = Vec::with_capacity(options.repeat);
-    let mut curves = Vec::with_capacity(options.repeat);
-    for i in 1..=options.repeat {
-        // Each run executes fresh copies of the builds (see `fresh_copy`).
-        let run_dir = scratch.join(format!("run-{i}"));
-        let mut fresh_bins = bins.clone();
-        fresh_bins.onebit = fresh_copy(&bins.onebit, &run_dir.join("this"))?;
-        let mut fresh_options = options.clone();
-        if let Some(baseline) = &options.baseline {
-            fresh_options.baseline = Some(fresh_copy(baseline, &run_dir.join("baseline"))?);
-        }
-        // Every second run the two builds trade places (see `traded`).
-        let trade = options.baseline.is_some() && i % 2 == 0;
-        let (bins, options) = if trade {
-            traded(&fresh_bins, &fresh_options)
-        } else {
-            (fresh_bins, fresh_options)
-        };
-        let mut report = Report::new(options.quick);
-        proxied(ws, &bins, &options, &scratch, &mut report)?;
-        let Some(hop) = report.hop.as_ref() else {
-            return Err(Failure::new(
-                "the hop was not measured",
-                "run `cargo xtask bench hop --repeat N`",
-            ));
-        };
-        let mut quantiles = run_quantiles(hop);
-        if trade {
-            trade_back(&mut quantiles);
-        }
-        if options.baseline.is_some() {
-            curves.push(run_curve(hop, trade));
-        }
-        println!(
-            "run {i} of {}{}: {}",
-            options.repeat,
-            if trade {
-                " (the builds traded places)"
-            } else {
-                ""
-            },
-            run_line(&quantiles)
-        );
-        runs.push(quantiles);
-        let _ = std::fs::remove_dir_all(&run_dir);
-    }
+    let (runs, curves) = measure(ws, &bins, options, &scratch)?;
     let _ = std::fs::remove_dir_all(&scratch);
     let summary = Summary::of(&runs);
     println!();
@@ -110,6 +65,78 @@ pub(super) fn run(ws: &Workspace, options: &Options) -> Result<ExitCode, Failure
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The series' runs: each run's quantiles, and with a baseline each run's curve.
+fn measure(
+    ws: &Workspace,
+    bins: &Binaries,
+    options: &Options,
+    scratch: &Path,
+) -> Result<(Vec<RunQuantiles>, Vec<RunCurve>), Failure> {
+    let mut runs = Vec::with_capacity(options.repeat);
+    let mut curves = Vec::with_capacity(options.repeat);
+    for i in 1..=options.repeat {
+        // Each run executes fresh copies of the builds (see `fresh_copy`), about 50 MB a
+        // build, removed after the run however it ended (the servers' logs stay in `scratch`,
+        // where a failure's line points).
+        let copies = scratch.join(format!("run-{i}"));
+        let measured = measure_once(ws, bins, options, scratch, &copies, i);
+        let _ = std::fs::remove_dir_all(&copies);
+        let (quantiles, curve) = measured?;
+        runs.push(quantiles);
+        curves.extend(curve);
+    }
+    Ok((runs, curves))
+}
+
+/// Run `i` of the series, on fresh copies of the builds in `copies`: its quantiles booked to
+/// the builds, and with a baseline its curve. Prints the run's line.
+fn measure_once(
+    ws: &Workspace,
+    bins: &Binaries,
+    options: &Options,
+    scratch: &Path,
+    copies: &Path,
+    i: usize,
+) -> Result<(RunQuantiles, Option<RunCurve>), Failure> {
+    let mut fresh_bins = bins.clone();
+    fresh_bins.onebit = fresh_copy(&bins.onebit, &copies.join("this"))?;
+    let mut fresh_options = options.clone();
+    if let Some(baseline) = &options.baseline {
+        fresh_options.baseline = Some(fresh_copy(baseline, &copies.join("baseline"))?);
+    }
+    // Every second run the two builds trade places (see `traded`).
+    let trade = options.baseline.is_some() && i.is_multiple_of(2);
+    let (bins, options) = if trade {
+        traded(&fresh_bins, &fresh_options)
+    } else {
+        (fresh_bins, fresh_options)
+    };
+    let mut report = Report::new(options.quick);
+    proxied(ws, &bins, &options, scratch, &mut report)?;
+    let Some(hop) = report.hop.as_ref() else {
+        return Err(Failure::new(
+            "the hop was not measured",
+            "run `cargo xtask bench hop --repeat N`",
+        ));
+    };
+    let mut quantiles = run_quantiles(hop);
+    if trade {
+        trade_back(&mut quantiles);
+    }
+    let curve = options.baseline.is_some().then(|| run_curve(hop, trade));
+    println!(
+        "run {i} of {}{}: {}",
+        options.repeat,
+        if trade {
+            " (the builds traded places)"
+        } else {
+            ""
+        },
+        run_line(&quantiles)
+    );
+    Ok((quantiles, curve))
 }
 
 /// A copy of the build `onebit` and the route libraries beside it (`libonebit_route_*.so`,
@@ -162,7 +189,7 @@ fn traded(bins: &Binaries, options: &Options) -> (Binaries, Options) {
 
 /// A traded run's quantiles booked to the builds that made them: this build's to the serve
 /// arm, the baseline's to the baseline arm.
-fn trade_back(run: &mut RunQuantiles) {
+fn trade_back<PerArm>(run: &mut [[PerArm; 4]; MODES.len()]) {
     for mode in run {
         mode.swap(SERVE, BASELINE);
     }
@@ -173,20 +200,18 @@ fn run_quantiles(hop: &Hop) -> RunQuantiles {
         .map(|arms| std::array::from_fn(|arm| QUANTILES.map(|(q, _)| percentile(&arms[arm], q))))
 }
 
-/// This build minus the baseline at percentiles 1 to 99, per mode; in a traded run this
-/// build ran in the baseline's arm.
+/// This build minus the baseline at percentiles 1 to 99, per mode; a traded run's
+/// percentiles are booked back to their builds first (`trade_back`).
 fn run_curve(hop: &Hop, traded: bool) -> RunCurve {
-    let (this, baseline) = if traded {
-        (BASELINE, SERVE)
-    } else {
-        (SERVE, BASELINE)
-    };
-    [&hop.keep_alive, &hop.new_connection].map(|arms| {
-        std::array::from_fn(|i| {
-            let q = (i + 1) as f64 / 100.0;
-            percentile(&arms[this], q) - percentile(&arms[baseline], q)
+    let mut percentiles = [&hop.keep_alive, &hop.new_connection].map(|arms| {
+        std::array::from_fn(|arm| -> [f64; 99] {
+            std::array::from_fn(|i| percentile(&arms[arm], (i + 1) as f64 / 100.0))
         })
-    })
+    });
+    if traded {
+        trade_back(&mut percentiles);
+    }
+    percentiles.map(|arms| std::array::from_fn(|i| arms[SERVE][i] - arms[BASELINE][i]))
 }
 
 /// The runs' curves as the JSON gives them: per mode, the mean and the median over the runs
