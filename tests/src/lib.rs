@@ -15,7 +15,7 @@ pub mod rpc_worker;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use fake_lemonade::{FakeLemonade, LemonadeAnswer};
@@ -24,6 +24,15 @@ pub use processes::{
     alive, children_of, cmdline, connections_to, descendants, kill9_leaves_nothing, run_dir_of,
 };
 pub use prometheus::{Sample, parse_prometheus, requests_total, requests_total_in, sample};
+
+/// One test of this binary at a time, for tests that each run llama-servers: the machine has
+/// two cores, and a llama-server whose threads share them with another's prefill can take
+/// seconds to finish one decode step (and so to stop), which no wall-clock bound survives.
+/// A test that panicked still passes the turn on.
+pub fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// Every crate's `src` folder in the workspace (and the in-process add-on's, built apart).
 pub fn crate_sources() -> Vec<PathBuf> {

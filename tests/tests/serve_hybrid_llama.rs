@@ -3,7 +3,7 @@
 //! route does, prefilling only the one re-evaluated token.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use onebit_tests::*;
@@ -96,13 +96,6 @@ fn chat(serve: &Serve, question: &str, stream: bool) -> (String, u64) {
         .find_map(|v| v["timings"]["prompt_n"].as_u64())
         .expect("the last chunk carries timings");
     (text, prompt_n)
-}
-
-/// One test of this file at a time: each runs two or three llama-servers, and on a small
-/// machine running them all at once only makes each slower.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static TURN: Mutex<()> = Mutex::new(());
-    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The plain cpu route's greedy replies to [`QUESTIONS`], asked once for the whole file (the

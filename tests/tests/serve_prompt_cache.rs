@@ -6,7 +6,6 @@
 //! `--no-prompt-cache` never restore; bad flags exit 2 with one line.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -18,12 +17,6 @@ use serde_json::{Value, json};
 const MIN_TOKENS: &str = "256";
 /// The cpu route's micro-batch (`-ub 256`).
 const UBATCH: u64 = 256;
-
-/// One llama-server at a time: the machine has two cores.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static TURN: Mutex<()> = Mutex::new(());
-    TURN.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A long system prompt, different for each `topic`.
 fn system(topic: &str) -> String {

@@ -5,6 +5,10 @@
 //! the tree; `kill -9` of the worker leaves no ggml-rpc-server; SIGTERM with a stream in flight
 //! on the cpu route, and on `1bit llama-server` (the drop-in Lemonade runs, with its default
 //! window), exits within the drain window + 1 s (llama-server alone waits 30 s).
+//!
+//! The tests take turns: a stop's bound holds for a backend that has the machine's cores, and
+//! one that shares two cores with a neighbour test's llama-server in a 2,000-token prefill took
+//! over 2 s past its window to stop (CI, 6 December).
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -24,6 +28,7 @@ fn comm(pid: u32) -> String {
 
 #[test]
 fn kill_9_during_a_hybrid_handoff_to_the_shipped_provider_leaves_nothing() {
+    let _turn = one_at_a_time();
     let server = installed_llama_server();
     let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
     let provider = prefill_llama();
@@ -80,6 +85,7 @@ fn kill_9_during_a_hybrid_handoff_to_the_shipped_provider_leaves_nothing() {
 
 #[test]
 fn kill_9_during_a_stream_through_a_mem_relay_leaves_nothing() {
+    let _turn = one_at_a_time();
     let mut worker = RpcWorker::start(&["--threads", "1", "--mem", "8"], None);
     let serve = serve_smollm2(&["--ctx-size", "1024", "--rpc", &worker.endpoint]);
     let (mut stream, _) = stream_started(serve.port, LONG_STREAM);
@@ -152,6 +158,7 @@ fn sigterm_mid_stream_exits(mut serve: Serve, window: Duration, within: Duration
 
 #[test]
 fn sigterm_with_a_stream_in_flight_on_the_cpu_route_exits_within_the_drain_window() {
+    let _turn = one_at_a_time();
     // drain + 1 s is the target (cargo xtask bench stop reports it); this check is loose.
     sigterm_mid_stream_exits(
         serve_smollm2(&["--drain-s", "1"]),
@@ -162,6 +169,7 @@ fn sigterm_with_a_stream_in_flight_on_the_cpu_route_exits_within_the_drain_windo
 
 #[test]
 fn sigterm_with_a_stream_in_flight_on_the_drop_in_exits_within_lemonades_window() {
+    let _turn = one_at_a_time();
     let serve = drop_in_ready(&[]);
     // The default window (3 s) + 1 s is the target, inside Lemonade's 5 s before its SIGKILL;
     // without the cut at the window's end llama-server waits 30 s for its task.
@@ -174,6 +182,7 @@ fn sigterm_with_a_stream_in_flight_on_the_drop_in_exits_within_lemonades_window(
 /// stop until serve killed it).
 #[test]
 fn sigterm_during_a_long_prefill_waits_for_the_batch_not_the_grace() {
+    let _turn = one_at_a_time();
     let mut serve = serve_smollm2(&["--drain-s", "1"]);
     let backend = serve.children()[0];
     // About 2,000 tokens: over the prompt cache's 1,024, inside the context.
@@ -215,6 +224,7 @@ fn sigterm_during_a_long_prefill_waits_for_the_batch_not_the_grace() {
 /// cut (it does not, while the tool runs).
 #[test]
 fn sigterm_with_only_a_tool_call_in_flight_stops_at_once() {
+    let _turn = one_at_a_time();
     let tool = onebit_tests::route_fixture::root().join("tests/fixtures/mcp_sleep_tool.py");
     let servers = serde_json::json!({"mcpServers": {"slow": {
         "command": "python3", "args": [tool], "timeout_ms": 30000}}})
