@@ -10,19 +10,28 @@
 //! A process started here gets `PR_SET_PDEATHSIG` (SIGKILL), so a `kill -9` of its starter
 //! kills it too; a program started here that starts its own children starts them here as well,
 //! so the guard reaches the whole tree.
+//!
+//! The stop does not wait out the grace for a process that hung in its own SIGTERM handler
+//! ([`hung_handler`]): it can never exit by itself, so it is SIGKILLed once seen so.
 
 // Unsafe is allowed here alone in this crate: the spawner's pre-exec hook (setpgid, prctl) runs in the forked child.
 #![allow(unsafe_code)]
 
+mod hung_handler;
+
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 /// How long a process group has to die after SIGKILL before [`stop_all`] gives up on it (a
 /// process stuck in the kernel, say in a GPU driver).
 pub const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// How often [`stop_all`] looks at the processes it waits for within the grace.
+const STOP_POLL: Duration = Duration::from_millis(25);
 
 /// A process started by [`spawn`]. Its exit is reaped by a thread of its own, so
 /// [`Process::wait`], [`Process::has_exited`] and the stop sequence may be asked from any thread.
@@ -33,6 +42,8 @@ pub struct Process {
     /// Its stderr, when the command piped it; take it once.
     pub stderr: Option<ChildStderr>,
     exit: Arc<(Mutex<Option<io::Result<ExitStatus>>>, Condvar)>,
+    /// Set by [`stop_all`] when it killed the process for hanging in its SIGTERM handler.
+    hung_in_sigterm_handler: AtomicBool,
 }
 
 /// How [`stop_all`] ended for one process.
@@ -40,7 +51,9 @@ pub struct Process {
 pub enum Stopped {
     /// It had exited already, or exited within the grace after SIGTERM.
     Exited,
-    /// It outlived the grace and was SIGKILLed (its group with it), then reaped.
+    /// It outlived the grace, or hung in its SIGTERM handler before the grace ended
+    /// ([`Process::hung_in_sigterm_handler`] says which), and was SIGKILLed (its group with
+    /// it), then reaped.
     Killed,
     /// It outlived SIGKILL by [`KILL_WAIT`] (stuck in the kernel); nothing more can be done.
     Stuck,
@@ -125,6 +138,7 @@ pub fn spawn(mut command: Command) -> io::Result<Process> {
         stdout: child.stdout.take(),
         stderr: child.stderr.take(),
         exit: exit.clone(),
+        hung_in_sigterm_handler: AtomicBool::new(false),
     };
     std::thread::Builder::new()
         .name(format!("reap-{}", process.pid))
@@ -185,6 +199,12 @@ impl Process {
         }
     }
 
+    /// Whether [`stop_all`] killed it before its grace ended because it hung in its own
+    /// SIGTERM handler (waiting on a lock it cannot get).
+    pub fn hung_in_sigterm_handler(&self) -> bool {
+        self.hung_in_sigterm_handler.load(Ordering::Relaxed)
+    }
+
     /// The stop sequence for this one process: see [`stop_all`]. Blocks.
     pub fn stop(&self, grace: Duration) -> Stopped {
         stop_all(&[self], grace)[0]
@@ -193,17 +213,54 @@ impl Process {
 
 /// The one stop sequence: SIGTERM to each process's group, up to `grace` for all of them to
 /// exit, then SIGKILL to the groups of those left and up to [`KILL_WAIT`] for them to be
-/// reaped. A process that already exited costs no wait; its group still gets the SIGKILL, so
-/// nothing it started outlives it. Blocks (at most `grace` + [`KILL_WAIT`]).
+/// reaped. A process seen hanging in its own SIGTERM handler is SIGKILLed then, not at the
+/// grace's end ([`Process::hung_in_sigterm_handler`]). A process that already exited costs no
+/// wait; its group still gets the SIGKILL, so nothing it started outlives it. Blocks (at most
+/// `grace` + [`KILL_WAIT`]).
 pub fn stop_all(processes: &[&Process], grace: Duration) -> Vec<Stopped> {
+    let mut watches: Vec<Option<hung_handler::Watch>> = processes
+        .iter()
+        .map(|p| {
+            (!p.has_exited())
+                .then(|| hung_handler::Watch::before_sigterm(p.pid))
+                .flatten()
+        })
+        .collect();
     for p in processes.iter().filter(|p| !p.has_exited()) {
         p.signal_group(libc::SIGTERM);
     }
     let deadline = Instant::now() + grace;
     let mut outcome = vec![Stopped::Exited; processes.len()];
-    for (i, p) in processes.iter().enumerate() {
+    loop {
+        let mut waiting = None;
+        for (i, p) in processes.iter().enumerate() {
+            if outcome[i] == Stopped::Killed || p.has_exited() {
+                continue;
+            }
+            if watches[i].as_mut().is_some_and(|w| w.hung(Instant::now())) {
+                p.hung_in_sigterm_handler.store(true, Ordering::Relaxed);
+                p.signal_group(libc::SIGKILL);
+                outcome[i] = Stopped::Killed;
+                watches[i] = None;
+                continue;
+            }
+            waiting.get_or_insert(i);
+        }
+        let Some(first) = waiting else { break };
         let left = deadline.saturating_duration_since(Instant::now());
-        if p.wait_timeout(left).is_none() {
+        if left.is_zero() {
+            break;
+        }
+        // A process without a watch needs no look until the grace ends.
+        let look_in = if watches.iter().any(Option::is_some) {
+            left.min(STOP_POLL)
+        } else {
+            left
+        };
+        processes[first].wait_timeout(look_in);
+    }
+    for (i, p) in processes.iter().enumerate() {
+        if !p.has_exited() {
             outcome[i] = Stopped::Killed;
         }
     }

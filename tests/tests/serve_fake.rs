@@ -313,6 +313,32 @@ fn a_backend_that_ignores_sigterm_is_killed_after_the_grace() {
     assert!(wait_until(SECS(2), || !alive(backend)));
 }
 
+/// llama-server's SIGTERM handler can wait forever on a lock the thread it interrupted holds
+/// (seen in the suite: one stop in eight under load). serve sees it and kills the backend at
+/// once instead of after the 30 s grace.
+#[test]
+fn a_backend_hung_in_its_sigterm_handler_is_killed_without_waiting_out_the_grace() {
+    let dir = temp_dir("deadlock");
+    let model = dummy_model(&dir, "m.gguf");
+    let mut serve = Serve::with_fake(&model, &[], &[("FAKE_SIGTERM_DEADLOCK", "1")]);
+    serve.ready();
+    let backend = serve.children()[0];
+    let began = Instant::now();
+    serve.signal(Signal::SIGTERM);
+    let exit = serve.wait_exit(SECS(40)).expect("serve stops");
+    let took = began.elapsed();
+    assert_eq!(exit.code(), Some(0), "{}", serve.output());
+    assert!(took < SECS(5), "took {took:?}:\n{}", serve.output());
+    assert!(
+        serve.output().contains(&format!(
+            "1bit serve: the llama-server backend (pid {backend}) hung in its own SIGTERM handler (a thread of it waits on a lock it cannot get, so it can never exit); killing it"
+        )),
+        "{}",
+        serve.output()
+    );
+    assert!(wait_until(SECS(2), || !alive(backend)));
+}
+
 #[test]
 fn no_backend_outlives_a_sigkilled_serve() {
     let dir = temp_dir("sigkill");

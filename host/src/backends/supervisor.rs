@@ -195,10 +195,10 @@ pub fn describe_exit(status: ExitStatus) -> String {
     }
 }
 
-/// Stop every backend with the spawner's one sequence (SIGTERM to each group, up to `grace`,
-/// SIGKILL to the groups, reaped). A backend that already exited costs no wait. Returns lines
-/// worth saying (a backend that had to be killed, or one that would not die). Runs the
-/// sequence on a blocking thread.
+/// Stop every backend with the spawner's one sequence (SIGTERM to each group, up to `grace` or
+/// until one is seen hung in its SIGTERM handler, SIGKILL to the groups, reaped). A backend
+/// that already exited costs no wait. Returns lines worth saying (a backend that had to be
+/// killed, or one that would not die). Runs the sequence on a blocking thread.
 pub async fn stop_all(backends: &[Backend], grace: Duration) -> Vec<String> {
     let processes: Vec<Arc<Process>> = backends.iter().map(|b| b.process.clone()).collect();
     let outcome = tokio::task::spawn_blocking(move || {
@@ -213,10 +213,10 @@ pub async fn stop_all(backends: &[Backend], grace: Duration) -> Vec<String> {
         .filter_map(|(b, stopped)| match stopped {
             Stopped::Exited => None,
             Stopped::Killed => Some(format!(
-                "the {} backend (pid {}) did not stop within {} s of SIGTERM; killing it",
+                "the {} backend (pid {}) {}",
                 b.spec.engine,
                 b.pid,
-                grace.as_secs_f64()
+                why_killed(&b.process, grace)
             )),
             Stopped::Stuck => Some(format!(
                 "the {} backend (pid {}) did not die after SIGKILL (stuck in the kernel?); exiting anyway",
@@ -224,6 +224,19 @@ pub async fn stop_all(backends: &[Backend], grace: Duration) -> Vec<String> {
             )),
         })
         .collect()
+}
+
+/// Why the stop sequence killed `process`, as the end of a line that names it: it hung in its
+/// SIGTERM handler, or outlived `grace`.
+pub fn why_killed(process: &Process, grace: Duration) -> String {
+    if process.hung_in_sigterm_handler() {
+        "hung in its own SIGTERM handler (a thread of it waits on a lock it cannot get, so it can never exit); killing it".to_string()
+    } else {
+        format!(
+            "did not stop within {} s of SIGTERM; killing it",
+            grace.as_secs_f64()
+        )
+    }
 }
 
 /// Wait until every backend exited, or `limit` passed; true when all exited.

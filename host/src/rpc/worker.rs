@@ -256,8 +256,8 @@ async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32,
     tracing::info!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
     if stop(&child, STOP_GRACE).await != process::Stopped::Exited {
         tracing::info!(
-            "1bit rpc-worker: the worker (pid {pid}) did not stop within {} s of SIGTERM; killing it",
-            STOP_GRACE.as_secs()
+            "1bit rpc-worker: the worker (pid {pid}) {}",
+            crate::backends::supervisor::why_killed(&child, STOP_GRACE)
         );
     }
     let status = waiter.await.ok().and_then(Result::ok);

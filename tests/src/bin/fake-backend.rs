@@ -3,7 +3,8 @@
 //! `FAKE_*` environment and trigger words in request bodies make it load slowly, hang, exit, print
 //! chosen stderr lines and record what reached it. See docs/fake-backend.md.
 
-#![forbid(unsafe_code)]
+// Unsafe is allowed in `deadlock_on_sigterm` alone (installing a raw signal handler).
+#![deny(unsafe_code)]
 
 /// Writes one line to stderr and ignores failure: a parent that closed our stderr must not turn a
 /// log line into a panic (which would, say, keep SIGTERM from ending the process).
@@ -211,15 +212,20 @@ fn print_lines(lines: &[String]) {
 }
 
 /// SIGTERM and SIGINT end the process with status 0 (SIGTERM is only logged with
-/// `FAKE_IGNORE_SIGTERM`). A signal that `FAKE_EXIT_SIGNAL` names keeps its default action, so the
-/// fake can die by it.
+/// `FAKE_IGNORE_SIGTERM`, and hangs its handler with `FAKE_SIGTERM_DEADLOCK`). A signal that
+/// `FAKE_EXIT_SIGNAL` names keeps its default action, so the fake can die by it.
 fn watch_signals(cfg: &Config) {
+    if cfg.sigterm_deadlock {
+        deadlock_on_sigterm();
+    }
     let watched = [
         (SignalKind::terminate(), Signal::SIGTERM, cfg.ignore_sigterm),
         (SignalKind::interrupt(), Signal::SIGINT, false),
     ];
     for (kind, sig, ignore) in watched {
-        if cfg.exit.signal == Some(sig) && !ignore {
+        if (cfg.exit.signal == Some(sig) && !ignore)
+            || (sig == Signal::SIGTERM && cfg.sigterm_deadlock)
+        {
             continue;
         }
         let mut stream = match signal(kind) {
@@ -239,6 +245,38 @@ fn watch_signals(cfg: &Config) {
                 std::process::exit(0);
             }
         });
+    }
+}
+
+/// `FAKE_SIGTERM_DEADLOCK`: what llama-server's SIGTERM handler can do (it takes its task
+/// queue's mutex, which the thread it interrupted may hold): the handler waits on a lock that a
+/// thread of this process holds forever, so SIGTERM never ends the process.
+fn deadlock_on_sigterm() {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, sigaction};
+    use std::sync::Mutex;
+    static HELD: Mutex<()> = Mutex::new(());
+    extern "C" fn on_sigterm(_: nix::libc::c_int) {
+        let _never = HELD.lock();
+    }
+    let (taken, take) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _held = HELD.lock();
+        let _ = taken.send(());
+        loop {
+            std::thread::park();
+        }
+    });
+    let _ = take.recv();
+    let action = SigAction::new(
+        SigHandler::Handler(on_sigterm),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    // SAFETY: the handler is meant to be unsound in exactly one way, the one this fake stands
+    // for: it waits on a lock in a signal handler. It touches nothing else.
+    #[allow(unsafe_code)]
+    if let Err(e) = unsafe { sigaction(Signal::SIGTERM, &action) } {
+        log!("fake-backend: cannot install the SIGTERM handler: {e}");
     }
 }
 

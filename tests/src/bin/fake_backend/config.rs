@@ -60,6 +60,8 @@ pub struct Config {
     pub exit: ExitPlan,
     /// `FAKE_IGNORE_SIGTERM`: SIGTERM is logged and otherwise ignored.
     pub ignore_sigterm: bool,
+    /// `FAKE_SIGTERM_DEADLOCK`: SIGTERM's handler waits forever on a lock another thread holds.
+    pub sigterm_deadlock: bool,
     /// `FAKE_SSE_EVENTS`: content chunks per streamed reply.
     pub sse_events: usize,
     /// `FAKE_SSE_INTERVAL_MS`: pause between two content chunks.
@@ -201,6 +203,7 @@ pub fn parse(
             signal,
         },
         ignore_sigterm: flag(&env, "FAKE_IGNORE_SIGTERM")?,
+        sigterm_deadlock: flag(&env, "FAKE_SIGTERM_DEADLOCK")?,
         sse_events: number(&env, "FAKE_SSE_EVENTS")?.unwrap_or(8),
         sse_interval: millis(&env, "FAKE_SSE_INTERVAL_MS")?.unwrap_or(Duration::from_millis(5)),
         sse_gate: env("FAKE_SSE_GATE")
