@@ -23,6 +23,7 @@
 #![allow(unsafe_code)]
 
 pub mod calls;
+mod hung_handler;
 pub mod process;
 pub mod rules;
 pub mod types;

@@ -17,14 +17,14 @@
 // Unsafe is allowed here alone in this crate: the spawner's pre-exec hook (setpgid, prctl) runs in the forked child.
 #![allow(unsafe_code)]
 
-mod hung_handler;
-
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
+
+use crate::hung_handler;
 
 /// How long a process group has to die after SIGKILL before [`stop_all`] gives up on it (a
 /// process stuck in the kernel, say in a GPU driver).

@@ -1,4 +1,5 @@
-//! Seeing a process hang in its own SIGTERM handler, from `/proc` (Linux).
+//! Seeing a process hang in its own SIGTERM handler, from `/proc` (Linux): how
+//! [`crate::process::stop_all`] knows not to wait out the grace for it.
 //!
 //! A handler that takes a lock the thread it interrupted holds waits forever, and the process
 //! can never exit by itself: llama-server's does (its handler takes the task queue's mutex,
@@ -15,14 +16,14 @@
 use std::time::{Duration, Instant};
 
 /// How long a thread must be seen waiting on a lock inside its SIGTERM handler to be hung.
-pub(super) const HUNG_AFTER: Duration = Duration::from_millis(500);
+pub(crate) const HUNG_AFTER: Duration = Duration::from_millis(500);
 
 /// SIGTERM's bit in the masks of `/proc/PID/status` (bit N-1 for signal N).
 const SIGTERM_BIT: u64 = 1 << (libc::SIGTERM - 1);
 
 /// One process's threads as they were before SIGTERM was sent, and since when one of them has
 /// looked hung.
-pub(super) struct Watch {
+pub(crate) struct Watch {
     pid: u32,
     /// The threads that did not block SIGTERM before it was sent (threads started later are
     /// not watched: their masks have no "before").
@@ -33,7 +34,7 @@ pub(super) struct Watch {
 impl Watch {
     /// Look at `pid` before SIGTERM is sent to it. `None` when it does not catch SIGTERM (its
     /// default action ends it, no handler can hang) or `/proc` says nothing.
-    pub(super) fn before_sigterm(pid: u32) -> Option<Watch> {
+    pub(crate) fn before_sigterm(pid: u32) -> Option<Watch> {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         if !mask_has_sigterm(field(&status, "SigCgt")?) {
             return None;
@@ -56,7 +57,7 @@ impl Watch {
 
     /// Whether, looked at `now`, a watched thread has waited on a lock inside its SIGTERM
     /// handler for [`HUNG_AFTER`] on end. Call it every few tens of milliseconds.
-    pub(super) fn hung(&mut self, now: Instant) -> bool {
+    pub(crate) fn hung(&mut self, now: Instant) -> bool {
         let waiting = self.threads.iter().any(|tid| {
             let (Some(status), Some(syscall)) = (
                 read_task(self.pid, *tid, "status"),
