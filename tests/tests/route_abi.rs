@@ -219,13 +219,14 @@ fn build_old_fixture(minor: &str, name: &str) -> PathBuf {
 }
 
 #[test]
-fn routes_built_against_plugin_api_1_0_1_1_1_3_1_4_and_1_5_load_and_serve() {
+fn routes_built_against_plugin_api_1_0_1_1_1_3_1_4_1_5_and_1_6_load_and_serve() {
     for (minor, name) in [
         ("1.0", "v10"),
         ("1.1", "v11"),
         ("1.3", "v13"),
         ("1.4", "v14"),
         ("1.5", "v15"),
+        ("1.6", "v16"),
     ] {
         let dir = build_old_fixture(minor, name);
         let listing = plugins(&dir);
