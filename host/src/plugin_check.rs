@@ -219,6 +219,7 @@ fn plan_request(route: &LoadedRoute, model_path: &Path) -> Result<PlanRequest, S
         env: std::env::vars().collect(),
         ports: vec![0; 4],
         run_dir: std::env::temp_dir().to_string_lossy().into_owned(),
+        ..PlanRequest::default()
     })
 }
 

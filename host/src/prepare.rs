@@ -93,6 +93,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         env: environment(),
         ports,
         run_dir: run_dir.to_string_lossy().into_owned(),
+        ..PlanRequest::default()
     };
 
     let refused_flag = refused_flag(args);
@@ -416,7 +417,7 @@ fn mem_check(args: &ServeArgs, name: &str, plan: &Plan) -> Result<i32, Fatal> {
         );
         return Ok(exit::OK);
     };
-    let free = admission::free_for(&need.pool, &admission::Sources::from_env())?;
+    let free = admission::free_for(need, &admission::Sources::from_env())?;
     let verdict = admission::judge(name, args.model(), need, &free);
     println!("{}", verdict.line);
     for warning in &verdict.warnings {
@@ -437,7 +438,7 @@ fn admit(args: &ServeArgs, name: &str, plan: &Plan) -> Result<(), Fatal> {
     let Some(need) = &plan.memory else {
         return Ok(());
     };
-    let free = admission::free_for(&need.pool, &admission::Sources::from_env())?;
+    let free = admission::free_for(need, &admission::Sources::from_env())?;
     let verdict = admission::judge(name, args.model(), need, &free);
     if !verdict.fits {
         return Err(Fatal {

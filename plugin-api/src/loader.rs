@@ -113,6 +113,9 @@ pub struct LoadedRoute {
     pub abi_version: String,
     /// What the route says of itself (name, version, the architectures it claims).
     pub info: RouteInfo,
+    /// The package the route was loaded from, as the host checked it (set by the host after
+    /// [`load`]); passed to the route in every [`PlanRequest`] (1.8).
+    pub package: Option<PackageFacts>,
     module: Ops,
 }
 
@@ -251,6 +254,7 @@ pub fn load(file: &Path) -> Result<LoadedRoute, LoadError> {
         file: file.to_path_buf(),
         abi_version: route_abi,
         info: RouteInfo::default(),
+        package: None,
         module,
     };
     route.info = decode_reply((route.module.info)()).map_err(|why| LoadError::Info {
@@ -302,12 +306,26 @@ fn encode<T: Serialize>(value: &T) -> String {
 impl LoadedRoute {
     /// [`crate::DeviceRoute::claim`]: whether the route serves this model under `--device auto`.
     pub fn claim(&self, request: &PlanRequest) -> Result<Claim, String> {
-        decode_reply((self.module.claim)(RStr::from_str(&encode(request))))
+        let request = self.own_request(request);
+        decode_reply((self.module.claim)(RStr::from_str(&encode(&request))))
     }
 
     /// [`crate::DeviceRoute::plan`]: the backends to start and the rules for requests.
     pub fn plan(&self, request: &PlanRequest) -> Result<PlanOutcome, String> {
-        decode_reply((self.module.plan)(RStr::from_str(&encode(request))))
+        let request = self.own_request(request);
+        decode_reply((self.module.plan)(RStr::from_str(&encode(&request))))
+    }
+
+    /// `request` as this route is given it: with the folder its library was loaded from and
+    /// its package (1.8). Pure.
+    pub fn own_request(&self, request: &PlanRequest) -> PlanRequest {
+        let dir = self.file.parent().unwrap_or(Path::new("."));
+        let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+        PlanRequest {
+            route_dir: dir.to_string_lossy().into_owned(),
+            package: self.package.clone(),
+            ..request.clone()
+        }
     }
 
     /// [`crate::DeviceRoute::start`]: the plan's backends are running (or, in process, load).

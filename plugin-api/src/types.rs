@@ -57,6 +57,56 @@ pub struct PlanRequest {
     pub ports: Vec<u16>,
     /// The directory serve may use for files that live as long as it does (slot files, say).
     pub run_dir: String,
+    /// 1.8: the folder the route's library was loaded from (absolute), so a route finds the
+    /// libraries and data it carries without `/proc/self/maps` or the environment. Empty from
+    /// a host before 1.8.
+    pub route_dir: String,
+    /// 1.8: the route's package, when it was loaded from one: its manifest as installed, every
+    /// carried file already checked against its sha256 by the host before `claim`. None for a
+    /// loose route file (and from a host before 1.8).
+    pub package: Option<PackageFacts>,
+}
+
+/// 1.8: a route package's manifest as the host read and checked it ([`PlanRequest::package`]).
+/// A route carries what it needs from `plan` to `start` in [`Plan::route_state`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PackageFacts {
+    /// The route's name (the manifest's, equal to the route's own).
+    pub name: String,
+    /// The package's version (semver).
+    pub version: String,
+    /// Who ships it.
+    pub vendor: String,
+    /// Its license (an SPDX expression or `Proprietary`).
+    pub license: String,
+    /// The package folder, absolute (the route library's folder).
+    pub dir: String,
+    /// Every file the package carries besides the route library, as checked.
+    pub files: Vec<PackageFile>,
+    /// The vendor key that signed the manifest (its fingerprint), or None when unsigned.
+    pub signed_by: Option<String>,
+}
+
+/// 1.8: one file a package carries (a kernels library, say).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PackageFile {
+    /// Its path, absolute.
+    pub path: String,
+    /// Its path inside the package, as the manifest names it (`libacme_kernels.so.1`).
+    pub name: String,
+    /// The version the manifest gives it.
+    pub version: String,
+    /// Its sha256, lowercase hex, as checked.
+    pub sha256: String,
+}
+
+impl PackageFacts {
+    /// The carried file the manifest calls `name` (its path inside the package). Pure.
+    pub fn file(&self, name: &str) -> Option<&PackageFile> {
+        self.files.iter().find(|f| f.name == name)
+    }
 }
 
 impl PlanRequest {
@@ -424,13 +474,29 @@ pub struct MemoryNeed {
     /// The context as the line names it, after "at ": `ctx 4096 (--ctx-size)`, `the model's
     /// own ctx 262144 (no --ctx-size)`.
     pub ctx_source: String,
-    /// Which memory the backend allocates from: `ram` or `gtt`.
+    /// Which memory the backend allocates from: `ram`, `gtt`, or (1.8) `device`, the route's
+    /// own memory as it reported it in [`MemoryNeed::device`].
     pub pool: String,
     /// For a route that runs the model with llama.cpp's own kernels (in process, say): the
     /// settings of its context, for the host to size llama.cpp's KV cache and recurrent state
     /// from the GGUF header it read, with the formulas the llama-server routes use. The host
     /// adds the estimate to `kv_bytes` and sets `ctx` to the padded context (ABI 1.3).
     pub llama_kv: Option<LlamaKv>,
+    /// 1.8: the device's own memory (an NPU's), as the route read it, for `pool: "device"`:
+    /// the host judges the need against `free_bytes` with the same rule and line as RAM.
+    pub device: Option<DeviceMemory>,
+}
+
+/// 1.8: a memory pool only the route can read (an NPU's own memory), for [`MemoryNeed::device`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DeviceMemory {
+    /// What the line calls it (`NPU`, `acme0`).
+    pub name: String,
+    /// Its size in bytes.
+    pub total_bytes: u64,
+    /// What is free now, in bytes.
+    pub free_bytes: u64,
 }
 
 /// The settings of a llama.cpp context that size its sequence memory ([`MemoryNeed::llama_kv`]).

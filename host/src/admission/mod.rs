@@ -78,10 +78,29 @@ pub fn gtt(sources: &Sources) -> Option<(u64, u64)> {
     })
 }
 
-/// Free memory for a backend that allocates from `pool`: `ram` is MemAvailable; `gtt` is
-/// min(GTT total - GTT used, MemAvailable), since the GTT pool is the same DRAM.
-/// The error (exit 1) says which file could not be read.
-pub fn free_for(pool: &str, sources: &Sources) -> Result<Free, Fatal> {
+/// Free memory for a backend that allocates from `need.pool`: `ram` is MemAvailable; `gtt` is
+/// min(GTT total - GTT used, MemAvailable), since the GTT pool is the same DRAM; `device` is
+/// what the route reported of its device's own memory (`need.device`, ABI 1.8).
+/// The error (exit 1) says which file could not be read, or that the route reported no device.
+pub fn free_for(need: &MemoryNeed, sources: &Sources) -> Result<Free, Fatal> {
+    let pool = need.pool.as_str();
+    if pool == "device" {
+        let device = need.device.as_ref().ok_or_else(|| {
+            Fatal::backend(
+                "the route judges its device's own memory but reported none (MemoryNeed::device); pass --no-mem-check, or ask its vendor for a fixed route",
+            )
+        })?;
+        return Ok(Free {
+            bytes: device.free_bytes,
+            detail: format!(
+                "({} {:.1} of {:.1} GiB free)",
+                device.name,
+                gib(device.free_bytes),
+                gib(device.total_bytes)
+            ),
+            gtt_used: None,
+        });
+    }
     let available = mem_available(sources).ok_or_else(|| {
         Fatal::backend(format!(
             "cannot read MemAvailable from {}; pass --no-mem-check to start without the memory check",
@@ -199,6 +218,14 @@ mod tests {
             ctx_source: "the model's own ctx 262144 (no --ctx-size)".into(),
             pool: "gtt".into(),
             llama_kv: None,
+            device: None,
+        }
+    }
+
+    fn pool_need(pool: &str) -> MemoryNeed {
+        MemoryNeed {
+            pool: pool.into(),
+            ..MemoryNeed::default()
         }
     }
 
@@ -230,7 +257,7 @@ mod tests {
     fn the_line_reads_as_the_specification_prints_it() {
         let gib = |g: f64| (g * GIB) as u64;
         let sources = fake_machine(gib(57.71) / 1024, Some((gib(120.0), gib(46.7))));
-        let free = free_for("gtt", &sources).unwrap();
+        let free = free_for(&pool_need("gtt"), &sources).unwrap();
         let v = judge(
             "Qwen3.8-27B-UD-Q4_K_XL",
             Path::new("/m/Qwen3.8-27B-UD-Q4_K_XL.gguf"),
@@ -270,12 +297,43 @@ mod tests {
     fn gtt_pool_takes_the_smaller_of_gtt_free_and_mem_available_and_warns() {
         let gib = |g: f64| (g * GIB) as u64;
         let sources = fake_machine(gib(10.0) / 1024, Some((gib(120.0), gib(90.0))));
-        let free = free_for("gtt", &sources).unwrap();
+        let free = free_for(&pool_need("gtt"), &sources).unwrap();
         assert_eq!(free.bytes, gib(10.0));
         let v = judge("m", Path::new("m.gguf"), &need(4.0, 1.0), &free);
         assert_eq!(v.warnings.len(), 2, "{:?}", v.warnings);
         assert!(v.warnings[1].contains("95 GiB"));
-        let ram = free_for("ram", &sources).unwrap();
+        let ram = free_for(&pool_need("ram"), &sources).unwrap();
         assert_eq!(ram.detail, "(MemAvailable 10.0 GiB)");
+    }
+
+    #[test]
+    fn a_device_pool_is_judged_against_what_the_route_reported() {
+        let gib = |g: f64| (g * GIB) as u64;
+        // The machine's RAM is plentiful: only the device's memory decides.
+        let sources = fake_machine(gib(200.0) / 1024, None);
+        let mut device = need(6.0, 1.0);
+        device.pool = "device".into();
+        device.device = Some(onebit_plugin_api::DeviceMemory {
+            name: "NPU".into(),
+            total_bytes: gib(16.0),
+            free_bytes: gib(8.0),
+        });
+        let free = free_for(&device, &sources).unwrap();
+        assert_eq!(free.detail, "(NPU 8.0 of 16.0 GiB free)");
+        let v = judge("m", Path::new("m.gguf"), &device, &free);
+        assert!(!v.fits, "7.5 + 1 > 8: {}", v.line);
+        assert!(
+            v.line.contains("free 8.00 GiB (NPU 8.0 of 16.0 GiB free)"),
+            "{}",
+            v.line
+        );
+        device.device.as_mut().unwrap().free_bytes = gib(9.0);
+        let free = free_for(&device, &sources).unwrap();
+        assert!(judge("m", Path::new("m.gguf"), &device, &free).fits);
+        device.device = None;
+        let e = free_for(&device, &sources)
+            .err()
+            .expect("no device reported");
+        assert!(e.to_string().contains("reported none"), "{e}");
     }
 }

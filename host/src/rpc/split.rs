@@ -327,7 +327,7 @@ pub fn admit(
     let Some(need) = &plan.memory else {
         return Ok(None);
     };
-    let free = admission::free_for(&need.pool, &admission::Sources::from_env())?;
+    let free = admission::free_for(need, &admission::Sources::from_env())?;
     let n_layer = gguf::read_header_lean(args.model())
         .ok()
         .and_then(|h| h.get_u64(&h.arch_key("block_count")?))

@@ -99,6 +99,7 @@ fn need(weights: u64, kv: u64) -> MemoryNeed {
         ctx_source: "ctx 4096 (--ctx-size)".into(),
         pool: "ram".into(),
         llama_kv: None,
+        device: None,
     }
 }
 

@@ -331,6 +331,7 @@ pub fn memory_need(
                 ctx_source,
                 pool: pool.to_string(),
                 llama_kv: None,
+                device: None,
             }),
             unknown: None,
         },
