@@ -311,6 +311,7 @@ macro_rules! export_route {
     ($route:ty) => {
         #[allow(unsafe_code)]
         #[unsafe(export_name = $crate::__root_module_loader_name!())]
+        /// The route's header, which the host looks up by name when it loads the library.
         pub static ONEBIT_ROUTE_LIB_HEADER: $crate::export::LibHeader =
             $crate::export::lib_header::<$route>();
     };
