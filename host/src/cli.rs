@@ -1,4 +1,5 @@
-//! The command line: `1bit serve` with every flag of the specification's synopsis, and `1bit plugins`.
+//! The command line: `1bit serve` with every flag of the specification's synopsis, `1bit plugins`,
+//! and `1bit gguf`.
 
 use std::path::PathBuf;
 
@@ -82,6 +83,11 @@ pub enum Command {
     Plugins(PluginArgs),
     /// Run a llama.cpp RPC worker (ggml-rpc-server) that holds layers for `serve --rpc`.
     RpcWorker(WorkerArgs),
+    /// Header-only GGUF models for tests, and a model's facts as serve reads them.
+    Gguf {
+        #[command(subcommand)]
+        action: GgufAction,
+    },
     /// llama-server's own command line (as Lemonade's llamacpp backend builds it), served by
     /// `1bit serve`; also what `1bit` does when run under the name `llama-server`.
     #[command(name = "llama-server", disable_help_flag = true)]
@@ -111,7 +117,127 @@ pub enum PluginAction {
         /// The model to claim and plan (default: a fixture file that is not a GGUF).
         #[arg(short = 'm', long, value_name = "MODEL")]
         model: Option<PathBuf>,
+        /// An option for the route, KEY=VALUE; repeatable. Passed to the route as `1bit serve
+        /// --route-opt` passes it; the route refuses a key it does not know.
+        #[arg(long, value_name = "KEY=VALUE")]
+        route_opt: Vec<String>,
     },
+    /// Check a route package (folder or .tar.gz: manifest, checksums, signature, ABI, the
+    /// route's own name) and install it atomically into the user's route folder; a newer
+    /// version replaces an older one.
+    Install {
+        /// The package: a folder, or a `.tar.gz` of one.
+        package: PathBuf,
+        /// Install into `DIR/lib/1bit/plugins` instead of `~/.local/lib/1bit/plugins`.
+        #[arg(long, value_name = "DIR")]
+        prefix: Option<PathBuf>,
+        /// Install a package that is unsigned, or signed by a key you have not trusted.
+        #[arg(long)]
+        allow_unsigned: bool,
+    },
+    /// Remove an installed package by its route's name.
+    Remove {
+        /// The route's name (`1bit plugins` lists them).
+        name: String,
+        /// The prefix it was installed under.
+        #[arg(long, value_name = "DIR")]
+        prefix: Option<PathBuf>,
+    },
+    /// Trust a vendor's public key: packages it signed install without --allow-unsigned.
+    Trust {
+        /// The vendor's `.pub` file.
+        key: PathBuf,
+    },
+    /// Make a signing key pair for your packages: NAME.key (secret) and NAME.pub (give it to
+    /// your users).
+    Keygen {
+        /// The key files' path without extension.
+        name: PathBuf,
+        /// Who the key is (your company's name), written in the .pub file.
+        #[arg(long, default_value = "")]
+        comment: String,
+    },
+    /// Build a package from a built route library and the files it carries: writes
+    /// OUT/NAME-VERSION/ and OUT/NAME-VERSION.tar.gz, and prints the archive's path last.
+    Package(PackageArgs),
+}
+
+/// `1bit plugins package`'s flags.
+#[derive(Args, Debug)]
+pub struct PackageArgs {
+    /// The built route library (`libonebit_route_NAME.so`).
+    pub route: PathBuf,
+    /// The package's version (semver).
+    #[arg(long = "version", value_name = "VERSION")]
+    pub package_version: String,
+    /// Who ships it.
+    #[arg(long)]
+    pub vendor: String,
+    /// Its license: an SPDX expression, or `LicenseRef-...` for your own terms.
+    #[arg(long)]
+    pub license: String,
+    /// One line on what the route runs (default: the route's own summary).
+    #[arg(long)]
+    pub summary: Option<String>,
+    /// A file the route carries, with its version: FILE=VERSION; repeatable.
+    #[arg(long, value_name = "FILE=VERSION")]
+    pub carry: Vec<String>,
+    /// Sign the manifest with this secret key (`1bit plugins keygen`).
+    #[arg(long, value_name = "KEYFILE")]
+    pub sign: Option<PathBuf>,
+    /// Where to write the package.
+    #[arg(long, value_name = "DIR", default_value = "dist")]
+    pub out: PathBuf,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GgufAction {
+    /// Write a header-only GGUF (v3) with a model's shape, no tensors: a test model the memory
+    /// check and the routes read as they would a real one.
+    Stub(StubArgs),
+    /// Print a model's facts as serve reads them, one `key: value` a line, with the memory
+    /// check's estimate at the model's own context.
+    Inspect {
+        /// The model (a .gguf file, the first shard of a sharded one).
+        file: PathBuf,
+    },
+}
+
+/// `1bit gguf stub`'s flags: the defaults are a small llama.
+#[derive(Args, Debug, Clone)]
+pub struct StubArgs {
+    /// The file to write.
+    pub out: PathBuf,
+    /// `general.architecture`, the prefix of the model's own keys.
+    #[arg(long, default_value = "llama", value_name = "ARCH")]
+    pub arch: String,
+    /// `<arch>.block_count`.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub layers: u32,
+    /// `<arch>.attention.head_count`.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub heads: u32,
+    /// `<arch>.attention.head_count_kv` (default: --heads).
+    #[arg(long, value_name = "N")]
+    pub kv_heads: Option<u32>,
+    /// `<arch>.embedding_length`.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub embd: u32,
+    /// `<arch>.context_length`, the model's training context.
+    #[arg(long, default_value_t = 2048, value_name = "N")]
+    pub ctx: u32,
+    /// `general.file_type` (llama.cpp's ftype: 1 F16, 2 Q4_0, 7 Q8_0, 15 Q4_K_M, ...).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub file_type: u32,
+    /// Make the file this many bytes, sparsely past the header, so the weights look this large.
+    #[arg(long, value_name = "BYTES")]
+    pub size: Option<u64>,
+    /// `general.name` (default: OUT's file stem).
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+    /// Replace OUT if it exists.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// serve's settings that come from the environment alone (docs/serve.md, Environment), read

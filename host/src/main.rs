@@ -5,7 +5,7 @@
 //! stop sequence), whose pre-exec hook is the only unsafe code it needs.
 //!
 //! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
-//! rooms below it: `serve`, `prepare`, `plugin_check` > `notify`, `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
+//! rooms below it: `serve`, `packages` > `plugin_check` > `prepare`, `gguf_tool` > `notify`, `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
 //! `backends` > `guard`, `admission`, `settings`, `model`, `routes` > `llama_server_cli` >
 //! `error`, `cli` (docs/architecture.md).
 #![forbid(unsafe_code)]
@@ -15,6 +15,7 @@ mod backends;
 mod cli;
 mod error;
 mod front;
+mod gguf_tool;
 mod guard;
 mod heap_trim;
 mod laya;
@@ -23,6 +24,7 @@ mod log;
 mod metrics;
 mod model;
 mod notify;
+mod packages;
 mod plugin_check;
 mod pm;
 mod prepare;
@@ -71,9 +73,9 @@ fn run() -> i32 {
         }
         cli::Command::LlamaServer { args } => drop_in(&args),
         cli::Command::Plugins(cli::PluginArgs {
-            action: Some(cli::PluginAction::Check { file, model }),
+            action: Some(action),
             ..
-        }) => plugin_check::run(&file, model.as_deref()),
+        }) => packages::run(action),
         cli::Command::Plugins(args) => {
             let dirs = routes::search_dirs(&args.plugin_dir);
             let found = routes::discover(&dirs);
@@ -84,6 +86,7 @@ fn run() -> i32 {
             error::exit::OK
         }
         cli::Command::RpcWorker(args) => rpc::worker::run(args),
+        cli::Command::Gguf { action } => gguf_tool::run(action),
     }
 }
 

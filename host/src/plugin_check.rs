@@ -3,6 +3,7 @@
 //! that answers in process: start, health, a whole and a streamed answer, a slow reader, a
 //! client that leaves, bad input, a panic contained, metrics. One line per check. A check that
 //! reached nothing beyond the plan (it refused the model) exits 2 saying to pass `-m MODEL`.
+//! `--route-opt KEY=VALUE` reaches the plan as `1bit serve --route-opt` passes it.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -10,11 +11,12 @@ use std::time::{Duration, Instant};
 
 use onebit_plugin_api::loader::{self, LoadedRoute, RespondError};
 use onebit_plugin_api::{
-    Action, ForwardRequest, HealthProbe, PlanOutcome, PlanRequest, Purpose, ReplySink,
-    ServeOptions, SinkError, Started,
+    Action, ForwardRequest, HealthProbe, PlanOutcome, PlanRequest, Purpose, Refusal, ReplySink,
+    RouteOption, ServeOptions, SinkError, Started,
 };
 
-use crate::{error, model};
+use crate::cli::ServeArgs;
+use crate::{error, model, prepare};
 
 /// How long one answer may take before the check calls it hung.
 const ANSWER_LIMIT: Duration = Duration::from_secs(120);
@@ -59,11 +61,21 @@ impl Report {
 }
 
 /// Run every check on `file`, with `model` (else a fixture file that is not a GGUF) for claim
-/// and plan. Called by main on its thread; blocks while the route answers (a model load, a few
-/// short generations). Returns serve's exit status: 0 when every check passed (a plan that
-/// answers nothing in process is checked as far as its plan), 1 when one failed, 2 when the
-/// plan refused the model, so that nothing beyond it was checked.
-pub fn run(file: &Path, model_path: Option<&Path>) -> i32 {
+/// and plan, and `route_opt` (`--route-opt KEY=VALUE`, as given) in the plan request. Called by
+/// main on its thread; blocks while the route answers (a model load, a few short generations).
+/// Returns serve's exit status: 0 when every check passed (a plan that answers nothing in
+/// process is checked as far as its plan), 1 when one failed, 2 when the plan refused the
+/// model, so that nothing beyond it was checked, or when an option is not KEY=VALUE.
+pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 {
+    // Parsed by serve's own parser, so a value without `=` gets serve's refusal.
+    let asked = ServeArgs {
+        route_opt: route_opt.to_vec(),
+        ..ServeArgs::default()
+    };
+    let options = match prepare::route_options(&asked) {
+        Ok(options) => options,
+        Err(fatal) => return usage(&fatal),
+    };
     let mut report = Report::default();
     let route = match loader::load(file) {
         Ok(route) => route,
@@ -92,7 +104,10 @@ pub fn run(file: &Path, model_path: Option<&Path>) -> i32 {
             fixture.clone()
         }
     };
-    let request = match plan_request(&route, &model_path) {
+    if let Err(fatal) = prepare::route_can_take(&route, &options) {
+        return usage(&fatal);
+    }
+    let request = match plan_request(&route, &model_path, options) {
         Ok(request) => request,
         Err(line) => {
             report.fail("model", line);
@@ -109,28 +124,8 @@ pub fn run(file: &Path, model_path: Option<&Path>) -> i32 {
     let plan = match route.plan(&request) {
         Ok(PlanOutcome::Plan(plan)) => plan,
         Ok(PlanOutcome::Refused(refusal)) => {
-            if refusal.message.trim().is_empty() || refusal.message.contains('\n') {
-                report.fail("plan", "refused without one line saying why");
-            } else {
-                report.ok(
-                    "plan",
-                    format!(
-                        "refused {} (exit {}): {}",
-                        model_path.display(),
-                        refusal.exit_status(),
-                        refusal.message
-                    ),
-                );
-                report.skip("answers", "the plan refused this model");
-                if report.failed == 0 {
-                    println!(
-                        "nothing beyond plan was checked: pass -m MODEL with a model the {} route serves",
-                        route.info.name
-                    );
-                    return error::exit::USAGE;
-                }
-            }
-            return finish(&report);
+            let with_options = !route_opt.is_empty();
+            return refused(&mut report, &refusal, &model_path, &route, with_options);
         }
         Err(e) => {
             report.fail("plan", e);
@@ -184,6 +179,50 @@ pub fn run(file: &Path, model_path: Option<&Path>) -> i32 {
     finish(&report)
 }
 
+/// A usage error before any check: one line on stderr, as serve says it, exit 2.
+fn usage(fatal: &error::Fatal) -> i32 {
+    eprintln!("1bit plugins check: {}", fatal.message);
+    error::exit::USAGE
+}
+
+/// A plan that refused: a pass when the refusal is one line, but nothing beyond it was
+/// checked, which the last line says (exit 2) unless a check already failed.
+fn refused(
+    report: &mut Report,
+    refusal: &Refusal,
+    model_path: &Path,
+    route: &LoadedRoute,
+    with_options: bool,
+) -> i32 {
+    if refusal.message.trim().is_empty() || refusal.message.contains('\n') {
+        report.fail("plan", "refused without one line saying why");
+        return finish(report);
+    }
+    report.ok(
+        "plan",
+        format!(
+            "refused {} (exit {}): {}",
+            model_path.display(),
+            refusal.exit_status(),
+            refusal.message
+        ),
+    );
+    report.skip("answers", "the plan refused this model");
+    if report.failed > 0 {
+        return finish(report);
+    }
+    let options = if with_options {
+        ", and --route-opt only with options it takes"
+    } else {
+        ""
+    };
+    println!(
+        "nothing beyond plan was checked: pass -m MODEL with a model the {} route serves{options}",
+        route.info.name
+    );
+    error::exit::USAGE
+}
+
 fn finish(report: &Report) -> i32 {
     if report.failed == 0 {
         error::exit::OK
@@ -202,8 +241,13 @@ fn fixture_model() -> PathBuf {
     path
 }
 
-/// The plan request serve would build for `model` with only `--device NAME`.
-fn plan_request(route: &LoadedRoute, model_path: &Path) -> Result<PlanRequest, String> {
+/// The plan request serve would build for `model` with only `--device NAME` and the route
+/// options.
+fn plan_request(
+    route: &LoadedRoute,
+    model_path: &Path,
+    route_options: Vec<RouteOption>,
+) -> Result<PlanRequest, String> {
     let facts = model::facts(model_path).map_err(|e| e.to_string())?;
     Ok(PlanRequest {
         purpose: Purpose::Serve,
@@ -213,6 +257,7 @@ fn plan_request(route: &LoadedRoute, model_path: &Path) -> Result<PlanRequest, S
             host: "127.0.0.1".to_string(),
             port: 8000,
             device: route.info.name.clone(),
+            route_options,
             ..Default::default()
         },
         model: facts,

@@ -72,7 +72,8 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         model::served_name(args.model(), args.alias.as_deref())
     };
 
-    let loaded = loaded_routes(args);
+    let (loaded, unusable) =
+        routes::loaded(routes::discover(&routes::search_dirs(&args.plugin_dir)));
 
     let ports = if printing {
         vec![args.port]
@@ -98,14 +99,13 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
 
     let refused_flag = refused_flag(args);
     let device = device_of(args)?;
-    let route = chosen(device, &loaded, &request, refused_flag.is_none())?;
-    if !request.options.route_options.is_empty() && !takes_route_options(route) {
-        let flag = &request.options.route_options[0].flag;
-        return Err(Fatal::usage(format!(
-            "{flag}: the {} route was built against route ABI {}, which takes no route options; remove {flag} or rebuild the route against onebit-plugin-api 1.2 or later",
-            route.info.name, route.abi_version
-        )));
-    }
+    let route = chosen(
+        device,
+        (&loaded, &unusable),
+        &request,
+        refused_flag.is_none(),
+    )?;
+    route_can_take(route, &request.options.route_options)?;
     let plan = planned(route, &request)?;
     // A flag refused for every route is refused only once the route has planned, so that a
     // route's own refusal of it (`--mtp` on --device hybrid, say) says why instead. A plan is
@@ -224,11 +224,11 @@ fn device_of(args: &ServeArgs) -> Result<&str, Fatal> {
 /// about to be refused anyway).
 fn chosen<'a>(
     device: &str,
-    loaded: &'a [LoadedRoute],
+    (loaded, unusable): (&'a [LoadedRoute], &[routes::Unusable]),
     request: &PlanRequest,
     say: bool,
 ) -> Result<&'a LoadedRoute, Fatal> {
-    let (route, claim) = routes::choose(device, loaded, request)?;
+    let (route, claim) = routes::choose(device, loaded, unusable, request)?;
     if let Some(claim) = claim.filter(|_| say) {
         tracing::info!(
             "1bit serve: --device auto chose {} ({})",
@@ -344,22 +344,9 @@ fn planned(route: &LoadedRoute, request: &PlanRequest) -> Result<Plan, Fatal> {
     }
 }
 
-/// Every route found that loads; one line for each that does not.
-fn loaded_routes(args: &ServeArgs) -> Vec<LoadedRoute> {
-    let found = routes::discover(&routes::search_dirs(&args.plugin_dir));
-    let mut loaded = Vec::new();
-    for f in found {
-        match f.outcome {
-            Ok(route) => loaded.push(route),
-            Err(e) => tracing::info!("1bit serve: skipping a route: {e}"),
-        }
-    }
-    loaded
-}
-
 /// `--route-opt` and `--npu-opt` as the pairs a route gets, in order; a value without `=` is
-/// refused in one line.
-fn route_options(args: &ServeArgs) -> Result<Vec<RouteOption>, Fatal> {
+/// refused in one line. `1bit plugins check --route-opt` is parsed here too.
+pub(crate) fn route_options(args: &ServeArgs) -> Result<Vec<RouteOption>, Fatal> {
     let given = args
         .route_opt
         .iter()
@@ -381,6 +368,20 @@ fn route_options(args: &ServeArgs) -> Result<Vec<RouteOption>, Fatal> {
         }
     }
     Ok(options)
+}
+
+/// Route options for a route that cannot read them are refused in one line (exit 2) rather
+/// than dropped. `1bit plugins check` asks this too.
+pub(crate) fn route_can_take(route: &LoadedRoute, options: &[RouteOption]) -> Result<(), Fatal> {
+    match options.first() {
+        Some(RouteOption { flag, .. }) if !takes_route_options(route) => {
+            Err(Fatal::usage(format!(
+                "{flag}: the {} route was built against route ABI {}, which takes no route options; remove {flag} or rebuild the route against onebit-plugin-api 1.2 or later",
+                route.info.name, route.abi_version
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Whether the route reads route options: built against ABI 1.2 or later (an older route

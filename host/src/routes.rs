@@ -2,8 +2,10 @@
 
 use std::path::{Path, PathBuf};
 
-use onebit_plugin_api::loader::{self, LoadError, LoadedRoute};
-use onebit_plugin_api::{ABI_VERSION, Claim, PlanRequest};
+use onebit_plugin_api::loader::{self, LoadedRoute};
+use onebit_plugin_api::{ABI_VERSION, Claim, PackageFacts, PackageFile, PlanRequest};
+use onebit_route_package::keys::Signed;
+use onebit_route_package::{Checked, MANIFEST_FILE};
 
 use crate::error::Fatal;
 
@@ -11,17 +13,39 @@ use crate::error::Fatal;
 const FILE_PREFIX: &str = "libonebit_route_";
 const FILE_SUFFIX: &str = ".so";
 
-/// One route file found on disk, loaded or not.
+/// One route file or route package found on disk, loaded or not.
 #[derive(Debug)]
 pub struct Found {
+    /// The route file, or the package folder.
     pub file: PathBuf,
-    pub outcome: Result<LoadedRoute, LoadError>,
+    /// The route's name when it is known without loading it (a package's manifest says it).
+    pub package_name: Option<String>,
+    /// The route, or the one line saying why it was not loaded.
+    pub outcome: Result<LoadedRoute, String>,
 }
 
-/// Where route files are looked for, in order: `--plugin-dir`, each entry of
+/// A package whose files failed their check, or whose route failed to load: it claims
+/// nothing, and `--device NAME` refuses with its line (exit 1).
+#[derive(Debug, Clone)]
+pub struct Unusable {
+    /// The route's name, from the manifest.
+    pub name: String,
+    /// Why, in one line.
+    pub line: String,
+}
+
+/// The user's route folder, where `1bit plugins install` puts packages without `--prefix`:
+/// `$HOME/.local/lib/1bit/plugins` (the layout `cargo xtask install` makes under `~/.local`).
+pub fn user_dir() -> Option<PathBuf> {
+    std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(|home| PathBuf::from(home).join(".local/lib/1bit/plugins"))
+}
+
+/// Where route files and packages are looked for, in order: `--plugin-dir`, each entry of
 /// `ONEBIT_PLUGIN_PATH` (colon-separated), the `plugins` folder beside the binary, the
-/// binary's own folder (where `cargo build` puts the route libraries), and the installed
-/// layout's `../lib/1bit/plugins`.
+/// binary's own folder (where `cargo build` puts the route libraries), the installed
+/// layout's `../lib/1bit/plugins`, and the user's route folder ([`user_dir`]).
 pub fn search_dirs(plugin_dirs: &[PathBuf]) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = plugin_dirs.to_vec();
     if let Some(path) = std::env::var_os("ONEBIT_PLUGIN_PATH") {
@@ -35,11 +59,13 @@ pub fn search_dirs(plugin_dirs: &[PathBuf]) -> Vec<PathBuf> {
         dirs.push(exe_dir.clone());
         dirs.push(exe_dir.join("../lib/1bit/plugins"));
     }
+    dirs.extend(user_dir());
     dirs
 }
 
-/// Every route file in `dirs`, loaded. A route name found twice keeps its first file (an
-/// earlier directory overrides a later one); the later file is reported as shadowed.
+/// Every route file and package in `dirs`, loaded. A package's files are checked against its
+/// manifest before its library is opened. A route name found twice keeps its first (an
+/// earlier directory overrides a later one); the later one is reported as shadowed.
 pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
     let mut found: Vec<Found> = Vec::new();
     let mut seen_files = std::collections::HashSet::new();
@@ -49,7 +75,7 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
         };
         let mut files: Vec<PathBuf> = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| is_route_file(p))
+            .filter(|p| is_route_file(p) || is_package(p))
             .collect();
         files.sort();
         for file in files {
@@ -57,26 +83,115 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
             if !seen_files.insert(canonical) {
                 continue;
             }
-            let mut outcome = loader::load(&file);
+            let (package_name, mut outcome) = if is_package(&file) {
+                load_package(&file)
+            } else {
+                (None, loader::load(&file).map_err(|e| e.to_string()))
+            };
             if let Ok(route) = &outcome {
                 let name = &route.info.name;
                 if let Some(first) = found
                     .iter()
                     .find(|f| matches!(&f.outcome, Ok(r) if &r.info.name == name))
                 {
-                    outcome = Err(LoadError::NotARoute {
-                        file: file.clone(),
-                        why: format!(
-                            "route {name} is already provided by {}",
-                            first.file.display()
-                        ),
-                    });
+                    outcome = Err(format!(
+                        "{}: not a 1bit route (route {name} is already provided by {})",
+                        file.display(),
+                        first.file.display()
+                    ));
                 }
             }
-            found.push(Found { file, outcome });
+            found.push(Found {
+                file,
+                package_name,
+                outcome,
+            });
         }
     }
     found
+}
+
+/// A folder (or a link to one) holding a package manifest; hidden folders (the install
+/// store) are not packages.
+fn is_package(path: &Path) -> bool {
+    let hidden = path
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().starts_with('.'));
+    !hidden && path.join(MANIFEST_FILE).is_file()
+}
+
+/// Check the package folder `dir` and load its route: its name (when the manifest could be
+/// read) and the route with its package facts, or the line saying why not.
+fn load_package(dir: &Path) -> (Option<String>, Result<LoadedRoute, String>) {
+    let checked = match onebit_route_package::check(dir) {
+        Ok(checked) => checked,
+        Err(e) => {
+            let name = onebit_route_package::Manifest::read(dir)
+                .ok()
+                .map(|(m, _)| m.name);
+            return (name, Err(e.to_string()));
+        }
+    };
+    let name = checked.manifest.name.clone();
+    let outcome = loader::load(&checked.route_file())
+        .map_err(|e| e.to_string())
+        .and_then(|mut route| {
+            if route.info.name != name {
+                return Err(format!(
+                    "package {name} ({}): its route library calls itself {}; reinstall a package whose manifest names its route",
+                    dir.display(),
+                    route.info.name
+                ));
+            }
+            route.package = Some(package_facts(&checked));
+            Ok(route)
+        });
+    (Some(name), outcome)
+}
+
+/// What a route is told of its package (ABI 1.8).
+fn package_facts(checked: &Checked) -> PackageFacts {
+    let dir = std::path::absolute(&checked.dir).unwrap_or_else(|_| checked.dir.clone());
+    let m = &checked.manifest;
+    PackageFacts {
+        name: m.name.clone(),
+        version: m.version.clone(),
+        vendor: m.vendor.clone(),
+        license: m.license.clone(),
+        dir: dir.to_string_lossy().into_owned(),
+        files: m
+            .files
+            .iter()
+            .map(|f| PackageFile {
+                path: dir.join(&f.path).to_string_lossy().into_owned(),
+                name: f.path.clone(),
+                version: f.version.clone(),
+                sha256: f.sha256.clone(),
+            })
+            .collect(),
+        signed_by: match &checked.signed {
+            Signed::By(fingerprint) => Some(fingerprint.clone()),
+            Signed::Unsigned => None,
+        },
+    }
+}
+
+/// The loaded routes, and the packages that failed (each said in one line as it is skipped).
+pub fn loaded(found: Vec<Found>) -> (Vec<LoadedRoute>, Vec<Unusable>) {
+    let mut routes = Vec::new();
+    let mut unusable = Vec::new();
+    for f in found {
+        match f.outcome {
+            Ok(route) => routes.push(route),
+            Err(line) => {
+                tracing::info!("1bit serve: skipping a route: {line}");
+                if let Some(name) = f.package_name {
+                    unusable.push(Unusable { name, line });
+                }
+            }
+        }
+    }
+    (routes, unusable)
 }
 
 /// Shared libraries in `dirs` that are not route files by name (an ELF `.so` not named
@@ -132,9 +247,10 @@ fn is_route_file(path: &Path) -> bool {
         .is_some_and(|n| n.starts_with(FILE_PREFIX) && n.ends_with(FILE_SUFFIX))
 }
 
-/// The table `1bit plugins` prints: name, file, ABI version, and whether it loaded; a route
-/// whose own name differs from its file's says so (`--device` takes the route's name); then
-/// the shared libraries that are not route files.
+/// The table `1bit plugins` prints: name, file, ABI version, and whether it loaded; for a
+/// package, its version, vendor, license, signer and the files it carries; a route whose own
+/// name differs from its file's says so (`--device` takes the route's name); then the shared
+/// libraries that are not route files.
 pub fn listing(found: &[Found], others: &[PathBuf]) -> String {
     let mut out = format!("host route ABI {ABI_VERSION}\n");
     if found.is_empty() {
@@ -152,17 +268,35 @@ pub fn listing(found: &[Found], others: &[PathBuf]) -> String {
                     ),
                     _ => String::new(),
                 };
+                let package = route.package.as_ref().map(|p| {
+                    format!(
+                        "  package {} by {} ({}), {}",
+                        p.version,
+                        p.vendor,
+                        p.license,
+                        p.signed_by
+                            .as_ref()
+                            .map_or("unsigned".to_string(), |k| format!("signed by {k}"))
+                    )
+                });
                 out.push_str(&format!(
-                    "{:<8} {}  ABI {}  loaded: {}{renamed}\n",
+                    "{:<8} {}{}  ABI {}  loaded: {}{renamed}\n",
                     route.info.name,
                     f.file.display(),
+                    package.unwrap_or_default(),
                     route.abi_version,
                     route.info.summary
-                ))
+                ));
+                for carried in route.package.iter().flat_map(|p| &p.files) {
+                    out.push_str(&format!(
+                        "{:<8}   carries {} {}\n",
+                        "", carried.name, carried.version
+                    ));
+                }
             }
             Err(e) => out.push_str(&format!(
                 "{:<8} {}  not loaded: {e}\n",
-                "-",
+                f.package_name.as_deref().unwrap_or("-"),
                 f.file.display()
             )),
         }
@@ -182,6 +316,7 @@ pub fn listing(found: &[Found], others: &[PathBuf]) -> String {
 pub fn choose<'a>(
     device: &str,
     routes: &'a [LoadedRoute],
+    unusable: &[Unusable],
     request: &PlanRequest,
 ) -> Result<(&'a LoadedRoute, Option<Claim>), Fatal> {
     let names = || {
@@ -190,6 +325,14 @@ pub fn choose<'a>(
         names.join(", ")
     };
     if device != "auto" {
+        if !routes.iter().any(|r| r.info.name == device)
+            && let Some(failed) = unusable.iter().find(|u| u.name == device)
+        {
+            return Err(Fatal::backend(format!(
+                "--device {device}: {}",
+                failed.line
+            )));
+        }
         return routes
             .iter()
             .find(|r| r.info.name == device)

@@ -11,6 +11,7 @@ mod processes;
 mod prometheus;
 pub mod route_fixture;
 pub mod rpc_worker;
+pub mod vendor_route;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};

@@ -1,9 +1,10 @@
 //! `1bit plugins check FILE`: every route of this repository, the in-process fixture and the
 //! inproc add-on pass it; a file that is not a route and a route that misbehaves fail it, one
-//! line per check, exit 1.
+//! line per check, exit 1. `--route-opt` reaches the route's plan as serve passes it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 use onebit_tests::inproc_addon::{libraries_installed, plugin_dir};
 use onebit_tests::*;
@@ -21,6 +22,19 @@ fn check(file: &Path, args: &[&str]) -> (Option<i32>, Vec<String>) {
         .map(str::to_string)
         .collect();
     (output.status.code(), lines)
+}
+
+/// The in-process fixture route, built once for the tests that check it.
+fn inproc_fixture() -> &'static PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        route_fixture::Fixture::current(
+            "inproc",
+            "tests/fixtures/inproc-route/src/lib.rs",
+            onebit_plugin_api::ABI_VERSION,
+        )
+        .build()
+    })
 }
 
 fn assert_passes(file: &Path, args: &[&str]) -> Vec<String> {
@@ -75,13 +89,7 @@ fn every_route_of_this_repository_passes_or_says_its_plan_needs_a_model_it_serve
 
 #[test]
 fn the_in_process_fixture_passes_every_answer_check_and_its_panic_is_contained() {
-    let dir = route_fixture::Fixture::current(
-        "inproc",
-        "tests/fixtures/inproc-route/src/lib.rs",
-        onebit_plugin_api::ABI_VERSION,
-    )
-    .build();
-    let lines = assert_passes(&dir.join("libonebit_route_inproc.so"), &[]);
+    let lines = assert_passes(&inproc_fixture().join("libonebit_route_inproc.so"), &[]);
     for check in [
         "whole answer",
         "streamed answer",
@@ -195,5 +203,82 @@ fn without_a_model_the_route_serves_the_check_exits_2_saying_to_pass_one() {
         lines.last().unwrap(),
         "nothing beyond plan was checked: pass -m MODEL with a model the npu route serves",
         "{lines:#?}"
+    );
+}
+
+#[test]
+fn route_options_reach_the_plan_as_serve_passes_them() {
+    // Options the route takes: every check passes with them.
+    let inproc = inproc_fixture().join("libonebit_route_inproc.so");
+    assert_passes(
+        &inproc,
+        &["--route-opt", "pace_ms=1", "--route-opt", "event_bytes=3"],
+    );
+    // A value the route refuses, and a key a route does not know: the route's own one-line
+    // refusal, so the option reached its plan; nothing beyond it was checked (exit 2).
+    let cpu = bin_dir().join("libonebit_route_cpu.so");
+    for (file, option, refusal, route) in [
+        (
+            &inproc,
+            "pace_ms=soon",
+            "route option pace_ms=soon: not a whole number; pass one such as pace_ms=10",
+            "inproc",
+        ),
+        (
+            &cpu,
+            "threads=4",
+            "--route-opt threads=4: the cpu route has no option threads; it takes no options",
+            "cpu",
+        ),
+    ] {
+        let (code, lines) = check(file, &["--route-opt", option]);
+        assert_eq!(code, Some(2), "{lines:#?}");
+        assert!(
+            lines.iter().any(|l| l.starts_with("ok   plan: refused ")
+                && l.ends_with(&format!("(exit 2): {refusal}"))),
+            "{lines:#?}"
+        );
+        assert_eq!(
+            lines.last().unwrap(),
+            &format!(
+                "nothing beyond plan was checked: pass -m MODEL with a model the {route} route serves, and --route-opt only with options it takes"
+            ),
+            "{lines:#?}"
+        );
+    }
+    // Not KEY=VALUE: serve's own refusal, on stderr, before the route is loaded.
+    let out = Command::new(onebit())
+        .args(["plugins", "check"])
+        .arg(&cpu)
+        .args(["--route-opt", "threads"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty(), "{}", output_text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "1bit plugins check: --route-opt threads: not KEY=VALUE; pass it as --route-opt KEY=VALUE\n"
+    );
+}
+
+#[test]
+fn route_options_to_a_route_older_than_1_2_are_refused_as_serve_refuses_them() {
+    let dir = route_fixture::Fixture {
+        name: "check11",
+        route_source: route_fixture::root().join("tests/fixtures/route/src/lib.rs"),
+        api_source: route_fixture::root().join("tests/fixtures/plugin-api-1.1/src"),
+        api_version: "1.1.0",
+    }
+    .build();
+    let out = Command::new(onebit())
+        .args(["plugins", "check"])
+        .arg(dir.join("libonebit_route_check11.so"))
+        .args(["--route-opt", "x=1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", output_text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "1bit plugins check: --route-opt: the check11 route was built against route ABI 1.1.0, which takes no route options; remove --route-opt or rebuild the route against onebit-plugin-api 1.2 or later\n"
     );
 }

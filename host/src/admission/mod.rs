@@ -331,9 +331,9 @@ mod tests {
         let free = free_for(&device, &sources).unwrap();
         assert!(judge("m", Path::new("m.gguf"), &device, &free).fits);
         device.device = None;
-        let e = free_for(&device, &sources)
-            .err()
-            .expect("no device reported");
+        let Err(e) = free_for(&device, &sources) else {
+            panic!("a device pool with no device reported is an error")
+        };
         assert!(e.to_string().contains("reported none"), "{e}");
     }
 }

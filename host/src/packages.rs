@@ -1,0 +1,185 @@
+//! `1bit plugins install|remove|trust|keygen|package` (and `check`, run by `plugin_check`):
+//! route packages from the command line, for the vendor who makes them and the user who drops
+//! them in (docs/plugins.md).
+
+use std::path::{Path, PathBuf};
+
+use onebit_plugin_api::ABI_VERSION;
+use onebit_plugin_api::loader;
+use onebit_route_package::install::{self, Install};
+use onebit_route_package::keys::{SecretKey, Signed, TrustStore};
+use onebit_route_package::make::{self, Carry, Meta};
+use onebit_route_package::{PackageError, archive};
+
+use crate::cli::{PackageArgs, PluginAction};
+use crate::error::exit;
+
+/// Run one `1bit plugins` action; its exit status. Errors are one line on stderr, exit 1 (a
+/// package or key that is wrong) or 2 (usage).
+pub fn run(action: PluginAction) -> i32 {
+    let outcome = match action {
+        PluginAction::Install {
+            package,
+            prefix,
+            allow_unsigned,
+        } => install_package(&package, prefix.as_deref(), allow_unsigned),
+        PluginAction::Remove { name, prefix } => plugins_dir(prefix.as_deref()).and_then(|dir| {
+            let version = install::remove(&dir, &name)?;
+            println!("removed {name} {version} from {}", dir.display());
+            Ok(())
+        }),
+        PluginAction::Trust { key } => trust(&key),
+        PluginAction::Keygen { name, comment } => keygen(&name, &comment),
+        PluginAction::Package(args) => package(&args),
+        PluginAction::Check {
+            file,
+            model,
+            route_opt,
+        } => return crate::plugin_check::run(&file, model.as_deref(), &route_opt),
+    };
+    match outcome {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("1bit plugins: {e}");
+            exit::BACKEND
+        }
+    }
+}
+
+/// `PREFIX/lib/1bit/plugins`, or the user's route folder.
+fn plugins_dir(prefix: Option<&Path>) -> Result<PathBuf, PackageError> {
+    match prefix {
+        Some(prefix) => Ok(prefix.join("lib/1bit/plugins")),
+        None => crate::routes::user_dir().ok_or_else(|| {
+            PackageError::new(
+                "HOME is not set, so there is no user route folder; pass --prefix DIR",
+            )
+        }),
+    }
+}
+
+/// The name and ABI a route library says of itself, through the same loader serve uses.
+fn probe_route(file: &Path) -> Result<(String, String), String> {
+    loader::load(file)
+        .map(|route| (route.info.name, route.abi_version))
+        .map_err(|e| e.to_string())
+}
+
+fn install_package(
+    source: &Path,
+    prefix: Option<&Path>,
+    allow_unsigned: bool,
+) -> Result<(), PackageError> {
+    if !source.exists() {
+        return Err(PackageError::new(format!(
+            "{}: no such package folder or archive",
+            source.display()
+        )));
+    }
+    let trust = user_trust()?;
+    let host_abi = semver::Version::parse(ABI_VERSION).expect("the ABI version is semver");
+    let installer = Install {
+        plugins_dir: plugins_dir(prefix)?,
+        trust: &trust,
+        allow_unsigned,
+        host_abi,
+        probe_route: &probe_route,
+    };
+    let done = installer.run(source)?;
+    let m = &done.package.manifest;
+    let signed = match &done.package.signed {
+        Signed::By(key) => format!("signed by {key}"),
+        Signed::Unsigned => "unsigned (--allow-unsigned)".to_string(),
+    };
+    let replaced = done
+        .replaced
+        .map(|v| format!(", replacing {v}"))
+        .unwrap_or_default();
+    println!(
+        "installed {} {} by {} ({signed}) in {}{replaced}; serve it with `1bit serve -m MODEL --device {}`",
+        m.name,
+        m.version,
+        m.vendor,
+        done.link.display(),
+        m.name
+    );
+    Ok(())
+}
+
+fn user_trust() -> Result<TrustStore, PackageError> {
+    TrustStore::users().ok_or_else(|| {
+        PackageError::new(
+            "neither XDG_CONFIG_HOME nor HOME is set, so there are no trusted keys; set HOME",
+        )
+    })
+}
+
+fn trust(key: &Path) -> Result<(), PackageError> {
+    let store = user_trust()?;
+    let key = store.trust(key)?;
+    println!(
+        "trusted key {} {}in {}",
+        key.fingerprint(),
+        if key.comment.is_empty() {
+            String::new()
+        } else {
+            format!("({}) ", key.comment)
+        },
+        store.dir.display()
+    );
+    Ok(())
+}
+
+fn keygen(name: &Path, comment: &str) -> Result<(), PackageError> {
+    let key = SecretKey::generate()?;
+    let (secret, public) = key.write_pair(name, comment)?;
+    println!(
+        "wrote {} (secret: keep it out of every package and repository) and {} (give it to your users), key {}",
+        secret.display(),
+        public.display(),
+        key.public(comment).fingerprint()
+    );
+    Ok(())
+}
+
+fn package(args: &PackageArgs) -> Result<(), PackageError> {
+    let route = loader::load(&args.route).map_err(|e| {
+        PackageError::new(format!(
+            "{e}; package a route library built with `cargo build --release`"
+        ))
+    })?;
+    let carry = args
+        .carry
+        .iter()
+        .map(|c| Carry::parse(c).map_err(PackageError::new))
+        .collect::<Result<Vec<_>, _>>()?;
+    let key = args.sign.as_deref().map(SecretKey::read).transpose()?;
+    let meta = Meta {
+        name: route.info.name.clone(),
+        version: args.package_version.clone(),
+        abi: route.abi_version.clone(),
+        vendor: args.vendor.clone(),
+        summary: args.summary.clone().unwrap_or(route.info.summary),
+        license: args.license.clone(),
+    };
+    let dir = make::folder(&args.route, &carry, &meta, &args.out)?;
+    if let Some(key) = key {
+        let manifest = dir.join(onebit_route_package::MANIFEST_FILE);
+        let bytes =
+            std::fs::read(&manifest).map_err(|e| PackageError::io("reading", &manifest, &e))?;
+        let fingerprint = key.sign_package(&dir, &bytes)?;
+        println!("signed with {fingerprint}");
+    }
+    let archive = archive::pack(&dir)?;
+    println!(
+        "package {} {} (ABI {}, {} carried file{}) in {}",
+        meta.name,
+        meta.version,
+        meta.abi,
+        carry.len(),
+        if carry.len() == 1 { "" } else { "s" },
+        dir.display()
+    );
+    println!("{}", archive.display());
+    Ok(())
+}
