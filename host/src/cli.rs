@@ -412,6 +412,11 @@ pub struct ServeArgs {
     /// the route refuses a key it does not know.
     #[arg(long, value_name = "KEY=VALUE")]
     pub route_opt: Vec<String>,
+    /// Run each backend of the plan as PROGRAM (the fake backend) with the plan's own
+    /// arguments and environment: how `1bit plugins check` tests a child-process route on a
+    /// machine without its engine.
+    #[arg(long, hide = true, value_name = "PROGRAM")]
+    pub backend_standin: Option<PathBuf>,
     /// Skip the memory check.
     #[arg(long, conflicts_with = "mem_check")]
     pub no_mem_check: bool,

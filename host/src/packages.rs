@@ -14,8 +14,8 @@ use onebit_route_package::{PackageError, archive};
 use crate::cli::{PackageArgs, PluginAction};
 use crate::error::exit;
 
-/// Run one `1bit plugins` action; its exit status. Errors are one line on stderr, exit 1 (a
-/// package or key that is wrong) or 2 (usage).
+/// Run one `1bit plugins` action; its exit status. An error is one line on stderr, exit 1
+/// (clap refuses bad usage before this, exit 2).
 pub fn run(action: PluginAction) -> i32 {
     let outcome = match action {
         PluginAction::Install {

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::TcpListener as StdListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use onebit_plugin_api::loader::LoadedRoute;
 use onebit_plugin_api::{Plan, PlanOutcome, PlanRequest, Purpose, RouteOption, ServeOptions};
@@ -125,6 +125,9 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         None => (route.clone(), plan, None),
     };
     finish_plans(args, &mut plan, &mut laya)?;
+    if let Some(standin) = &args.backend_standin {
+        stand_in(&mut plan, standin);
+    }
     if pm.is_some() {
         crate::pm::start::check_plan(&plan)?;
     }
@@ -341,6 +344,21 @@ fn planned(route: &LoadedRoute, request: &PlanRequest) -> Result<Plan, Fatal> {
             "the {} route failed to plan: {e}",
             route.info.name
         ))),
+    }
+}
+
+/// `--backend-standin PROGRAM` (what `1bit plugins check` runs a child-process route with):
+/// each backend of the plan runs as PROGRAM with the plan's own arguments and environment.
+fn stand_in(plan: &mut Plan, standin: &Path) {
+    for backend in &mut plan.backends {
+        if let Some(program) = backend.argv.first_mut() {
+            tracing::info!(
+                "1bit serve: --backend-standin: the {} backend runs as {} with the plan's arguments",
+                backend.engine,
+                standin.display()
+            );
+            *program = standin.to_string_lossy().into_owned();
+        }
     }
 }
 

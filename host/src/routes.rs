@@ -18,13 +18,14 @@ const FILE_SUFFIX: &str = ".so";
 pub struct Found {
     /// The route file, or the package folder.
     pub file: PathBuf,
-    /// The route's name when it is known without loading it (a package's manifest says it).
+    /// The route's name when it is known without loading it: a package's manifest says it,
+    /// a loose file's name promises it.
     pub package_name: Option<String>,
     /// The route, or the one line saying why it was not loaded.
     pub outcome: Result<LoadedRoute, String>,
 }
 
-/// A package whose files failed their check, or whose route failed to load: it claims
+/// A package whose files failed their check, or a route file that failed to load: it claims
 /// nothing, and `--device NAME` refuses with its line (exit 1).
 #[derive(Debug, Clone)]
 pub struct Unusable {
@@ -86,7 +87,9 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
             let (package_name, mut outcome) = if is_package(&file) {
                 load_package(&file)
             } else {
-                (None, loader::load(&file).map_err(|e| e.to_string()))
+                // A loose file's name promises its route's name, for `--device NAME`'s line.
+                let promised = name_in_file(&file).map(str::to_string);
+                (promised, loader::load(&file).map_err(|e| e.to_string()))
             };
             if let Ok(route) = &outcome {
                 let name = &route.info.name;
@@ -95,7 +98,7 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
                     .find(|f| matches!(&f.outcome, Ok(r) if &r.info.name == name))
                 {
                     outcome = Err(format!(
-                        "{}: not a 1bit route (route {name} is already provided by {})",
+                        "{}: shadowed: route {name} is already provided by {}, found earlier in the search order; remove one, or pass --plugin-dir to put this one first",
                         file.display(),
                         first.file.display()
                     ));
@@ -123,7 +126,10 @@ fn is_package(path: &Path) -> bool {
 /// Check the package folder `dir` and load its route: its name (when the manifest could be
 /// read) and the route with its package facts, or the line saying why not.
 fn load_package(dir: &Path) -> (Option<String>, Result<LoadedRoute, String>) {
-    let checked = match onebit_route_package::check(dir) {
+    // The installed version's own folder, not the link an install swaps: what the route is
+    // told stays the version checked here.
+    let real = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let checked = match onebit_route_package::check(&real) {
         Ok(checked) => checked,
         Err(e) => {
             let name = onebit_route_package::Manifest::read(dir)

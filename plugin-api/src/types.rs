@@ -78,7 +78,7 @@ pub struct PackageFacts {
     pub version: String,
     /// Who ships it.
     pub vendor: String,
-    /// Its license (an SPDX expression or `Proprietary`).
+    /// Its license: an SPDX expression, or `LicenseRef-...` for a vendor's own terms.
     pub license: String,
     /// The package folder, absolute (the route library's folder).
     pub dir: String,

@@ -282,3 +282,111 @@ fn route_options_to_a_route_older_than_1_2_are_refused_as_serve_refuses_them() {
         "1bit plugins check: --route-opt: the check11 route was built against route ABI 1.1.0, which takes no route options; remove --route-opt or rebuild the route against onebit-plugin-api 1.2 or later\n"
     );
 }
+
+#[test]
+fn a_child_process_route_is_checked_through_serve_with_the_fake_backend_standing_in() {
+    let dir = temp_dir("check-through-serve");
+    let model = dir.join("model.gguf");
+    let stub = Command::new(onebit())
+        .args(["gguf", "stub"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(stub.status.success(), "{}", output_text(&stub));
+    let lines = assert_passes(
+        &bin_dir().join("libonebit_route_cpu.so"),
+        &["-m", model.to_str().unwrap()],
+    );
+    let line = |check: &str| {
+        lines
+            .iter()
+            .find(|l| l.starts_with(&format!("ok   {check}:")))
+            .unwrap_or_else(|| panic!("{check}: {lines:#?}"))
+            .clone()
+    };
+    // What the plan runs, and that the fake started with the plan's own arguments.
+    assert!(line("backend 0").contains(" -m "), "{lines:#?}");
+    let started = line("backend start");
+    assert!(started.contains("fake-backend -m "), "{started}");
+    assert!(started.contains(model.to_str().unwrap()), "{started}");
+    // serve's relay carried a whole chat and a stream from the fake.
+    assert!(
+        line("relayed chat").contains("fake reply to: Say hello."),
+        "{lines:#?}"
+    );
+    assert!(
+        line("relayed stream").contains("ending in data: [DONE]"),
+        "{lines:#?}"
+    );
+    assert!(line("health").contains("200"), "{lines:#?}");
+    line("metrics");
+    line("stop");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_package_is_checked_whole_and_a_changed_file_fails_it() {
+    let dir = temp_dir("check-package");
+    let built = vendor_route::built();
+    let kernels = format!("{}=1.0.3", built.join("libacme_kernels.so.1").display());
+    let out = Command::new(onebit())
+        .args(["plugins", "package"])
+        .arg(built.join("libonebit_route_acme.so"))
+        .args([
+            "--version",
+            "1.2.0",
+            "--vendor",
+            "Acme NPU Inc.",
+            "--license",
+            "MIT",
+        ])
+        .args(["--carry", &kernels, "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", output_text(&out));
+    let model = dir.join("model.gguf");
+    let stub = Command::new(onebit())
+        .args(["gguf", "stub"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(stub.status.success(), "{}", output_text(&stub));
+    let m = model.to_str().unwrap();
+    for package in [dir.join("acme-1.2.0"), dir.join("acme-1.2.0.tar.gz")] {
+        let lines = assert_passes(&package, &["-m", m]);
+        for check in [
+            "manifest",
+            "checksums",
+            "load",
+            "whole answer",
+            "streamed answer",
+        ] {
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| l.starts_with(&format!("ok   {check}:"))),
+                "{check}: {lines:#?}"
+            );
+        }
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("skip signature: unsigned")),
+            "{lines:#?}"
+        );
+    }
+    let kernels = dir.join("acme-1.2.0/libacme_kernels.so.1");
+    let mut bytes = std::fs::read(&kernels).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 1;
+    std::fs::write(&kernels, bytes).unwrap();
+    let (code, lines) = check(&dir.join("acme-1.2.0"), &["-m", m]);
+    assert_eq!(code, Some(1), "{lines:#?}");
+    assert!(
+        lines[0].starts_with("FAIL package: package acme 1.2.0")
+            && lines[0].contains("libacme_kernels.so.1's sha256 does not match its manifest"),
+        "{lines:#?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

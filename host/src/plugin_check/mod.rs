@@ -1,9 +1,12 @@
-//! `1bit plugins check FILE`: the conformance check a vendor runs on a route library before
-//! shipping it: load it as serve would, then info, claim and plan on a model, and for a route
-//! that answers in process: start, health, a whole and a streamed answer, a slow reader, a
-//! client that leaves, bad input, a panic contained, metrics. One line per check. A check that
-//! reached nothing beyond the plan (it refused the model) exits 2 saying to pass `-m MODEL`.
-//! `--route-opt KEY=VALUE` reaches the plan as `1bit serve --route-opt` passes it.
+//! `1bit plugins check FILE`: the conformance check a vendor runs on a route library or a
+//! route package before shipping it: a package checked as `install` checks it (`package`),
+//! the route loaded as serve would, then info, claim and plan on a model; for a route that
+//! answers in process: start, health, a whole and a streamed answer, a slow reader, a client
+//! that leaves, bad input, a panic contained, metrics; for a route that runs child processes:
+//! serve itself with the fake backend standing in for each (`through_serve`). One line per
+//! check. A check that reached nothing beyond the plan (it refused the model) exits 2 saying
+//! to pass `-m MODEL`. `--route-opt KEY=VALUE` reaches the plan as `1bit serve --route-opt`
+//! passes it.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -17,6 +20,9 @@ use onebit_plugin_api::{
 
 use crate::cli::ServeArgs;
 use crate::{error, model, prepare};
+
+mod package;
+mod through_serve;
 
 /// How long one answer may take before the check calls it hung.
 const ANSWER_LIMIT: Duration = Duration::from_secs(120);
@@ -43,19 +49,19 @@ fn body(stream: bool, extra: &[(&str, serde_json::Value)]) -> String {
 
 /// The check's report: one line per check, counting failures.
 #[derive(Default)]
-struct Report {
+pub(crate) struct Report {
     failed: usize,
 }
 
 impl Report {
-    fn ok(&mut self, check: &str, detail: impl AsRef<str>) {
+    pub(crate) fn ok(&mut self, check: &str, detail: impl AsRef<str>) {
         println!("ok   {check}: {}", detail.as_ref());
     }
-    fn fail(&mut self, check: &str, detail: impl AsRef<str>) {
+    pub(crate) fn fail(&mut self, check: &str, detail: impl AsRef<str>) {
         self.failed += 1;
         println!("FAIL {check}: {}", detail.as_ref());
     }
-    fn skip(&mut self, check: &str, detail: impl AsRef<str>) {
+    pub(crate) fn skip(&mut self, check: &str, detail: impl AsRef<str>) {
         println!("skip {check}: {}", detail.as_ref());
     }
 }
@@ -77,11 +83,24 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
         Err(fatal) => return usage(&fatal),
     };
     let mut report = Report::default();
-    let route = match loader::load(file) {
-        Ok(route) => route,
-        Err(e) => {
-            report.fail("load", e.to_string());
-            return error::exit::BACKEND;
+    // A package is checked as install checks it, and its route loaded as serve loads it.
+    let opened;
+    let (route, plugin_dir) = if package::is_package(file) {
+        let Some(package) = package::open(file, &mut report) else {
+            return finish(&report);
+        };
+        opened = package;
+        (opened.route.clone(), opened.plugin_dir.clone())
+    } else {
+        match loader::load(file) {
+            Ok(route) => {
+                let dir = file.parent().unwrap_or(Path::new(".")).to_path_buf();
+                (route, dir)
+            }
+            Err(e) => {
+                report.fail("load", e.to_string());
+                return error::exit::BACKEND;
+            }
         }
     };
     report.ok(
@@ -143,10 +162,14 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
     );
     let in_process = plan.rules.iter().find(|r| r.action == Action::InProcess);
     let Some(rule) = in_process else {
-        report.skip(
-            "answers",
-            "the plan runs child processes and answers nothing in process; serve's own tests run them",
-        );
+        let subject = through_serve::Subject {
+            route: &route,
+            plugin_dir: &plugin_dir,
+            model: &model_path,
+            route_opt,
+            plan: &plan,
+        };
+        through_serve::check(&subject, &mut report);
         return finish(&report);
     };
     if !route.can_respond() {
