@@ -270,6 +270,18 @@ pub struct EnvSettings {
     /// `0`: as `--no-mem-check`.
     #[arg(long, hide = true, env = "ONEBIT_MEM_CHECK")]
     pub mem_check_env: Option<String>,
+    /// `--laya-model`'s runtime, ggmlc's `laya` (else `laya` on PATH).
+    #[arg(long, hide = true, env = "ONEBIT_LAYA_GGML")]
+    pub laya_ggml: Option<String>,
+    /// The device the Laya daemon runs on (`hrx`).
+    #[arg(long, hide = true, env = "ONEBIT_LAYA_DEVICE")]
+    pub laya_device: Option<String>,
+    /// Seconds the Laya daemon has to say it is ready.
+    #[arg(long, hide = true, env = "ONEBIT_LAYA_READY_S")]
+    pub laya_ready_s: Option<String>,
+    /// Milliseconds the Laya daemon has to answer one question.
+    #[arg(long, hide = true, env = "ONEBIT_LAYA_ANSWER_MS")]
+    pub laya_answer_ms: Option<String>,
 }
 
 impl EnvSettings {
@@ -359,10 +371,14 @@ pub struct ServeArgs {
     pub mmproj: Option<String>,
     /// Classify each conversation and run it on the device the route policy names for its
     /// class (docs/laya.md); needs --device auto.
-    #[arg(long)]
+    #[arg(
+        long,
+        default_value_if("laya_model", clap::builder::ArgPredicate::IsPresent, "true")
+    )]
     pub laya: bool,
-    /// The Laya model's checkpoint directory (its scorer is not part of this build).
-    #[arg(long, value_name = "DIR")]
+    /// Classify with the Laya model: its GGUF (or a Laya folder holding one in gguf/), run by
+    /// the `laya` daemon (ggmlc) that serve starts; implies --laya (docs/laya.md).
+    #[arg(long, value_name = "PATH")]
     pub laya_model: Option<String>,
     /// A route policy file (replaces the built-in config/route-policy.json).
     #[arg(long, value_name = "FILE")]
@@ -412,6 +428,11 @@ pub struct ServeArgs {
     /// the route refuses a key it does not know.
     #[arg(long, value_name = "KEY=VALUE")]
     pub route_opt: Vec<String>,
+    /// At most N generations (chats, completions: what the route marks as inference) in
+    /// flight at once; one more is refused at once with 503 and Retry-After: 1, so a client or
+    /// a gateway retries it later or on another server. Default: no limit (the backend queues).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_generations: Option<u64>,
     /// Run each backend of the plan as PROGRAM (the fake backend) with the plan's own
     /// arguments and environment: how `1bit plugins check` tests a child-process route on a
     /// machine without its engine.

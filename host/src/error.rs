@@ -80,6 +80,8 @@ pub enum ApiError {
     NotFound { method: String, path: String },
     /// The model is still loading, or its backend is down.
     Unavailable(String),
+    /// Every place of `--max-generations` is taken: retry shortly, or elsewhere.
+    Saturated { limit: usize },
     /// The backend did not answer.
     BadGateway(String),
     /// A route that answers in process failed before its reply's head (its own words).
@@ -108,7 +110,9 @@ impl ApiError {
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::ForeignHost { .. } | ApiError::CrossSite { .. } => StatusCode::FORBIDDEN,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::Saturated { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
             ApiError::RouteFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -129,7 +133,7 @@ impl ApiError {
             // llama-server's and Anthropic's type for a missing or wrong key.
             ApiError::NoKey | ApiError::WrongKey => "authentication_error",
             ApiError::NotFound { .. } => "not_found_error",
-            ApiError::Unavailable(_) => "unavailable_error",
+            ApiError::Unavailable(_) | ApiError::Saturated { .. } => "unavailable_error",
             ApiError::BadGateway(_) | ApiError::RouteFailed(_) => "server_error",
         }
     }
@@ -173,6 +177,9 @@ impl ApiError {
             ApiError::NotFound { method, path } => {
                 format!("{method} {path} is not served here")
             }
+            ApiError::Saturated { limit } => format!(
+                "serve has {limit} generations in flight, its limit (--max-generations {limit}); retry in a moment, or send it to another server"
+            ),
             ApiError::Unavailable(why) | ApiError::BadGateway(why) | ApiError::RouteFailed(why) => {
                 why.clone()
             }
@@ -198,7 +205,14 @@ pub fn openai_error(status: StatusCode, error_type: &str, message: &str) -> Resp
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        openai_error(self.status(), self.error_type(), &self.message())
+        let mut response = openai_error(self.status(), self.error_type(), &self.message());
+        if matches!(self, ApiError::Saturated { .. }) {
+            // A client or a gateway waits a second, or sends it to another server.
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 

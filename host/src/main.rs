@@ -1,7 +1,7 @@
 //! `1bit`: serve one local model behind an OpenAI-compatible API.
 //!
 //! `unsafe` is denied in this crate. Every process serve starts is started by
-//! `onebit_plugin_api::process` (the one spawner: parent-death signal, own process group, one
+//! `onebit_process` (the one spawner: parent-death signal, own process group, one
 //! stop sequence), whose pre-exec hook is the only unsafe code it needs.
 //!
 //! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the

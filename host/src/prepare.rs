@@ -37,9 +37,9 @@ pub struct ServePlan {
     pub run_dir: PathBuf,
     /// `--pm`: the checked experts file and Lemonade's address.
     pub pm: Option<(crate::pm::Experts, crate::pm::LemonadeUrl)>,
-    /// `--laya`: the policy, and the plans of the other devices it can pick (their backends
-    /// follow `plan`'s in serve's order).
-    pub laya: Option<(crate::laya::Policy, Vec<Placed>)>,
+    /// `--laya`: the policy (and `--laya-model`'s daemon), and the plans of the other devices
+    /// it can pick (their backends follow `plan`'s in serve's order).
+    pub laya: Option<(crate::laya::start::Settled, Vec<Placed>)>,
     pub api_key: Option<ApiKey>,
     /// The persistent prompt cache of backend 0, when this serve keeps one.
     pub prompt_cache: Option<crate::prompt_cache::Setup>,
@@ -125,9 +125,6 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         None => (route.clone(), plan, None),
     };
     finish_plans(args, &mut plan, &mut laya)?;
-    if let Some(standin) = &args.backend_standin {
-        stand_in(&mut plan, standin);
-    }
     if pm.is_some() {
         crate::pm::start::check_plan(&plan)?;
     }
@@ -163,6 +160,9 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         return print_backend(args, &plan).map(Prepared::Exit);
     }
     let prompt_cache = crate::prompt_cache::start::setup(args, &mut plan)?;
+    if let Some((settled, _)) = &mut laya {
+        crate::laya::start::start_scorer(settled, args)?;
+    }
     Ok(Prepared::Serve(Box::new(ServePlan {
         args: args.clone(),
         route,
@@ -177,11 +177,12 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
 }
 
 /// Every plan (one per device with --laya): llama.cpp's KV sized where the plan asks the host
-/// to, and the drop-in's llama-server arguments passed to its llama-server.
+/// to, the drop-in's llama-server arguments passed to its llama-server, and each backend run as
+/// `--backend-standin`'s program when given.
 fn finish_plans(
     args: &ServeArgs,
     plan: &mut Plan,
-    laya: &mut Option<(crate::laya::Policy, Vec<Placed>)>,
+    laya: &mut Option<(crate::laya::start::Settled, Vec<Placed>)>,
 ) -> Result<(), Fatal> {
     let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
     for each in std::iter::once(plan).chain(more.map(|(_, p)| p)) {
@@ -203,6 +204,9 @@ fn finish_plans(
                     backend.argv.extend(cors.backend_args());
                 }
             }
+        }
+        if let Some(standin) = &args.backend_standin {
+            stand_in(each, standin);
         }
     }
     Ok(())

@@ -175,6 +175,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
                 client.clone(),
             ))
         }),
+        generations: Default::default(),
     });
     install_host_services(
         tokio::runtime::Handle::current(),

@@ -54,6 +54,8 @@ pub struct Settings {
     pub api_key: Option<ApiKey>,
     /// `GET /metrics` answers 501, as llama-server without `--metrics` (`--no-metrics`).
     pub metrics_off: bool,
+    /// `--max-generations N`: at most N generations in flight; one more is refused (503).
+    pub max_generations: Option<usize>,
 }
 
 impl Settings {
@@ -97,6 +99,7 @@ impl Settings {
             names_model: !args.llama_router,
             precise: args.precise || args.env.precise(),
             serialize_forwards: plan.serialize_forwards,
+            max_generations: args.max_generations.map(|n| n as usize),
         }
     }
 }

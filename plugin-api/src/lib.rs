@@ -11,20 +11,17 @@
 //! appended to [`RouteMod`] after its last prefix field (a minor bump), so an older route simply
 //! lacks them and the host falls back to the documented default.
 //!
-//! `unsafe` is allowed in this crate alone (the workspace denies it), and only where
-//! abi_stable needs it (this root, whose derives write unsafe accessors, [`export`], `loader`,
-//! `legacy`) and in [`process`]'s pre-exec hook (the parent-death signal, which has no safe
-//! equivalent); [`types`] forbids it.
+//! `unsafe` is allowed in this crate only where abi_stable needs it (this root, whose derives
+//! write unsafe accessors, [`export`], `loader`, `legacy`); [`types`] forbids it.
 //!
-//! [`process`] is not part of the ABI: the one way the host, a route and a program they start
-//! start a process (it dies with its starter), linked as ordinary Rust code.
+//! This crate is the ABI and nothing else. The one way the host, a route and a program they
+//! start start a process (it dies with its starter) is the crate onebit-process, linked as
+//! ordinary Rust code: its changes bump no ABI version.
 
 // abi_stable's derives and macros for the root module below write unsafe code.
 #![allow(unsafe_code)]
 
 pub mod calls;
-mod hung_handler;
-pub mod process;
 pub mod rules;
 pub mod types;
 

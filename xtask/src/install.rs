@@ -1,6 +1,8 @@
 //! `cargo xtask install [--prefix DIR] [--debug] [--service [--model PATH]]`: installs `1bit`
 //! like a program: the binary, the `llama-server` name linked to it (what Lemonade's
-//! `LEMONADE_LLAMACPP_CPU_BIN` points at), its routes, and the pinned llama-server it runs,
+//! `LEMONADE_LLAMACPP_CPU_BIN` points at), its routes (as route packages, through `1bit
+//! plugins package` and `install`), the fake backend `1bit plugins check` uses, and the pinned
+//! llama-server it runs,
 //! under one prefix (docs/lemonade.md); with `--service`, the systemd user unit that runs it
 //! (service.rs, docs/service.md). `--uninstall-service [--prefix DIR]` removes that unit.
 
@@ -24,6 +26,10 @@ const ROUTES: [&str; 5] = [
 /// Programs beside `1bit` in `bin/`: the hybrid route's prefill provider (built with its
 /// package), named with `--prefill-provider`.
 const PROGRAMS: [&str; 1] = ["1bit-prefill-llama"];
+
+/// The fake backend (package onebit-tests), installed beside `1bit` under this name: what
+/// `1bit plugins check` runs a child-process route's backends with (docs/fake-backend.md).
+const FAKE_BACKEND: &str = "1bit-fake-backend";
 
 /// Where each part goes under the prefix.
 pub struct Layout {
@@ -108,7 +114,8 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
     let mut build = process::cargo();
     build
         .current_dir(&ws.root)
-        .args(["build", "-p", "onebit-host"]);
+        .args(["build", "-p", "onebit-host"])
+        .args(["-p", "onebit-tests", "--bin", "fake-backend"]);
     for route in ROUTES {
         build.args(["-p", route]);
     }
@@ -137,10 +144,25 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
     for program in PROGRAMS {
         copy(&target.join(program), &layout.bin.join(program))?;
     }
+    copy(&target.join("fake-backend"), &layout.bin.join(FAKE_BACKEND))?;
     link_llama_server(&layout.bin)?;
+    // The routes ship as route packages, made and installed as a vendor's are.
+    let version = env!("CARGO_PKG_VERSION");
+    let todo = "see its line above, fix the cause, then rerun `cargo xtask install`";
     for route in ROUTES {
         let file = format!("lib{}.so", route.replace('-', "_"));
-        copy(&target.join(&file), &layout.plugins.join(&file))?;
+        let archive = crate::route_packages::package(
+            &target.join("1bit"),
+            &target.join(&file),
+            version,
+            &[],
+            &ws.root.join("target/packages"),
+            todo,
+        )?;
+        crate::route_packages::install(&layout.bin.join("1bit"), &archive, &prefix, todo)?;
+        // A loose copy from an install before packages would shadow nothing (the package
+        // sorts first) but would list as shadowed: it goes.
+        let _ = fs::remove_file(layout.plugins.join(&file));
     }
     copy(
         &installed.llama_server,
@@ -152,10 +174,10 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
         "  {} -> 1bit (for Lemonade: LEMONADE_LLAMACPP_CPU_BIN={0})",
         layout.bin.join("llama-server").display()
     );
-    for program in PROGRAMS {
+    for program in PROGRAMS.iter().chain(&[FAKE_BACKEND]) {
         println!("  {}", layout.bin.join(program).display());
     }
-    println!("  {}/*.so", layout.plugins.display());
+    println!("  {}/<route> (route packages)", layout.plugins.display());
     println!(
         "  {}",
         layout.llama_server_dir.join("llama-server").display()

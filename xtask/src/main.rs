@@ -2,27 +2,20 @@
 #![forbid(unsafe_code)]
 
 mod addon;
-mod bench;
-mod cache;
-mod dashboard;
 mod install;
-mod laya_eval;
-mod llama_suite;
 mod paths;
-mod pins;
-mod process;
+mod route_packages;
 mod serve;
 mod service;
 mod setup;
-mod soak;
 mod test;
 
-use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use cache::Layout;
-use pins::Pins;
+// The measurements live in onebit-bench (bench/), what both use in xtask-support/.
+use onebit_bench::{Prepare, bench, dashboard, laya_eval, llama_suite, soak};
+use xtask_support::{Failure, Workspace, cache, pins, process};
 
 const USAGE: &str = "\
 usage: cargo xtask <subcommand>
@@ -42,7 +35,10 @@ usage: cargo xtask <subcommand>
                     streams, RSS, FD and task slopes, the stops, what was left
   dashboard         the Grafana dashboard's test against a real Prometheus, and the picture
                     of its panels from that run (docs/grafana/1bit-serve.svg)
-  addon [--release] build the inproc add-on (addons/inproc); its library's path is the last line
+  addon [--release] [--package]  build the inproc add-on (addons/inproc); its library's path
+                    is the last line. --package: also build 1bit and make the add-on's route
+                    package with `1bit plugins package`, carrying setup's llama.cpp shared
+                    libraries, into target/packages; the archive's path is the last line
   laya-eval         the --laya classifier's accuracy and decision cost (docs/laya.md)
   llama-suite [--timeout S] [PYTEST ARGS...]  llama.cpp's server tests, direct and through the
                     drop-in (a `llama-server` link to 1bit); the per-file table and the
@@ -54,41 +50,16 @@ usage: cargo xtask <subcommand>
                     environment file (~/.config/systemd/user, or DIR/lib/systemd/user)
     --uninstall-service  remove those two files, nothing else (docs/service.md)";
 
-/// Why a subcommand stopped: one line saying what failed and what to do about it.
-#[derive(Debug)]
-pub struct Failure(String);
+/// What onebit-bench's measurements borrow from xtask: setup and the add-on's build.
+struct Prepared;
 
-impl Failure {
-    /// Joins what failed and what to do into the one line the user reads.
-    pub fn new(what: impl fmt::Display, todo: impl fmt::Display) -> Self {
-        Failure(format!("{what}: {todo}"))
+impl Prepare for Prepared {
+    fn setup(&self, ws: &Workspace) -> Result<(), Failure> {
+        setup::run(ws).map(drop)
     }
-}
 
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-/// The repository and where its pinned third-party files live on this machine.
-pub struct Workspace {
-    /// The cargo workspace root (the parent of `xtask/`).
-    pub root: PathBuf,
-    pub pins: Pins,
-    pub layout: Layout,
-}
-
-impl Workspace {
-    /// Reads `third_party/pins.json` and resolves the cache directory from the environment.
-    fn load() -> Result<Self, Failure> {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("xtask/ lies inside the workspace root")
-            .to_path_buf();
-        let pins = Pins::load(&root.join("third_party/pins.json"))?;
-        let layout = Layout::new(cache::cache_dir(&pins.cache_dir_name)?, &pins);
-        Ok(Workspace { root, pins, layout })
+    fn addon(&self, ws: &Workspace, release: bool) -> Result<PathBuf, Failure> {
+        addon::build(ws, release)
     }
 }
 
@@ -104,9 +75,9 @@ fn main() -> ExitCode {
         Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
         Some("addon") => Workspace::load().and_then(|ws| addon::run(&ws, &rest)),
-        Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &rest)),
-        Some("soak") => Workspace::load().and_then(|ws| soak::run(&ws, &rest)),
-        Some("dashboard") => Workspace::load().and_then(|ws| dashboard::run(&ws, &rest)),
+        Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &Prepared, &rest)),
+        Some("soak") => Workspace::load().and_then(|ws| soak::run(&ws, &Prepared, &rest)),
+        Some("dashboard") => Workspace::load().and_then(|ws| dashboard::run(&ws, &Prepared, &rest)),
         Some("laya-eval") => no_arguments("laya-eval", &rest)
             .and_then(|()| Workspace::load())
             .and_then(|ws| laya_eval::run(&ws)),

@@ -34,6 +34,7 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         "clippy found problems: fix the warnings above, then rerun",
     )?;
     addon::check(ws)?;
+    check_vendor_example(ws)?;
     let installed = setup::run(ws)?;
     // Builds the `1bit` binary, the fake backend and every route cdylib, which the tests look for.
     cargo_step(
@@ -53,31 +54,27 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         .env("ONEBIT_TEST_OPENAI_PYTHON", &installed.openai_python)
         .env("ONEBIT_INPROC_LIB_DIR", &installed.llama_lib_dir)
         .stdout(Stdio::piped());
-    println!("==> {}", process::describe(&test));
-    let mut child = test
-        .spawn()
-        .map_err(|e| Failure(format!("cannot run cargo test: {e}")))?;
-    // Pass cargo test's report through and add up its `test result:` lines, so the run ends
-    // with one total rather than the last crate's (often empty) doc-test line.
     let mut totals = Totals::default();
     let mut failed_tests = Vec::new();
-    if let Some(stdout) = child.stdout.take() {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            println!("{line}");
-            totals.add(&line);
-            if let Some(name) = failed_test(&line) {
-                failed_tests.push(name.to_string());
-            }
-        }
-    }
-    let status = child
-        .wait()
-        .map_err(|e| Failure(format!("cannot wait for cargo test: {e}")))?;
+    let status = pass_through(&mut test, &mut totals, &mut failed_tests)?;
+    // The example vendor route (outside the workspace) runs its own tests, the last of which
+    // packages, checks and installs it with the `1bit` just built.
+    let mut example = process::cargo();
+    example
+        .current_dir(ws.root.join(VENDOR_EXAMPLE))
+        .args(["test", "--no-fail-fast"])
+        .env("ONEBIT_BIN", ws.root.join("target/debug/1bit"));
+    let example_status = pass_through(&mut example, &mut totals, &mut failed_tests)?;
+    let status = if status.success() {
+        example_status
+    } else {
+        status
+    };
     println!();
     println!(
         "==> regression check: cargo xtask bench hop --quick (fails when serve's added keep-alive p50 exceeds 2 × nginx's)"
     );
-    let check_passed = match bench::regression_check(ws) {
+    let check_passed = match bench::regression_check(ws, &crate::Prepared) {
         Ok(bench::Gate::Passed) => {
             println!("regression check: ok");
             totals.passed += 1;
@@ -106,7 +103,7 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     };
     println!();
     println!("==> soak, one minute: cargo xtask soak --minutes 1");
-    let soak_passed = match soak::soak(ws, 1.0) {
+    let soak_passed = match soak::soak(ws, &crate::Prepared, 1.0) {
         Ok(true) => {
             totals.passed += 1;
             true
@@ -137,6 +134,57 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     } else {
         process::exit_code(status)
     })
+}
+
+/// The example vendor route's folder: a crate of its own, checked and tested here too.
+const VENDOR_EXAMPLE: &str = "examples/vendor-route";
+
+/// Run `cargo test` as `command`, its report passed through, its `test result:` lines added
+/// to `totals` (so the run ends with one total rather than the last crate's, often empty,
+/// doc-test line) and its failed tests named in `failed`.
+fn pass_through(
+    command: &mut std::process::Command,
+    totals: &mut Totals,
+    failed: &mut Vec<String>,
+) -> Result<std::process::ExitStatus, Failure> {
+    command.stdout(Stdio::piped());
+    println!("==> {}", process::describe(command));
+    let mut child = command
+        .spawn()
+        .map_err(|e| Failure(format!("cannot run cargo test: {e}")))?;
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            println!("{line}");
+            totals.add(&line);
+            if let Some(name) = failed_test(&line) {
+                failed.push(name.to_string());
+            }
+        }
+    }
+    child
+        .wait()
+        .map_err(|e| Failure(format!("cannot wait for cargo test: {e}")))
+}
+
+/// fmt and clippy for the example vendor route, as for the workspace.
+fn check_vendor_example(ws: &Workspace) -> Result<(), Failure> {
+    let dir = ws.root.join(VENDOR_EXAMPLE);
+    for (args, todo) in [
+        (
+            &["fmt", "--", "--check"][..],
+            "the example vendor route's formatting differs: run `cargo fmt` in examples/vendor-route",
+        ),
+        (
+            &["clippy", "--all-targets", "--", "-D", "warnings"][..],
+            "clippy found problems in examples/vendor-route: fix them, then rerun",
+        ),
+    ] {
+        let mut cargo = process::cargo();
+        cargo.current_dir(&dir).args(args);
+        println!("==> (examples/vendor-route) cargo {}", args.join(" "));
+        process::run(&mut cargo, todo)?;
+    }
+    Ok(())
 }
 
 /// The test a `test NAME ... FAILED` line of cargo test's report names.

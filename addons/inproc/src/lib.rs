@@ -27,7 +27,7 @@ use onebit_plugin_api::*;
 
 pub use crate::error::InprocError;
 pub use crate::host::default_threads;
-pub use crate::libraries::{LIB_DIR_VAR, check_lib_dir, lib_dir};
+pub use crate::libraries::{LIB_DIR_VAR, check_lib_dir, libraries};
 pub use crate::plan::{CLAIMED_ARCHITECTURES, State};
 
 use crate::engine::{Engine, load};

@@ -9,7 +9,7 @@ use crate::NAME;
 use crate::error::InprocError;
 use crate::ffi::UBATCH;
 use crate::host::default_threads;
-use crate::libraries::{LIB_DIR_VAR, check_lib_dir, lib_dir};
+use crate::libraries::libraries;
 use crate::openai::Kind;
 
 /// The context when `--ctx-size` is not given.
@@ -104,8 +104,8 @@ pub fn claim(request: &PlanRequest) -> Claim {
         || o.mmproj.is_some()
         || o.mtp.is_some()
         || o.dflash.is_some();
-    let libraries = lib_dir(request).is_some_and(|dir| check_lib_dir(&dir).is_ok());
-    if !CLAIMED_ARCHITECTURES.contains(&arch) || other_role || !libraries {
+    let has_libraries = libraries(request).is_ok();
+    if !CLAIMED_ARCHITECTURES.contains(&arch) || other_role || !has_libraries {
         return Claim::none();
     }
     Claim {
@@ -131,12 +131,7 @@ pub fn plan(request: &PlanRequest) -> Result<Plan, Refusal> {
             request.options.model
         )));
     }
-    let dir = lib_dir(request).ok_or_else(|| {
-        Refusal::engine(format!(
-            "the inproc route cannot tell where llama.cpp's libraries are (no HOME); set {LIB_DIR_VAR}"
-        ))
-    })?;
-    check_lib_dir(&dir).map_err(|e| Refusal::engine(e.to_string()))?;
+    let dir = libraries(request).map_err(|e| Refusal::engine(e.to_string()))?;
     let threads = match options.get("threads") {
         Some(value) => match value.trim().parse::<i32>() {
             Ok(n) if (1..=512).contains(&n) => n,

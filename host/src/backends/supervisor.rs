@@ -1,4 +1,4 @@
-//! Backend processes: starting them through the one spawner (`onebit_plugin_api::process`: they
+//! Backend processes: starting them through the one spawner (`onebit_process`: they
 //! die with serve and lead their own process groups), passing their stderr through, noticing
 //! when they exit, and stopping them with its one stop sequence.
 
@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use onebit_plugin_api::loader::LoadedRoute;
-use onebit_plugin_api::process::{self, Process, Stopped};
 use onebit_plugin_api::{BackendLine, BackendSpec};
+use onebit_process::{Process, Stopped};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// How many of a backend's last stderr lines serve keeps for its reports.
@@ -98,7 +98,7 @@ pub fn spawn(
     }
     command.envs(&spec.env_combined);
     serves_own_settings(&mut command, spec.port);
-    let mut child = process::spawn(command)?;
+    let mut child = onebit_process::spawn(command)?;
 
     let pid = child.pid();
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
@@ -203,7 +203,7 @@ pub async fn stop_all(backends: &[Backend], grace: Duration) -> Vec<String> {
     let processes: Vec<Arc<Process>> = backends.iter().map(|b| b.process.clone()).collect();
     let outcome = tokio::task::spawn_blocking(move || {
         let refs: Vec<&Process> = processes.iter().map(Arc::as_ref).collect();
-        process::stop_all(&refs, grace)
+        onebit_process::stop_all(&refs, grace)
     })
     .await
     .unwrap_or_default();

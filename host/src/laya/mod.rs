@@ -1,13 +1,15 @@
 //! `1bit serve --laya`: each conversation is classified once (code, prose, short answer or long
-//! document), the route policy picks its device, and its requests go to that device's backend
-//! (docs/laya.md). serve runs one backend per device the policy can pick; this module only
-//! decides, by conversation, which of them a request goes to.
+//! document) by the rules or, with `--laya-model`, by the Laya model's daemon (`scorer`), the
+//! route policy picks its device, and its requests go to that device's backend (docs/laya.md).
+//! serve runs one backend per device the policy can pick; this module only decides, by
+//! conversation, which of them a request goes to.
 
 mod cache;
 mod classify;
 #[cfg(test)]
 mod eval;
 mod policy;
+mod scorer;
 pub mod start;
 
 use std::hash::{Hash, Hasher};
@@ -18,13 +20,13 @@ use serde_json::Value;
 
 #[cfg(test)]
 use classify::Class;
-use classify::{Decision, classify};
+use classify::{Decision, LONG_DOC_CHARS, classify};
 pub use policy::Policy;
 
 /// Conversations remembered; the least recently used goes first.
 pub const CONVERSATIONS: usize = 4096;
 
-/// What the start line says the classifier is: never the Laya model.
+/// What the start line says the classifier is without `--laya-model`.
 pub const CLASSIFIER: &str =
     "the rule-based classifier (keyword and length rules, not the Laya model; docs/laya.md)";
 
@@ -44,6 +46,8 @@ pub struct Laya {
     running: Vec<String>,
     backends: Vec<usize>,
     decided: Mutex<cache::Recent<(Decision, usize)>>,
+    /// `--laya-model`'s daemon, which decides what is shorter than the size gate.
+    scorer: Option<scorer::Scorer>,
 }
 
 impl Laya {
@@ -56,20 +60,28 @@ impl Laya {
             running,
             backends,
             decided: Mutex::new(cache::Recent::new(CONVERSATIONS)),
+            scorer: None,
         }
+    }
+
+    /// The router with `--laya-model`'s daemon deciding (dropped, and so stopped, with it).
+    fn with_scorer(mut self, scorer: Option<scorer::Scorer>) -> Laya {
+        self.scorer = scorer;
+        self
     }
 
     /// Where a request goes: its conversation's device, decided now when the conversation is
     /// new (logged) and remembered for its later turns. None for a body that opens no
     /// conversation (no messages, no prompt): it goes where the rule says. Called by the relay
-    /// on the request's task; it takes a lock for a lookup only and never blocks on I/O.
-    pub fn route(&self, body: &[u8]) -> Option<Routed> {
+    /// on the request's task; it takes a lock for a lookup only and never blocks on I/O: a
+    /// question to the Laya daemon is awaited (at most its bound; then the rules decide).
+    pub async fn route(&self, body: &[u8]) -> Option<Routed> {
         let (key, text) = opening(body)?;
         let cached = self.lock().get(key);
         let (decision, index) = match cached {
             Some(found) => found,
             None => {
-                let decision = classify(&text);
+                let decision = self.decide(&text).await;
                 let device = self.policy.pick(&decision, &self.running)?;
                 let index = self.running.iter().position(|d| d == device)?;
                 self.lock().insert(key, (decision, index));
@@ -82,6 +94,18 @@ impl Laya {
             backend: self.backends[index],
             header,
         })
+    }
+
+    /// A new conversation's class: the daemon's when there is one, the text is under the size
+    /// gate and it answers; else the rules'.
+    async fn decide(&self, text: &str) -> Decision {
+        if let Some(scorer) = &self.scorer
+            && text.chars().count() < LONG_DOC_CHARS
+            && let Some(decision) = scorer.ask(text).await
+        {
+            return decision;
+        }
+        classify(text)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, cache::Recent<(Decision, usize)>> {
@@ -149,12 +173,12 @@ mod tests {
         Laya::new(policy, vec![("cpu".into(), 0), ("hrx".into(), 1)])
     }
 
-    #[test]
-    fn a_later_turn_reuses_the_first_decision() {
+    #[tokio::test]
+    async fn a_later_turn_reuses_the_first_decision() {
         let l = laya();
         let first = json!({"messages": [{"role": "system", "content": "be nice"},
             {"role": "user", "content": "Write a Rust function that sums a slice."}]});
-        let r = l.route(first.to_string().as_bytes()).unwrap();
+        let r = l.route(first.to_string().as_bytes()).await.unwrap();
         assert_eq!(r.backend, 1);
         assert!(
             r.header.to_str().unwrap().starts_with("code "),
@@ -166,11 +190,14 @@ mod tests {
             {"role": "user", "content": "Write a Rust function that sums a slice."},
             {"role": "assistant", "content": "fn sum(...)"},
             {"role": "user", "content": "thanks"}]});
-        let again = l.route(later.to_string().as_bytes()).unwrap();
+        let again = l.route(later.to_string().as_bytes()).await.unwrap();
         assert_eq!((again.backend, again.header), (1, r.header));
         assert_eq!(l.lock().len(), 1);
         let other = json!({"messages": [{"role": "user", "content": "thanks"}]});
-        assert_eq!(l.route(other.to_string().as_bytes()).unwrap().backend, 0);
-        assert!(l.route(b"{}").is_none());
+        assert_eq!(
+            l.route(other.to_string().as_bytes()).await.unwrap().backend,
+            0
+        );
+        assert!(l.route(b"{}").await.is_none());
     }
 }

@@ -1,28 +1,34 @@
 //! What `--laya` needs settled before serve starts: the flags checked, the policy read, a plan
-//! for each device the policy can pick that runs the model, their memory counted together, and
-//! the router over them. Called by serve's start, on the main thread (`router`: in the runtime,
-//! once), before any backend starts.
+//! for each device the policy can pick that runs the model, their memory counted together,
+//! `--laya-model`'s daemon started, and the router over them. Called by serve's start, on the
+//! main thread (`router`: in the runtime, once), before any backend starts.
 
 use onebit_plugin_api::loader::LoadedRoute;
 use onebit_plugin_api::{Plan, PlanOutcome, PlanRequest};
 
+use super::scorer::{Scorer, Setup};
 use crate::cli::ServeArgs;
 use crate::error::Fatal;
 
 /// One route's plan. serve runs one, or with `--laya` one per device the policy can pick.
 pub type Placed = (LoadedRoute, Plan);
 
-/// `--laya`, `--laya-model`, `--route-policy`: the policy read and checked, and the
-/// combinations refused, before anything starts.
-pub fn settings(args: &ServeArgs) -> Result<Option<super::Policy>, Fatal> {
-    if args.laya_model.is_some() {
-        // The Laya model (a ModernBERT checkpoint run by a scorer daemon) is not part of this
-        // engine; only the rule-based classifier is.
-        return Err(Fatal::usage(
-            "--laya-model is not part of this build (docs/laya.md): the Laya model's scorer is not ported to this engine; use --laya alone for the rule-based classifier",
-        ));
-    }
-    if !args.laya {
+/// What `--laya` settled: the policy, and with `--laya-model` the daemon's setup (checked
+/// before anything starts) and, once [`start_scorer`] ran, the daemon itself.
+pub struct Settled {
+    policy: super::Policy,
+    model: Option<Setup>,
+    scorer: Option<Scorer>,
+}
+
+/// `--laya`, `--laya-model` (which implies `--laya`), `--route-policy`: the policy read and
+/// checked, the model's path checked, and the combinations refused, before anything starts.
+pub fn settings(args: &ServeArgs) -> Result<Option<Settled>, Fatal> {
+    let model = match &args.laya_model {
+        Some(given) => Some(Setup::from_args(args, given)?),
+        None => None,
+    };
+    if !args.laya && model.is_none() {
         if args.route_policy.is_some() {
             return Err(Fatal::usage(
                 "--route-policy only applies with --laya; add --laya or remove --route-policy",
@@ -47,7 +53,24 @@ pub fn settings(args: &ServeArgs) -> Result<Option<super::Policy>, Fatal> {
             "--laya does not combine with --embedding/--reranking or --embed/--rerank",
         ));
     }
-    super::Policy::load(args.route_policy.as_deref()).map(Some)
+    let policy = super::Policy::load(args.route_policy.as_deref())?;
+    Ok(Some(Settled {
+        policy,
+        model,
+        scorer: None,
+    }))
+}
+
+/// `--laya-model`: the runtime found and the daemon started, ready (exit 1 with its line when
+/// it cannot be); nothing without it. Blocks serve's main thread up to the ready bound; called
+/// last before serve starts listening, so every earlier refusal starts nothing.
+pub fn start_scorer(settled: &mut Settled, args: &ServeArgs) -> Result<(), Fatal> {
+    let Some(setup) = settled.model.as_mut() else {
+        return Ok(());
+    };
+    setup.find_runtime(args)?;
+    settled.scorer = Some(Scorer::start(setup)?);
+    Ok(())
 }
 
 /// The plans of the devices the policy can pick that run this model, the one to fall back to
@@ -55,12 +78,13 @@ pub fn settings(args: &ServeArgs) -> Result<Option<super::Policy>, Fatal> {
 /// already planned). A device without a route, whose route does not claim the model, or that
 /// refuses to plan it is said and left out.
 pub fn plans(
-    policy: &super::Policy,
+    settled: &Settled,
     loaded: &[LoadedRoute],
     request: &PlanRequest,
     auto: Placed,
     reserve_ports: impl Fn(usize) -> Result<Vec<u16>, Fatal>,
 ) -> Result<(Placed, Vec<Placed>), Fatal> {
+    let policy = &settled.policy;
     let names = policy.devices();
     let mut ports = reserve_ports(4 * (names.len() + 1))?;
     ports.retain(|p| !request.ports.contains(p));
@@ -137,8 +161,10 @@ pub fn needs_together(first: &Plan, more: &[Placed]) -> Plan {
 }
 
 /// `--laya`'s router over the devices that run, each with its first backend's index in
-/// serve's order; says at start what classifies and where each device runs.
-pub fn router(policy: super::Policy, placed: &[Placed], policy_file: Option<&str>) -> super::Laya {
+/// serve's order; says at start, in one line, what classifies (the Laya daemon, or the rules)
+/// and where each device runs.
+pub fn router(settled: Settled, placed: &[Placed], policy_file: Option<&str>) -> super::Laya {
+    let Settled { policy, scorer, .. } = settled;
     let mut devices = Vec::new();
     let mut index = 0;
     for (_, plan) in placed {
@@ -146,11 +172,13 @@ pub fn router(policy: super::Policy, placed: &[Placed], policy_file: Option<&str
         index += plan.backends.len();
     }
     let names: Vec<&str> = devices.iter().map(|(d, _)| d.as_str()).collect();
+    let classifier = scorer
+        .as_ref()
+        .map_or(super::CLASSIFIER, |s| s.summary.as_str());
     tracing::info!(
-        "1bit serve: laya: {}, policy {}, devices {} (default first)",
-        super::CLASSIFIER,
+        "1bit serve: laya: {classifier}, policy {}, devices {} (default first)",
         policy_file.unwrap_or("built in"),
         names.join(", ")
     );
-    super::Laya::new(policy, devices)
+    super::Laya::new(policy, devices).with_scorer(scorer)
 }

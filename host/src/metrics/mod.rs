@@ -38,6 +38,45 @@ pub fn count_keepalive() {
     KEEPALIVES_SENT.fetch_add(1, Ordering::Relaxed);
 }
 
+/// `--laya-model`'s daemon: 0 when none runs, 1 while it answers, 2 once it exited
+/// (`onebit_laya_scorer_up`); and the conversations the rule-based classifier decided in its
+/// place, by why (`onebit_laya_fallbacks`).
+static LAYA_SCORER: AtomicU64 = AtomicU64::new(0);
+static LAYA_FALLBACKS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+
+/// Why the rule-based classifier decided in the Laya daemon's place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayaFallback {
+    /// It did not answer within its bound.
+    Timeout,
+    /// It answered something outside its protocol.
+    BadAnswer,
+    /// It had exited.
+    Exited,
+}
+
+impl LayaFallback {
+    const ALL: [LayaFallback; 3] = [Self::Timeout, Self::BadAnswer, Self::Exited];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::BadAnswer => "bad_answer",
+            Self::Exited => "exited",
+        }
+    }
+}
+
+/// The Laya daemon is up (it said ready) or gone (it exited). Any thread.
+pub fn laya_scorer_up(up: bool) {
+    LAYA_SCORER.store(if up { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// Count one decision the rules made for the Laya daemon. Any thread.
+pub fn laya_fallback(why: LayaFallback) {
+    LAYA_FALLBACKS[why as usize].fetch_add(1, Ordering::Relaxed);
+}
+
 /// serve's counters that outlive one serve process (Lemonade restarts a backend by starting
 /// serve again), per model.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -293,6 +332,7 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
             tasks,
         );
     }
+    laya_series(&mut registry);
     if machine.gtt_total.is_some() || machine.gtt_used.is_some() {
         let gtt = Family::<GttLabel, Gauge>::default();
         for (kind, v) in [
@@ -327,6 +367,33 @@ pub fn render_own(device: &str, up: bool, counts: Option<&Counts>, machine: &Mac
     let mut out = String::new();
     let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
     text::strict_004(&out)
+}
+
+/// `onebit_laya_scorer_up` and `onebit_laya_fallbacks_total{reason}`, when a Laya daemon was
+/// started (`--laya-model`).
+fn laya_series(registry: &mut Registry) {
+    let state = LAYA_SCORER.load(Ordering::Relaxed);
+    if state == 0 {
+        return;
+    }
+    let up = Gauge::<i64>::default();
+    up.set(i64::from(state == 1));
+    registry.register(
+        "onebit_laya_scorer_up",
+        "1 while the Laya daemon (--laya-model) answers; 0 once it exited (the rule-based classifier decides)",
+        up,
+    );
+    let fallbacks = Family::<Vec<(&'static str, String)>, Counter>::default();
+    for why in LayaFallback::ALL {
+        fallbacks
+            .get_or_create(&vec![("reason", why.label().to_string())])
+            .inc_by(LAYA_FALLBACKS[why as usize].load(Ordering::Relaxed));
+    }
+    registry.register(
+        "onebit_laya_fallbacks",
+        "New conversations the rule-based classifier decided because the Laya daemon was late (timeout), answered outside its protocol (bad_answer) or had exited",
+        fallbacks,
+    );
 }
 
 pub fn append(body: &mut String, text: &str) {

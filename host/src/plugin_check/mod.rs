@@ -83,26 +83,14 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
         Err(fatal) => return usage(&fatal),
     };
     let mut report = Report::default();
-    // A package is checked as install checks it, and its route loaded as serve loads it.
-    let opened;
-    let (route, plugin_dir) = if package::is_package(file) {
-        let Some(package) = package::open(file, &mut report) else {
-            return finish(&report);
+    let Some(opened) = open(file, &mut report) else {
+        return if report.failed > 0 {
+            finish(&report)
+        } else {
+            error::exit::BACKEND
         };
-        opened = package;
-        (opened.route.clone(), opened.plugin_dir.clone())
-    } else {
-        match loader::load(file) {
-            Ok(route) => {
-                let dir = file.parent().unwrap_or(Path::new(".")).to_path_buf();
-                (route, dir)
-            }
-            Err(e) => {
-                report.fail("load", e.to_string());
-                return error::exit::BACKEND;
-            }
-        }
     };
+    let (route, plugin_dir) = (&opened.route, &opened.plugin_dir);
     report.ok(
         "load",
         format!("{} (ABI {})", route.file.display(), route.abi_version),
@@ -123,10 +111,10 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
             fixture.clone()
         }
     };
-    if let Err(fatal) = prepare::route_can_take(&route, &options) {
+    if let Err(fatal) = prepare::route_can_take(route, &options) {
         return usage(&fatal);
     }
-    let request = match plan_request(&route, &model_path, options) {
+    let request = match plan_request(route, &model_path, options) {
         Ok(request) => request,
         Err(line) => {
             report.fail("model", line);
@@ -144,7 +132,7 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
         Ok(PlanOutcome::Plan(plan)) => plan,
         Ok(PlanOutcome::Refused(refusal)) => {
             let with_options = !route_opt.is_empty();
-            return refused(&mut report, &refusal, &model_path, &route, with_options);
+            return refused(&mut report, &refusal, &model_path, route, with_options);
         }
         Err(e) => {
             report.fail("plan", e);
@@ -163,8 +151,8 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
     let in_process = plan.rules.iter().find(|r| r.action == Action::InProcess);
     let Some(rule) = in_process else {
         let subject = through_serve::Subject {
-            route: &route,
-            plugin_dir: &plugin_dir,
+            route,
+            plugin_dir,
             model: &model_path,
             route_opt,
             plan: &plan,
@@ -194,12 +182,30 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
         Ok(h) => report.fail("health", format!("unhealthy after start: {}", h.reason)),
         Err(e) => report.fail("health", e),
     }
-    answers(&route, &path, &mut report);
+    answers(route, &path, &mut report);
     match route.metrics() {
         Ok(text) => report.ok("metrics", format!("{} lines", text.lines().count())),
         Err(e) => report.fail("metrics", e),
     }
     finish(&report)
+}
+
+/// A package is checked as install checks it, and its route loaded as serve loads it; a
+/// route file is loaded as serve loads one. None when that failed (reported).
+fn open(file: &Path, report: &mut Report) -> Option<package::Opened> {
+    if package::is_package(file) {
+        return package::open(file, report);
+    }
+    match loader::load(file) {
+        Ok(route) => Some(package::Opened::loose(
+            route,
+            file.parent().unwrap_or(Path::new(".")).to_path_buf(),
+        )),
+        Err(e) => {
+            report.fail("load", e.to_string());
+            None
+        }
+    }
 }
 
 /// A usage error before any check: one line on stderr, as serve says it, exit 2.

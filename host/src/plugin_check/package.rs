@@ -21,6 +21,17 @@ pub struct Opened {
     unpacked: Option<PathBuf>,
 }
 
+impl Opened {
+    /// A route file loaded alone (not from a package), found in `plugin_dir`.
+    pub fn loose(route: LoadedRoute, plugin_dir: PathBuf) -> Opened {
+        Opened {
+            route,
+            plugin_dir,
+            unpacked: None,
+        }
+    }
+}
+
 impl Drop for Opened {
     fn drop(&mut self) {
         if let Some(dir) = &self.unpacked {

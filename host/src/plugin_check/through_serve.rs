@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use onebit_plugin_api::Plan;
 use onebit_plugin_api::loader::LoadedRoute;
-use onebit_plugin_api::process::{self, Process};
+use onebit_process::Process;
 
 use super::Report;
 
@@ -130,7 +130,7 @@ fn run_serve(
     let out = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
     let err = out.try_clone().map_err(|e| e.to_string())?;
     command.stdout(out).stderr(err);
-    let serve = process::spawn(command).map_err(|e| format!("serve did not start: {e}"))?;
+    let serve = onebit_process::spawn(command).map_err(|e| format!("serve did not start: {e}"))?;
     let outcome = exercise(&serve, port, &record, subject, report);
     let stopped = serve.stop(Duration::from_secs(10));
     match (&outcome, serve.wait_timeout(Duration::ZERO)) {

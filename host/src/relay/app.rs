@@ -40,6 +40,9 @@ pub struct App {
     /// The persistent prompt cache of backend 0 (`--prompt-cache-dir`): a chat or completion
     /// whose plan says so is prepared by it before it is forwarded.
     pub prompt_cache: Option<Arc<crate::prompt_cache::PromptCache>>,
+    /// Generations in flight (`relay::exchange`: taken at admission, released at the end),
+    /// against `Settings::max_generations`.
+    pub generations: std::sync::atomic::AtomicUsize,
 }
 
 impl std::ops::Deref for App {

@@ -16,13 +16,12 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use onebit_plugin_api::{BodyKind, Forward, ForwardRequest};
 
-use crate::backends::watchdog::Ticket;
 use crate::error::{ApiError, error_chain};
 use crate::metrics::requests::PathClass;
 use crate::relay::App;
-use crate::relay::in_flight::InFlight;
+use crate::relay::exchange::{Exchange, FirstByte};
 use crate::relay::plan::{self, Decided, DeviceChoice, Engine, RelayPlan, Target, Way};
-use crate::relay::reply_riders::{FirstByte, Release, Streamed, noted_stream, watched};
+use crate::relay::reply_riders::{noted_stream, watched};
 use crate::relay::request_id::RequestId;
 use crate::relay::{general_early, in_process, pool, served_name, sse_keepalive};
 
@@ -44,34 +43,38 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     // serve's added time runs from here to the response handed to hyper, less the backend's
     // own time (`metrics::requests`).
     let began = Instant::now();
-    let mut in_flight = InFlight::begin();
+    let path = PathClass::of(request.uri().path());
+    let mut exchange = Exchange::begin(&app, Engine::General, path, began);
     let decided = request.extensions_mut().remove::<Decided>();
     let id = request
         .extensions()
         .get::<RequestId>()
         .copied()
         .unwrap_or_else(RequestId::made);
-    let path = PathClass::of(request.uri().path());
     let (parts, body) = request.into_parts();
     let (plan, body) = match planned(&app, decided, &parts, body).await {
         Ok(planned) => planned,
         Err(response) => return response,
     };
-    // Slot preparation: the persistent prompt cache restores a saved prefix of the prompt into
-    // the slot the request is pinned to; the slot is released (and its state saved) when the
-    // reply body is dropped.
-    // Its calls to the backend (template, tokenize, restore) are the request's: a backend that
+    if let Err(refused) = exchange.admit(&plan) {
+        return refused.into_response();
+    }
+    // The slot's preparation calls the backend (template, tokenize, restore): a backend that
     // hangs in them is the watchdog's from the start, as one that hangs in its reply is.
-    let preparing = match &app.prompt_cache {
-        Some(_) if plan.prompt_cache => watched_from_here(&app, &plan, &parts, 0, body.len()),
-        _ => None,
-    };
-    let (body, release) = prepare_slot(&app, &plan, &parts, body).await;
-    let watch = release.as_ref().and_then(Release::watch);
+    if app.prompt_cache.is_some() && plan.prompt_cache {
+        exchange.watch(
+            &plan,
+            parts.method.as_str(),
+            parts.uri.path(),
+            0,
+            body.len(),
+        );
+    }
+    let body = exchange.prepare(&plan, parts.uri.path(), body).await;
     let chosen = match backend_for(&app, &plan, &parts, body).await {
         Chosen::Backend(chosen) => chosen,
         Chosen::InProcess(body) => {
-            return in_process::respond(&app, &plan, &parts, body, in_flight, began).await;
+            return in_process::respond(&app, &plan, &parts, body, exchange).await;
         }
         Chosen::Answered(response) => return response,
     };
@@ -82,51 +85,24 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
         ))
         .into_response();
     };
-    in_flight.relayed_to(parts.uri.path());
+    exchange.sending(
+        &plan,
+        parts.method.as_str(),
+        parts.uri.path(),
+        chosen.backend,
+        chosen.body.len(),
+    );
+    exchange.on_first_byte(chosen.on_first_byte);
     let relaying = Relaying {
         app: &app,
         plan: &plan,
         backend: chosen.backend,
-        began,
-        path,
     };
-    // An inference request is watched from before it is sent: waiting for the reply's head
-    // counts against it too.
-    let ticket = preparing
-        .or_else(|| watched_from_here(&app, &plan, &parts, chosen.backend, chosen.body.len()));
     let upstream = match upstream_request(parts, port, chosen.body, &id) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let carried = Carried {
-        ticket,
-        on_first_byte: chosen.on_first_byte,
-        in_flight,
-        release,
-        watch,
-    };
-    sent(&relaying, upstream, carried).await
-}
-
-/// The watchdog's ticket for a request the plan has watched, on `backend`, with a prompt
-/// allowance for `body_len` bytes; None when it is not watched or the watchdog is off.
-fn watched_from_here(
-    app: &App,
-    plan: &RelayPlan,
-    parts: &axum::http::request::Parts,
-    backend: usize,
-    body_len: usize,
-) -> Option<Ticket> {
-    let dog = app.watchdog.get()?;
-    plan.watched.then(|| {
-        dog.track(
-            parts.method.as_str(),
-            parts.uri.path(),
-            plan.streamed,
-            backend,
-            body_len,
-        )
-    })
+    sent(&relaying, upstream, exchange).await
 }
 
 /// One relayed request's settings for its steps after the backend is chosen.
@@ -134,37 +110,6 @@ struct Relaying<'a> {
     app: &'a Arc<App>,
     plan: &'a RelayPlan,
     backend: usize,
-    began: Instant,
-    path: PathClass,
-}
-
-/// What rides on a relayed reply's body: the watchdog's ticket, the route's first-byte line,
-/// the in-flight count, the prompt cache's slot (released with the body), and what the
-/// cache reads from and notes in the reply.
-struct Carried {
-    ticket: Option<Ticket>,
-    on_first_byte: Option<FirstByte>,
-    in_flight: InFlight,
-    release: Option<Release>,
-    watch: Option<crate::prompt_cache::ReplyWatch>,
-}
-
-/// The persistent prompt cache's step before forwarding: a saved prefix of the prompt restored
-/// into the slot the request is then pinned to (the body says which), when the plan uses the
-/// cache and one is found; else the body as it was.
-async fn prepare_slot(
-    app: &Arc<App>,
-    plan: &RelayPlan,
-    parts: &axum::http::request::Parts,
-    body: Bytes,
-) -> (Bytes, Option<Release>) {
-    match &app.prompt_cache {
-        Some(cache) if plan.prompt_cache => match cache.prepare(parts.uri.path(), &body).await {
-            Some((pinned, prepared)) => (pinned, Some(Release(Some((cache.clone(), prepared))))),
-            None => (body, None),
-        },
-        _ => (body, None),
-    }
 }
 
 /// The request's plan (the one handed over, or made here from the head), and its body read
@@ -218,7 +163,7 @@ async fn planned(
     // --laya: the conversation's device, from the body, decides the backend.
     let plan = match &app.laya {
         Some(laya) if plan.device_choice == DeviceChoice::ByConversation => {
-            plan.on_device(laya.route(&body))
+            plan.on_device(laya.route(&body).await)
         }
         _ => plan,
     };
@@ -325,38 +270,23 @@ async fn backend_for(
 async fn sent(
     relaying: &Relaying<'_>,
     upstream: hyper::Request<Full<Bytes>>,
-    carried: Carried,
+    exchange: Exchange,
 ) -> Response {
-    let Relaying {
-        app,
-        plan,
-        backend,
-        began,
-        path,
-    } = *relaying;
+    let Relaying { app, plan, backend } = *relaying;
     let sent_at = Instant::now();
     let pending = pool::send(&app.client, upstream);
-    match sse_keepalive::wait_head(pending, plan.inference && plan.streamed).await {
+    match sse_keepalive::wait_head(pending, plan.generation && plan.streamed).await {
         sse_keepalive::Waited::Arrived(Ok(head)) => {
-            reply(relaying, head, sent_at.elapsed(), carried).await
+            reply(relaying, head, sent_at.elapsed(), exchange).await
         }
         sse_keepalive::Waited::Arrived(Err(e)) => {
             ApiError::no_answer(&app.device, &error_chain(&e)).into_response()
         }
         sse_keepalive::Waited::Silent(pending) => {
-            let added = began.elapsed().saturating_sub(sent_at.elapsed());
-            app.requests.added(path, Engine::General, added);
-            let streamed = Streamed::new(app, plan, began, path);
-            let Carried {
-                ticket,
-                on_first_byte,
-                in_flight,
-                release,
-                watch,
-            } = carried;
+            let added = exchange.head_written(sent_at.elapsed());
+            let watch = exchange.slot_watch();
             let wrap = move |body, event_stream: bool| {
-                let body = watched(body, ticket, on_first_byte, in_flight, streamed, release);
-                noted_stream(body, watch.filter(|_| event_stream))
+                noted_stream(watched(body, exchange), watch.filter(|_| event_stream))
             };
             let mut response = general_early::early_stream(pending, wrap, app.device.clone());
             response.extensions_mut().insert(Relayed { backend, added });
@@ -372,27 +302,15 @@ async fn reply(
     relaying: &Relaying<'_>,
     reply: hyper::Response<hyper::body::Incoming>,
     mut backend_time: Duration,
-    carried: Carried,
+    exchange: Exchange,
 ) -> Response {
-    let Relaying {
-        app,
-        plan,
-        backend,
-        began,
-        path,
-    } = *relaying;
-    let added = |backend_time: Duration| {
-        let added = began.elapsed().saturating_sub(backend_time);
-        app.requests.added(path, Engine::General, added);
-        Relayed { backend, added }
-    };
+    let Relaying { app, plan, backend } = *relaying;
     let (mut reply_parts, reply_body) = reply.into_parts();
     plan::filter(Way::Reply, &mut reply_parts.headers);
     if let DeviceChoice::Chosen(why) = &plan.device_choice {
         reply_parts.headers.insert("x-1bit-route", why.clone());
     }
-    let streamed = Streamed::new(app, plan, began, path);
-    let watch = carried.watch;
+    let watch = exchange.slot_watch();
     let json_reply = reply_parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -405,25 +323,23 @@ async fn reply(
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     let whole = plan.name_reply && json_reply;
-    // A whole reply's slot is released once the reply has been read (where llama-server began
-    // its prefill, which the save needs), a stream's when its body ends.
-    let (release_with_body, release_after_reading) = if whole {
-        (None, carried.release)
-    } else {
-        (carried.release, None)
-    };
-    let reply_body = watched(
-        reply_body,
-        carried.ticket,
-        carried.on_first_byte,
-        carried.in_flight,
-        streamed,
-        release_with_body,
-    );
     if whole {
-        // A whole JSON reply: name the model as serve serves it.
+        // A whole JSON reply: name the model as serve serves it. Its slot is released once
+        // the reply has been read (where llama-server began its prefill, which the save
+        // needs), with the exchange, whose other holdings end there too.
         let collecting = Instant::now();
-        let collected = reply_body.collect().await;
+        let mut exchange = exchange;
+        exchange.reply_head();
+        let collected = reply_body
+            .map_frame(|frame| {
+                if let Some(data) = frame.data_ref() {
+                    exchange.arrived(data.len());
+                    exchange.passed(data.len());
+                }
+                frame
+            })
+            .collect()
+            .await;
         backend_time += collecting.elapsed();
         let bytes = match collected {
             Ok(collected) => collected.to_bytes(),
@@ -441,28 +357,30 @@ async fn reply(
             Some(watch) => crate::prompt_cache::noted_in_reply(bytes, watch),
             None => bytes,
         };
-        drop(release_after_reading);
         reply_parts.headers.remove(header::CONTENT_LENGTH);
-        reply_parts.extensions.insert(added(backend_time));
+        let added = exchange.head_written(backend_time);
+        drop(exchange);
+        reply_parts.extensions.insert(Relayed { backend, added });
         return Response::from_parts(reply_parts, Body::from(bytes));
     }
+    let added = exchange.head_written(backend_time);
+    reply_parts.extensions.insert(Relayed { backend, added });
+    let reply_body = watched(reply_body, exchange);
     // Streamed as it arrives: dropping this response (a client that went away) drops the
     // upstream body, which closes the backend connection, and the engine stops generating.
     if plan.rename_stream && event_stream {
         // The engine cannot be told the served name (ds4-server has no alias): name it in
         // every event as it passes. (Its refusal of a streamed request is one JSON object,
         // passed below as it came.)
-        reply_parts.extensions.insert(added(backend_time));
         let renamed = served_name::in_stream(reply_body, app.served_name.clone(), plan.reply);
         let renamed = noted_stream(renamed.boxed_unsync(), watch);
         return Response::from_parts(reply_parts, sse_keepalive::during(renamed, true));
     }
-    reply_parts.extensions.insert(added(backend_time));
     // Comments go only into an event stream (a streamed request's error reply is JSON).
     let reply_body = noted_stream(reply_body, watch.filter(|_| event_stream));
     Response::from_parts(
         reply_parts,
-        sse_keepalive::during(reply_body, plan.inference && plan.streamed && event_stream),
+        sse_keepalive::during(reply_body, plan.generation && plan.streamed && event_stream),
     )
 }
 

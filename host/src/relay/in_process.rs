@@ -30,8 +30,7 @@ use onebit_plugin_api::{
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ApiError;
-use crate::metrics::requests::{PathClass, StreamClock};
-use crate::relay::in_flight::InFlight;
+use crate::relay::exchange::Exchange;
 use crate::relay::plan::{Engine, RelayPlan, Target};
 use crate::relay::{App, served_name};
 
@@ -58,23 +57,20 @@ fn stopping_error() -> SinkError {
 }
 
 /// Answer one request through the route's `respond`. Called by the general engine on a
-/// runtime thread with the request's plan, its head and its body (already read and checked);
-/// the route runs on a blocking thread, and this returns once the route sent its head (the
-/// body streams on) or finished without one. The reply is marked [`Engine::InProcess`] for
-/// `onebit_requests_total`; a streamed inference reply's chunks are timed from `began` (the
-/// request in hand) into the first-token and inter-token histograms.
+/// runtime thread with the request's plan, its head, its body (already read and checked) and
+/// its exchange (admitted: it rides on the reply's body); the route runs on a blocking thread,
+/// and this returns once the route sent its head (the body streams on) or finished without
+/// one. The reply is marked [`Engine::InProcess`] for `onebit_requests_total`; a streamed
+/// generation's chunks pass through the exchange (its first-token and inter-token clock).
 pub async fn respond(
     app: &Arc<App>,
     plan: &RelayPlan,
     parts: &axum::http::request::Parts,
     body: Bytes,
-    in_flight: InFlight,
-    began: std::time::Instant,
+    exchange: Exchange,
 ) -> Response {
     debug_assert_eq!(plan.target, Target::InProcess);
-    let clock = (plan.inference && plan.streamed)
-        .then(|| StreamClock::new(began, PathClass::of(parts.uri.path()), Engine::InProcess));
-    let mut response = answer(app, plan, parts, body, in_flight, clock).await;
+    let mut response = answer(app, plan, parts, body, exchange).await;
     response.extensions_mut().insert(Engine::InProcess);
     response
 }
@@ -84,8 +80,7 @@ async fn answer(
     plan: &RelayPlan,
     parts: &axum::http::request::Parts,
     body: Bytes,
-    in_flight: InFlight,
-    mut clock: Option<StreamClock>,
+    mut exchange: Exchange,
 ) -> Response {
     let request = ForwardRequest {
         method: parts.method.to_string(),
@@ -120,10 +115,8 @@ async fn answer(
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let json_reply = head.content_type.starts_with("application/json");
     let mut body_rx = body_rx;
-    let timed = app.clone();
     let mut cut: Option<(std::io::Error, std::pin::Pin<Box<tokio::time::Sleep>>)> = None;
     let stream = futures_util::stream::poll_fn(move |cx| {
-        let _counted = &in_flight;
         // A cut-off is held back a moment (CUT_DELAY): hyper cuts the connection at once and
         // would drop bytes of the reply it has not flushed yet (the head included); the client
         // must see them, then the cut.
@@ -139,11 +132,9 @@ async fn answer(
                 std::task::Poll::Pending
             }
             other => {
-                // Handed to hyper, which writes it at once: the stream's event is out.
-                if let (std::task::Poll::Ready(Some(Ok(data))), Some(clock)) = (&other, &mut clock)
-                    && !data.is_empty()
-                {
-                    clock.wrote(&timed.requests);
+                // Handed to hyper, which writes it at once: the chunk is out.
+                if let std::task::Poll::Ready(Some(Ok(data))) = &other {
+                    exchange.passed(data.len());
                 }
                 other
             }

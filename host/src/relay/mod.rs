@@ -13,6 +13,7 @@
 pub mod app;
 pub mod busy_poll;
 pub mod early_stream;
+pub mod exchange;
 pub mod fast;
 pub mod general;
 pub mod general_early;

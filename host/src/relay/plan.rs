@@ -66,9 +66,10 @@ pub struct RelayPlan {
     pub target: Target,
     /// Whether the rule or the conversation (`--laya`) chose the target's backend.
     pub device_choice: DeviceChoice,
-    /// The route marked the rule as inference (chats, completions): the watchdog tracks it,
-    /// and the rewrites below may apply.
-    pub inference: bool,
+    /// A generation: the route marked the rule as inference (chats, completions, the other
+    /// routes that run the model): the watchdog tracks it, `--max-generations` counts it, and
+    /// the rewrites below may apply.
+    pub generation: bool,
     /// What the request's body is (the rule's kind for its method): what is read, checked
     /// and relayed.
     pub body: BodyKind,
@@ -161,7 +162,7 @@ impl RelayPlan {
         RelayPlan {
             target,
             device_choice,
-            inference: rule.inference,
+            generation: rule.inference,
             body,
             reply: rule.reply,
             streamed: false,
@@ -198,13 +199,13 @@ impl RelayPlan {
         let tool_loop = matches!(self.target, Target::ToolLoop(_));
         let relayed = matches!(self.target, Target::Backend(_) | Target::AskRoute);
         let answered = relayed || self.target == Target::InProcess;
-        let inference = answered && self.inference;
+        let generating = answered && self.generation;
         // --precise sets a JSON field: a body of another kind goes as it came.
         let json = self.body == BodyKind::Json;
-        self.precise = (inference || tool_loop && self.inference) && json && precise;
-        self.name_reply = inference && !self.streamed && names_model;
-        self.rename_stream = inference && self.streamed && rename_in_streams;
-        self.watched = relayed && self.inference;
+        self.precise = (generating || tool_loop && self.generation) && json && precise;
+        self.name_reply = generating && !self.streamed && names_model;
+        self.rename_stream = generating && self.streamed && rename_in_streams;
+        self.watched = relayed && self.generation;
         self.prompt_cache &= !self.precise;
         // A choice made from the body (--laya) is the general engine's to make and carry.
         let by_rule = self.device_choice == DeviceChoice::Rule;
@@ -500,11 +501,11 @@ pub fn check_body(
 mod tests {
     use super::*;
 
-    fn plan(target: Target, inference: bool, streamed: bool) -> RelayPlan {
+    fn plan(target: Target, generation: bool, streamed: bool) -> RelayPlan {
         RelayPlan {
             target,
             device_choice: DeviceChoice::Rule,
-            inference,
+            generation,
             body: BodyKind::Json,
             reply: ReplyShape::OpenAi,
             streamed,

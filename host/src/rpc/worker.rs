@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use onebit_plugin_api::process::{self, Process};
+use onebit_process::{Process, Stopped};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::backends::supervisor::describe_exit;
@@ -180,7 +180,7 @@ fn spawn_worker(
     if let Ok(err) = std::io::stderr().as_fd().try_clone_to_owned() {
         command.stdout(Stdio::from(err));
     }
-    process::spawn(command)
+    onebit_process::spawn(command)
         .map_err(|e| Fatal::backend(format!("could not start {} ({e})", binary.display())))
 }
 
@@ -254,7 +254,7 @@ async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32,
         },
     };
     tracing::info!("1bit rpc-worker: {asked}: stopping the worker on {endpoint} (pid {pid})");
-    if stop(&child, STOP_GRACE).await != process::Stopped::Exited {
+    if stop(&child, STOP_GRACE).await != Stopped::Exited {
         tracing::info!(
             "1bit rpc-worker: the worker (pid {pid}) {}",
             crate::backends::supervisor::why_killed(&child, STOP_GRACE)
@@ -269,11 +269,11 @@ async fn watch(worker: Worker, mut term: Signal, mut int: Signal) -> Result<i32,
 }
 
 /// The spawner's stop sequence for the worker, on a blocking thread.
-async fn stop(child: &std::sync::Arc<Process>, grace: Duration) -> process::Stopped {
+async fn stop(child: &std::sync::Arc<Process>, grace: Duration) -> Stopped {
     let child = child.clone();
     tokio::task::spawn_blocking(move || child.stop(grace))
         .await
-        .unwrap_or(process::Stopped::Stuck)
+        .unwrap_or(Stopped::Stuck)
 }
 
 /// The worker's exit as this command's status: its code, or 128 + the signal that killed it.

@@ -6,7 +6,6 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use onebit_plugin_api::process;
 use serde::Deserialize;
 
 use crate::error::HybridError;
@@ -51,10 +50,11 @@ pub fn run(invocation: &Invocation) -> Result<Report, HybridError> {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
-    let mut child = process::spawn(command).map_err(|source| HybridError::ProviderStart {
-        program: invocation.program.to_string(),
-        source,
-    })?;
+    let mut child =
+        onebit_process::spawn(command).map_err(|source| HybridError::ProviderStart {
+            program: invocation.program.to_string(),
+            source,
+        })?;
     let mut stdout = child.stdout.take().expect("stdout is piped");
     let (out_tx, out_rx) = mpsc::channel();
     std::thread::spawn(move || {

@@ -35,7 +35,6 @@ pub(super) fn framed(say: Say, fed: &[u8], out: &mut Vec<u8>) -> bool {
 /// goes to the early stream, then its body as it arrives, with the stream's comments in its
 /// silences. The connection closes after it either way. Returns the event bytes passed on.
 pub(super) async fn after_early_head(
-    app: &App,
     client: &mut BusyPollStream,
     mut backend: BusyPollStream,
     mut stream: EarlyStream,
@@ -45,9 +44,7 @@ pub(super) async fn after_early_head(
 ) -> u64 {
     let Tracking {
         keepalive,
-        ticket,
-        in_flight,
-        mut clock,
+        mut exchange,
     } = tracking;
     let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
     stream.head(head.status);
@@ -77,13 +74,10 @@ pub(super) async fn after_early_head(
         }
         if passed {
             bytes += payload.len() as u64;
-            if let Some(clock) = &mut clock {
-                clock.wrote(&app.requests);
-            }
+            exchange.passed(payload.len());
         }
         if over {
-            drop(ticket);
-            drop(in_flight);
+            drop(exchange);
             return bytes;
         }
         let silence = tokio::time::sleep(every);
@@ -102,9 +96,7 @@ pub(super) async fn after_early_head(
                         return bytes;
                     }
                     Ok(n) => {
-                        if let Some(ticket) = &ticket {
-                            ticket.progress(n);
-                        }
+                        exchange.arrived(n);
                         break;
                     }
                 },

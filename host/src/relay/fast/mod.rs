@@ -23,11 +23,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use crate::error::ApiError;
 use crate::guard::{self, Seen};
-use crate::metrics::requests::{PathClass, StreamClock};
+use crate::metrics::requests::PathClass;
 use crate::relay::App;
 use crate::relay::busy_poll::BusyPollStream;
 use crate::relay::early_stream::EarlyStream;
-use crate::relay::in_flight::InFlight;
+use crate::relay::exchange::Exchange;
 use crate::relay::plan::{self, Decided, Engine, RelayPlan, Target, Way};
 use crate::relay::request_id::RequestId;
 use crate::relay::sse_keepalive;
@@ -145,47 +145,28 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
     // serve's added time runs from here (the request in hand) to the reply's head written,
     // less the backend's own time (`metrics::requests`).
     let began = Instant::now();
-    let fast = match qualify(app, buf) {
-        Verdict::Fast(fast) => fast,
+    let (fast, exchange) = match qualify(app, buf, began) {
+        Verdict::Fast(fast, exchange) => (fast, exchange),
         Verdict::HeadDue => return Outcome::HeadDue,
         Verdict::BodyDue(plan) => return Outcome::BodyDue(plan),
         Verdict::HandOver(decided) => return Outcome::HandOver(decided),
     };
-    let mut in_flight = InFlight::begin();
-    if fast.abandoned_at_stop {
-        in_flight.abandoned_at_stop();
-    }
     buf.advance(fast.consumed);
-    let ticket = match (&fast.watched, app.watchdog.get()) {
-        (Some((method, path, bytes)), Some(dog)) => {
-            Some(dog.track(method, path, fast.streamed, fast.backend, *bytes))
-        }
-        _ => None,
-    };
-    // A streamed inference request gets comments in its backend's silences (keep-alive on).
+    // A streamed generation gets comments in its backend's silences (keep-alive on).
     let keepalive = sse_keepalive::every().filter(|_| fast.streamed);
-    let sent = match send(app, client, &fast, keepalive, began).await {
+    let mut tracking = Tracking {
+        keepalive,
+        exchange,
+    };
+    let sent = match send(app, client, &fast, &mut tracking, began).await {
         Ok(sent) => sent,
         Err(outcome) => return outcome,
     };
     let backend_time = sent.at.elapsed();
-    if let Some(ticket) = &ticket {
-        ticket.progress(0);
-    }
-    // A streamed inference request's events are timed as they are written.
-    let clock = fast
-        .streamed
-        .then(|| StreamClock::new(began, fast.path, Engine::Fast));
-    let tracking = Tracking {
-        keepalive,
-        ticket,
-        in_flight,
-        clock,
-    };
+    tracking.exchange.reply_head();
     if let Some(stream) = sent.early {
         app.requests.count(fast.path, 200, Engine::Fast);
         let bytes = after_early_head(
-            app,
             client,
             sent.backend,
             stream,
@@ -228,9 +209,10 @@ async fn send(
     app: &Arc<App>,
     client: &mut BusyPollStream,
     fast: &Fast,
-    keepalive: Option<Duration>,
+    tracking: &mut Tracking,
     began: Instant,
 ) -> Result<Sent, Outcome> {
+    let keepalive = tracking.keepalive;
     let mut reply = BytesMut::with_capacity(8 * 1024);
     let mut retried = false;
     let mut early: Option<EarlyStream> = None;
@@ -375,9 +357,7 @@ async fn relay_reply(
     } = sent;
     let Tracking {
         keepalive,
-        ticket,
-        in_flight,
-        mut clock,
+        mut exchange,
     } = tracking;
     let Timing {
         began,
@@ -415,22 +395,18 @@ async fn relay_reply(
             }
             out.clear();
             if !std::mem::replace(&mut head_written, true) {
-                added = began.elapsed().saturating_sub(backend_time);
-                app.requests.added(fast.path, Engine::Fast, added);
+                added = exchange.head_written(backend_time);
             }
             if take > 0 {
                 bytes += take as u64;
-                if let Some(clock) = &mut clock {
-                    clock.wrote(&app.requests);
-                }
+                exchange.passed(take);
             }
         }
         if done {
             if head.keeps_connection() && !leftover {
                 app.pool.checkin(fast.port, backend);
             }
-            drop(ticket);
-            drop(in_flight);
+            drop(exchange);
             app.requests
                 .lasted(fast.path, Engine::Fast, began.elapsed());
             fast.log(head.status, added, bytes);
@@ -460,8 +436,7 @@ async fn relay_reply(
                 read = backend.read_buf(&mut reply) => match read {
                     Ok(0) if body.framing == Framing::UntilClose => {
                         // The backend's close ends the body: so does the last chunk.
-                        drop(ticket);
-                        drop(in_flight);
+                        drop(exchange);
                         app.requests.lasted(fast.path, Engine::Fast, began.elapsed());
                         fast.log(head.status, added, bytes);
                         if client.write_all(b"0\r\n\r\n").await.is_err() || close {
@@ -472,9 +447,7 @@ async fn relay_reply(
                     // The reply broke off: the client sees its connection close.
                     Ok(0) | Err(_) => return Outcome::Close,
                     Ok(n) => {
-                        if let Some(ticket) = &ticket {
-                            ticket.progress(n);
-                        }
+                        exchange.arrived(n);
                         if let Some(silences) = &mut silences {
                             silences.last_byte = tokio::time::Instant::now();
                         }
@@ -491,13 +464,10 @@ async fn relay_reply(
     }
 }
 
-/// What a relayed reply carries along: its keep-alive period, the watchdog's ticket, its
-/// place among the requests in flight, and its stream's clock.
+/// What a relayed reply carries along: its keep-alive period and the request's exchange.
 struct Tracking {
     keepalive: Option<Duration>,
-    ticket: Option<crate::backends::watchdog::Ticket>,
-    in_flight: InFlight,
-    clock: Option<StreamClock>,
+    exchange: Exchange,
 }
 
 /// `Date: <now>`, formatted once a second.

@@ -5,8 +5,13 @@
 use super::*;
 
 /// What [`qualify`] found.
+// Made once per request and moved once: boxing the fast variant would add an allocation to
+// the hot path for nothing.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Verdict {
-    Fast(Fast),
+    /// The fast engine carries it: what to send where, and the request's exchange, admitted
+    /// and sending (phases 1 to 5 of `relay::exchange`).
+    Fast(Fast, Exchange),
     /// The head has not all arrived (and is not yet too large).
     HeadDue,
     /// The plan so far is the fast engine's; the body has not all arrived.
@@ -26,16 +31,12 @@ pub(super) struct Fast {
     pub(super) consumed: usize,
     /// The client asked to close after this reply.
     pub(super) close: bool,
-    /// For the watchdog: an inference request (its method, path and body's length).
-    pub(super) watched: Option<(String, String, usize)>,
-    /// A streamed inference request: keep-alive comments in its silences, its events timed.
-    /// (A whole one is the general engine's when serve names the model in replies; in router
-    /// mode, where it does not, the fast engine carries it too, and it gets neither.)
+    /// A streamed generation: keep-alive comments in its silences. (A whole one is the
+    /// general engine's when serve names the model in replies; in router mode, where it does
+    /// not, the fast engine carries it too, without them.)
     pub(super) streamed: bool,
     /// For `onebit_requests_total`.
     pub(super) path: PathClass,
-    /// The backend abandons it at its stop, so the drain does not wait for it (`in_flight`).
-    pub(super) abandoned_at_stop: bool,
     /// Sent to the backend, and on the reply.
     pub(super) id: RequestId,
     /// The method and path for the request's log line, kept only when that line is on.
@@ -64,9 +65,9 @@ impl Fast {
 
 /// Read the request at the start of `buf` and decide it: the transport conditions the fast
 /// engine needs (a whole HTTP/1.1 head, no Transfer-Encoding, Expect or Upgrade, a body of at
-/// most 256 KiB), the guard, and the request's [`RelayPlan`]. Runs on the connection's task;
-/// never blocks.
-pub(super) fn qualify(app: &App, buf: &[u8]) -> Verdict {
+/// most 256 KiB), the guard, the request's [`RelayPlan`], its admission, and the backend
+/// request. Runs on the connection's task; never blocks.
+pub(super) fn qualify(app: &Arc<App>, buf: &[u8], began: Instant) -> Verdict {
     let mut storage = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let head = match wire::read_head(buf, &mut storage) {
         Head::Whole(head) => head,
@@ -126,6 +127,13 @@ pub(super) fn qualify(app: &App, buf: &[u8]) -> Verdict {
         return decided(plan, has_body);
     };
 
+    // Admission: a refusal is the general engine's to send (it admits the request again).
+    let mut exchange = Exchange::begin(app, Engine::Fast, PathClass::of(path), began);
+    if exchange.admit(&plan).is_err() {
+        return decided(plan, has_body);
+    }
+    exchange.sending(&plan, method, path, backend, body_len);
+
     let id = RequestId::for_request(head.request_ids());
     let mut upstream = Vec::with_capacity(head_len + body_len + 64);
     let line = plan::UpstreamLine {
@@ -142,20 +150,17 @@ pub(super) fn qualify(app: &App, buf: &[u8]) -> Verdict {
         head.connection(),
     );
     upstream.extend_from_slice(body);
-    Verdict::Fast(Fast {
+    let fast = Fast {
         backend,
         port,
         upstream,
         consumed: head_len + body_len,
         close: head.close,
-        watched: plan
-            .watched
-            .then(|| (method.to_string(), path.to_string(), body_len)),
-        streamed: plan.inference && plan.streamed,
+        streamed: plan.generation && plan.streamed,
         path: PathClass::of(path),
-        abandoned_at_stop: crate::relay::in_flight::abandoned_at_stop(path),
         id,
         logged: tracing::enabled!(target: crate::log::REQUEST, tracing::Level::DEBUG)
             .then(|| Box::new((method.to_string(), path.to_string()))),
-    })
+    };
+    Verdict::Fast(fast, exchange)
 }

@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use onebit_plugin_api::PlanRequest;
-use onebit_plugin_api::process::{self, Process};
+use onebit_process::Process;
 use serde_json::{Value, json};
 
 /// How long a started llama-server may take to load the model.
@@ -317,7 +317,7 @@ fn start_server(model: &str, n: usize, under: &Path) -> Result<(String, Started)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let child = process::spawn(command).map_err(|source| PrefillError::Spawn {
+    let child = onebit_process::spawn(command).map_err(|source| PrefillError::Spawn {
         binary: binary.clone(),
         source,
     })?;
