@@ -21,4 +21,6 @@ pub trait Prepare {
     fn setup(&self, ws: &Workspace) -> Result<(), Failure>;
     /// `cargo xtask addon [--release]`: the inproc add-on built; its library's path.
     fn addon(&self, ws: &Workspace, release: bool) -> Result<PathBuf, Failure>;
+    /// The pinned gateway a fleet runs behind (SMG, `setup::gateway`) installed; its command.
+    fn gateway(&self, ws: &Workspace) -> Result<PathBuf, Failure>;
 }

@@ -458,6 +458,16 @@ pub struct ServeArgs {
     /// backends stop (0: stop at once).
     #[arg(long, value_name = "SECS", env = "ONEBIT_DRAIN_S", default_value_t = DRAIN_DEFAULT_S)]
     pub drain_s: f64,
+    /// On SIGTERM, go on answering for this many seconds (within `--drain-s`) while `/health`
+    /// answers 503 draining, so a gateway's health check stops sending here before connects
+    /// are refused (docs/fleet.md); 0: refuse at once.
+    #[arg(
+        long,
+        value_name = "SECS",
+        env = "ONEBIT_DRAIN_NOTICE_S",
+        default_value_t = 0.0
+    )]
+    pub drain_notice_s: f64,
     /// Refuse a model with any node off the device.
     #[arg(long, conflicts_with = "no_strict_device")]
     pub strict_device: bool,
@@ -476,6 +486,11 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
+    /// Send Claude Code's attribution line (`x-anthropic-billing-header: ...`, first in a
+    /// Messages request's system prompt) to the engine; by default it is dropped, since it
+    /// changes every turn and the engine's cached prefix would end at it.
+    #[arg(long)]
+    pub keep_attribution: bool,
     /// Keep the KV state of long prompts in DIR across serve's restarts (default: `prompt-cache/`
     /// under serve's state directory, one folder per model file; docs/serve.md).
     #[arg(long, value_name = "DIR")]

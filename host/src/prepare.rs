@@ -278,6 +278,12 @@ fn checked_flags(args: &ServeArgs, printing: bool) -> Result<Option<ApiKey>, Fat
             args.drain_s
         )));
     }
+    if !(args.drain_notice_s.is_finite() && (0.0..=3600.0).contains(&args.drain_notice_s)) {
+        return Err(Fatal::usage(format!(
+            "--drain-notice-s {}: not a number of seconds from 0 to 3600; pass one such as 3",
+            args.drain_notice_s
+        )));
+    }
     crate::prompt_cache::start::checked(args)?;
     if printing && let Some(flag) = args.needs_serve_in_path() {
         return Err(needs_serve(flag.to_string()));

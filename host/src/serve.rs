@@ -193,7 +193,12 @@ async fn serve_plan(p: ServePlan) -> i32 {
         shutdown_rx,
     ));
 
-    let mut drain = Drain::new(shutdown_tx, server, Duration::from_secs_f64(args.drain_s));
+    let mut drain = Drain::new(
+        shutdown_tx,
+        server,
+        Duration::from_secs_f64(args.drain_s),
+        Duration::from_secs_f64(args.drain_notice_s),
+    );
     if let Some(cache) = app.prompt_cache.clone() {
         drain.before_cut(move || cache.cutting());
     }

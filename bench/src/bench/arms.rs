@@ -86,6 +86,21 @@ impl Server {
         }
     }
 
+    /// SIGTERM, without waiting (its drop waits).
+    pub fn terminate(&self) {
+        let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM);
+    }
+
+    /// How it exited, when it did.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Its log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
     pub fn failure(&self, what: String) -> Failure {
         Failure::new(
             format!("{} on {}: {what}", self.name, self.addr),

@@ -7,7 +7,9 @@
 //! `rpc` (tokens/s and time to first token, local against split over RPC workers);
 //! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`); `stop` alone
 //! (SIGTERM to exit on every kind of route, idle and with a stream in flight, `stop.rs`);
-//! `prompt-cache` alone (a conversation's second request after a restart, `prompt_cache.rs`).
+//! `prompt-cache` alone (a conversation's second request after a restart, `prompt_cache.rs`);
+//! `fleet` alone (serves behind the pinned gateway: its added time, throughput at 1, 2 and 4
+//! workers, `fleet.rs`, which also starts the fleet `cargo xtask fleet` runs).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`);
 //! `hop --repeat N` measures the hop N times and judges the series (`series.rs`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
@@ -15,6 +17,7 @@
 mod arms;
 pub(crate) mod chart;
 mod client;
+pub mod fleet;
 mod inproc;
 mod inproc_llama;
 mod measures;
@@ -38,7 +41,7 @@ use report::Report;
 
 use crate::{Failure, Prepare, Workspace, process};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench hop --repeat N [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]` or `cargo xtask bench prompt-cache [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench hop --repeat N [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]`, `cargo xtask bench prompt-cache [--quick]` or `cargo xtask bench fleet [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -162,6 +165,10 @@ pub fn run(ws: &Workspace, prep: &dyn Prepare, args: &[String]) -> Result<ExitCo
     if args.iter().any(|a| a == "prompt-cache") {
         // The persistent prompt cache after a restart: its own table.
         return prompt_cache::run(ws, args.iter().any(|a| a == "--quick"));
+    }
+    if args.iter().any(|a| a == "fleet") {
+        // Serves behind the pinned gateway: its own table.
+        return fleet::run(ws, prep, args.iter().any(|a| a == "--quick"));
     }
     if args.iter().any(|a| a == "stop") {
         // SIGTERM to exit against Lemonade's window: its own table.

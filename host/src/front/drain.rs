@@ -1,10 +1,14 @@
-//! The stop that finishes what it started: on SIGTERM serve stops accepting, lets the requests
-//! in flight finish for a drain window (`--drain-s`), and at the window's end cuts what is still
+//! The stop that finishes what it started: on SIGTERM `/health` answers 503 `draining` at once;
+//! serve goes on answering for the notice (`--drain-notice-s`, 0 by default), so a gateway's
+//! health check takes it out of its rotation before a connect is refused; then it stops
+//! accepting, lets the requests in flight finish for what is left of the drain window
+//! (`--drain-s`, counted from the signal), and at the window's end cuts what is still
 //! in flight itself (every connection closed, every in-process route's sink failing with
 //! `onebit_plugin_api::HOST_STOPPING`), so the backends it then stops are idle (llama-server sees its clients
 //! leave and cancels their tasks) and exit at once. A stream cut so is never ended with a
 //! `[DONE]` it did not get.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -25,21 +29,37 @@ pub enum Cut {
     Abandoned,
 }
 
+/// Set when the drain begins (SIGTERM or SIGINT); `/health` answers 503 `draining` from then on.
+static DRAINING: AtomicBool = AtomicBool::new(false);
+
+/// Whether serve is draining: told to stop, it finishes what it has and takes nothing new.
+pub fn draining() -> bool {
+    DRAINING.load(Ordering::Relaxed)
+}
+
 /// serve's listener task and the switch that stops it. Owned by `serve_plan`, used from
 /// `supervise` on the runtime.
 pub struct Drain {
     shutdown: watch::Sender<bool>,
     server: Option<JoinHandle<()>>,
     window: Duration,
+    /// How long serve goes on accepting once `/health` says draining (within the window).
+    notice: Duration,
     before_cut: Vec<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl Drain {
-    pub fn new(shutdown: watch::Sender<bool>, server: JoinHandle<()>, window: Duration) -> Self {
+    pub fn new(
+        shutdown: watch::Sender<bool>,
+        server: JoinHandle<()>,
+        window: Duration,
+        notice: Duration,
+    ) -> Self {
         Drain {
             shutdown,
             server: Some(server),
             window,
+            notice: notice.min(window),
             before_cut: Vec::new(),
         }
     }
@@ -50,21 +70,32 @@ impl Drain {
         self.before_cut.push(Box::new(f));
     }
 
-    /// Stop accepting, then wait until every connection has finished its request in flight, or
-    /// the window ends and what is left is cut. What the backend abandons at its own stop
+    /// Say draining on `/health`; go on answering for the notice; stop accepting, then wait
+    /// until every connection has finished its request in flight, or the window ends and what
+    /// is left is cut. What the backend abandons at its own stop
     /// (llama-server's tool calls, `relay::in_flight`) is not waited for: once only such
     /// requests are left they are cut at once. Returns when the backends may be stopped, with
     /// what was cut.
     pub async fn run(&mut self, what: &str) -> Cut {
+        DRAINING.store(true, Ordering::Relaxed);
+        let window_ends = tokio::time::Instant::now() + self.window;
+        if !self.notice.is_zero() && self.server.is_some() {
+            tracing::info!(
+                "1bit serve: {what}: /health answers 503 (draining); still answering for {:.1} s so a gateway stops sending here first",
+                self.notice.as_secs_f64()
+            );
+            tokio::time::sleep(self.notice).await;
+        }
         let _ = self.shutdown.send(true);
         let Some(server) = self.server.as_mut() else {
             return Cut::Nothing;
         };
         let busy = in_flight::in_flight();
-        if busy > 0 && !self.window.is_zero() {
+        let left = window_ends.saturating_duration_since(tokio::time::Instant::now());
+        if busy > 0 && !left.is_zero() {
             tracing::info!(
                 "1bit serve: {what}: no new connections; letting {busy} request(s) in flight finish for up to {:.1} s",
-                self.window.as_secs_f64()
+                left.as_secs_f64()
             );
         }
         let only_abandoned_left = async {
@@ -77,7 +108,7 @@ impl Drain {
                 self.server = None;
                 return Cut::Nothing;
             }
-            _ = tokio::time::sleep(self.window) => {
+            _ = tokio::time::sleep_until(window_ends) => {
                 let left = in_flight::in_flight();
                 tracing::info!(
                     "1bit serve: {what}: the drain window ended with {left} request(s) in flight; cutting them"

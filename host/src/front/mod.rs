@@ -1,6 +1,7 @@
 //! The front door: serve's listening socket (`accept`) and serve's own routes with the axum
-//! router around the general engine (`own`), and the drain on SIGTERM that stops accepting
-//! and waits for the requests in flight (`drain`).
+//! router around the general engine (`own`, and `worker`: what a gateway asks of a worker),
+//! and the drain on SIGTERM that says so on `/health`, stops accepting and waits for the
+//! requests in flight (`drain`).
 //!
 //! The front sits above the relay in the order of the rooms: it hands each connection to the
 //! relay's fast engine and puts the general engine behind the router; the relay never imports
@@ -10,3 +11,4 @@
 pub mod accept;
 pub mod drain;
 pub mod own;
+pub mod worker;

@@ -1,5 +1,6 @@
-//! serve's own routes (`/health`, `/v1/models` and `/models`, `/metrics`) and the axum router that puts
-//! them beside the general engine's relay, behind the browser guard.
+//! serve's own routes (`/health`, `/v1/models` and `/models`, `/metrics`, and what a gateway asks
+//! of a worker, `front::worker`) and the axum router that puts them beside the general engine's
+//! relay, behind the browser guard.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -24,9 +25,11 @@ use tracing::Instrument as _;
 /// The router, apart from `main` so tests and benchmarks can build it.
 pub fn router(app: Arc<App>) -> Router {
     let guard = app.guard;
-    let mut router = Router::new()
-        .route("/health", get(health))
-        .route("/v1/health", get(health));
+    let mut router = super::worker::routes(
+        Router::new()
+            .route("/health", get(health))
+            .route("/v1/health", get(health)),
+    );
     // A plan that relays the model list (llama-server's router mode, whose backend loads the
     // models it lists) gets its backend's; otherwise serve lists what it serves.
     let relayed = app
@@ -202,6 +205,17 @@ fn unavailable(fields: &[(&str, &str)], message: &str) -> String {
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
+    // Told to stop: a gateway's health check takes serve out of its rotation while the
+    // requests in flight finish (`front::drain`).
+    if super::drain::draining() {
+        return json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            unavailable(
+                &[("status", "draining")],
+                "1bit serve is stopping: it finishes the requests in flight; send new ones elsewhere",
+            ),
+        );
+    }
     match app.status() {
         Status::Ready => json_response(StatusCode::OK, r#"{"status":"ok"}"#.to_string()),
         Status::Loading => json_response(
@@ -239,7 +253,7 @@ async fn models(State(app): State<Arc<App>>) -> Response {
     json_response(StatusCode::OK, body.to_string())
 }
 
-fn json_response(status: StatusCode, body: String) -> Response {
+pub(super) fn json_response(status: StatusCode, body: String) -> Response {
     let mut response = (status, body).into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

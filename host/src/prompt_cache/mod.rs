@@ -2,7 +2,9 @@
 //! of a long prompt saved to disk when its reply ends, and restored, after a restart of serve,
 //! into the slot a later request with the same prefix is pinned to, before it is forwarded.
 //! Slot preparation of the relay plan, as the hybrid handoff is; the state's identity is checked
-//! by `identity`, the files kept by `store` (docs/serve.md, Prompt cache).
+//! by `identity`, the files kept by `store` (docs/serve.md, Prompt cache). Serves that share
+//! the folder restore each other's states: it is read again, where another changed it, as
+//! each request is prepared (`store`, `folder`; docs/fleet.md).
 //!
 //! Below the relay (which calls [`PromptCache::prepare`] and [`PromptCache::released`]); it
 //! calls its backend with serve's probe client, and renders its own series for `/metrics`.
@@ -26,9 +28,11 @@ use serde_json::Value;
 
 use crate::backends::health::ProbeClient;
 use identity::Identity;
-use store::{Admitted, Discarded, Reason, Store};
+use store::{Admitted, Discarded, News, Reason, Store};
 
 mod backend_calls;
+mod copy;
+mod folder;
 mod note;
 mod restore;
 mod series;
@@ -40,6 +44,9 @@ use series::{Counts, ReasonLabel};
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A save or restore reads or writes the whole state (tens of MB for a long prompt).
 const STATE_TIMEOUT: Duration = Duration::from_secs(120);
+/// A look at the folder (one `stat`, a listing when it changed) takes microseconds; one that
+/// has not answered in this long is a folder on a disk that stopped answering.
+const FOLDER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What the flags asked for, settled before the backend starts (`start::setup`).
 #[derive(Clone, Debug)]
@@ -142,6 +149,10 @@ pub struct PromptCache {
     pending: AtomicUsize,
     settled: tokio::sync::Notify,
     counts: Counts,
+    /// Whether the folder could be read at the last look (said once when it could not).
+    reachable: AtomicBool,
+    /// A look at the folder is still under way past its time: none other is begun.
+    stalled: Arc<AtomicBool>,
 }
 
 impl PromptCache {
@@ -158,6 +169,8 @@ impl PromptCache {
             pending: AtomicUsize::new(0),
             settled: tokio::sync::Notify::new(),
             counts: Counts::default(),
+            reachable: AtomicBool::new(true),
+            stalled: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -168,9 +181,10 @@ impl PromptCache {
     }
 
     /// Once the backend is ready: its identity (its `/props`, the model's header, the
-    /// llama-server executable), then the directory read, each file that is not this
-    /// identity's, or does not fit its description, discarded with its line. Called once by
-    /// `serve` before it says ready; a failure says one line and leaves the cache off.
+    /// llama-server executable), then the folder read, each file that does not fit its
+    /// description discarded with its line, the states of other identities said and left.
+    /// Called once by `serve` before it says ready; a failure says one line and leaves the
+    /// cache off.
     pub async fn open(&self) {
         let props = match self.get_json("/props").await {
             Ok(props) => props,
@@ -199,11 +213,12 @@ impl PromptCache {
                 kv_settings: identity::kv_settings(&setup.argv),
             };
             let slots = identity.total_slots.max(1) as usize;
-            let (store, discarded) = Store::open(&setup.dir, setup.budget_bytes, identity);
-            Ok::<_, std::io::Error>((store, discarded, slots))
+            let mut store = Store::open(&setup.dir, setup.budget_bytes, identity);
+            let news = store.take_news();
+            Ok::<_, std::io::Error>((store, news, slots))
         })
         .await;
-        let (store, discarded, slots) = match opened {
+        let (store, news, slots) = match opened {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => {
                 tracing::warn!(
@@ -213,14 +228,12 @@ impl PromptCache {
             }
             Err(_) => return,
         };
-        for d in &discarded {
-            self.said_discard(d);
-        }
+        self.say(news);
         tracing::info!(
             "1bit serve: prompt cache: {} (states: {}, {:.2} of {:.2} GiB; prompts of {} tokens or more)",
             self.setup.dir.display(),
             store.count(),
-            store.total_bytes() as f64 / GIB,
+            store.folder_bytes() as f64 / GIB,
             self.setup.budget_bytes as f64 / GIB,
             self.setup.min_tokens
         );
@@ -240,8 +253,13 @@ impl PromptCache {
     /// task; the file check goes to a blocking thread.
     pub async fn prepare(&self, path: &str, body: &Bytes) -> Option<(Bytes, Prepared)> {
         let kind = Kind::of(path)?;
-        if self.store.lock().ok()?.is_none() {
-            return None;
+        // Not open yet (or off); a store busy with a save or a look is open. Never waited on
+        // here: a folder whose disk stopped answering holds its lock (`refreshed`).
+        match self.store.try_lock() {
+            Ok(store) if store.is_none() => return None,
+            Err(std::sync::TryLockError::Poisoned(_)) => return None,
+            _ if self.stalled.load(Ordering::Relaxed) => return None,
+            _ => {}
         }
         let mut value: Value = serde_json::from_slice(body).ok()?;
         let asked_slot = value
@@ -270,7 +288,7 @@ impl PromptCache {
             .iter()
             .map(|t| t.as_i64().map(|t| t as i32))
             .collect::<Option<_>>()?;
-        if tokens.len() < self.setup.min_tokens {
+        if tokens.len() < self.setup.min_tokens || !self.refreshed().await {
             return None;
         }
         let (slot, held) = self.choose_slot(asked_slot, &tokens).await;
@@ -411,7 +429,10 @@ impl PromptCache {
             s.busy = s.busy.saturating_sub(1);
             s.tokens.clone_from(&prepared.tokens);
         }
-        if !self.saving.load(Ordering::Relaxed) {
+        if !self.saving.load(Ordering::Relaxed)
+            || !self.reachable.load(Ordering::Relaxed)
+            || self.stalled.load(Ordering::Relaxed)
+        {
             return;
         }
         let at_best = self.exact_cut(prepared.tokens.len());
@@ -477,12 +498,17 @@ impl PromptCache {
             return;
         }
         let temp = Store::temp_name(self.seq.fetch_add(1, Ordering::Relaxed));
+        // Removed however the save ends: also when the stop drops it, once the backend that
+        // was writing it is gone.
+        let _temp = folder::TempFile(self.setup.dir.join(&temp));
         let saved = self.slot_file_action(slot, "save", &temp).await;
         if let Err(e) = saved {
-            let _ = std::fs::remove_file(self.setup.dir.join(&temp));
-            // A backend that refused (its disk full or read-only) stops saving; one that did
-            // not answer (stopping, or gone) is the supervisor's to report.
-            if e.starts_with("status ") {
+            // A folder gone is said as such; a backend that refused (its disk full or
+            // read-only) stops saving; one that did not answer (stopping, or gone) is the
+            // supervisor's to report.
+            if let Some(why) = self.folder_lost().await {
+                self.unreachable(&why);
+            } else if e.starts_with("status ") {
                 self.stop_saving(&format!("llama-server could not save slot {slot} ({e})"));
             }
             return;
@@ -491,19 +517,97 @@ impl PromptCache {
         let min = self.setup.min_tokens;
         let admitted = tokio::task::spawn_blocking(move || {
             let mut store = store.lock().ok()?;
-            Some(store.as_mut()?.admit(&temp, min, exact))
+            let store = store.as_mut()?;
+            Some((store.admit(&temp, min, exact), store.take_news()))
         })
         .await
         .ok()
         .flatten();
+        let Some((admitted, news)) = admitted else {
+            return;
+        };
+        self.say(news);
         match admitted {
-            Some(Ok(Admitted::Kept { bytes, evicted })) => {
+            Ok(Admitted::Kept { bytes, evicted }) => {
                 self.counts.saves.inc();
                 self.counts.saved_bytes.inc_by(bytes);
                 self.counts.evictions.inc_by(evicted as u64);
             }
-            Some(Ok(Admitted::Dropped(_))) | None => {}
-            Some(Err(e)) => self.stop_saving(&format!("cannot keep a state ({e})")),
+            Ok(Admitted::Dropped(_)) => {}
+            Err(e) => match self.folder_lost().await {
+                Some(why) => self.unreachable(&why),
+                None => self.stop_saving(&format!("cannot keep a state ({e})")),
+            },
+        }
+    }
+
+    /// The folder looked at again where another serve changed it ([`Store::refresh`], on a
+    /// blocking thread, for at most [`FOLDER_TIMEOUT`]) before a request is prepared: false
+    /// when it cannot be read, said once, and the request goes on without the cache. A look
+    /// past its time is given up and no other begun until it ends.
+    async fn refreshed(&self) -> bool {
+        if self.stalled.load(Ordering::Relaxed) {
+            return false;
+        }
+        let store = self.store.clone();
+        let mut look = tokio::task::spawn_blocking(move || {
+            let mut store = store.lock().ok()?;
+            let store = store.as_mut()?;
+            Some(store.refresh().map(|_| store.take_news()))
+        });
+        let looked = match tokio::time::timeout(FOLDER_TIMEOUT, &mut look).await {
+            Ok(joined) => joined.ok().flatten(),
+            Err(_) => {
+                self.stalled.store(true, Ordering::Relaxed);
+                let stalled = self.stalled.clone();
+                tokio::spawn(async move {
+                    let _ = look.await;
+                    stalled.store(false, Ordering::Relaxed);
+                });
+                self.unreachable(&format!(
+                    "it did not answer within {} s",
+                    FOLDER_TIMEOUT.as_secs()
+                ));
+                return false;
+            }
+        };
+        match looked {
+            Some(Ok(news)) => {
+                self.say(news);
+                if !self.reachable.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        "1bit serve: prompt cache: {} can be read again; restoring and saving again",
+                        self.setup.dir.display()
+                    );
+                }
+                true
+            }
+            Some(Err(e)) => {
+                self.unreachable(&e.to_string());
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Why the folder cannot be read now, or None when it can.
+    async fn folder_lost(&self) -> Option<String> {
+        let dir = self.setup.dir.clone();
+        tokio::task::spawn_blocking(move || folder::Stamp::of(&dir).err())
+            .await
+            .ok()
+            .flatten()
+            .map(|e| e.to_string())
+    }
+
+    /// The folder cannot be read: said once, until it can again; requests go on without the
+    /// cache, and nothing is saved.
+    fn unreachable(&self, why: &str) {
+        if self.reachable.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                "1bit serve: prompt cache: {} cannot be read ({why}); serving goes on without the cache until it can",
+                self.setup.dir.display()
+            );
         }
     }
 
@@ -535,6 +639,29 @@ impl PromptCache {
                 "1bit serve: prompt cache: {} save(s) still under way when the stop's time ran out; not kept (a longer --drain-s gives them time)",
                 self.pending.load(Ordering::SeqCst)
             );
+        }
+    }
+
+    /// Say what the folder's listings found: each file discarded, and each reason another
+    /// identity's states are not used, once.
+    fn say(&self, news: News) {
+        for d in &news.discarded {
+            self.said_discard(d);
+        }
+        for other in &news.others {
+            self.counts
+                .discards
+                .get_or_create(&ReasonLabel {
+                    reason: Reason::Foreign.label(),
+                })
+                .inc();
+            if other.first {
+                tracing::warn!(
+                    "1bit serve: prompt cache: not using {}: {}; left in the folder for the serves it is theirs (the folder's budget evicts it in its turn)",
+                    other.file.display(),
+                    other.why
+                );
+            }
         }
     }
 

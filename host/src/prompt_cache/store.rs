@@ -1,16 +1,23 @@
-//! The prompt cache's directory: each saved state (`NAME.state`, llama.cpp's sequence-state
+//! The prompt cache's folder: each saved state (`NAME.state`, llama.cpp's sequence-state
 //! file as llama-server writes it) beside its description (`NAME.json`: the identity that made
-//! it, its tokens, size and CRC-32), the budget and the least recently used order. Files are
-//! written as a temporary name and renamed, mode 0600; a description that does not fit its
-//! state, or an identity that is not ours, is discarded, never restored. std and serde only;
-//! every function blocks (file I/O) and is called on a blocking thread.
+//! it, its tokens, size and CRC-32), the folder's budget and the least recently used order.
+//! Several serves may share the folder (docs/fleet.md): each lists it again when its stamp
+//! says another changed it; a file is only ever made whole under a temporary name and renamed
+//! into place (mode 0600), never written in place, and a restore reads a private copy, so no
+//! writer corrupts another's states nor a reader's restore. A description that does not fit
+//! its state is discarded; a state of another identity is never restored, and left to its own
+//! serves. std and serde only; every function blocks (file I/O) and is called on a blocking
+//! thread.
 
-use std::os::unix::fs::PermissionsExt;
+use std::collections::HashSet;
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
+use super::folder::{self, Stamp};
 use super::identity::Identity;
 
 /// The description's format; another is discarded as foreign. Format 2 added `exact`.
@@ -21,10 +28,11 @@ const SEQ_VERSION: u32 = 4;
 /// A state with no description younger than this may be another serve's save under way.
 const ORPHAN_AGE: Duration = Duration::from_secs(120);
 
-/// Why a file was discarded: the label of `onebit_prompt_cache_discards_total`.
+/// Why a file was discarded, or not used: the label of `onebit_prompt_cache_discards_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
-    /// Made by another model file, llama.cpp build or context settings.
+    /// Made by another model file, llama.cpp build or context settings (or described in
+    /// another format): never restored, and left in the folder for the serves it is theirs.
     Foreign,
     /// Shorter than its description says.
     Truncated,
@@ -52,6 +60,43 @@ pub struct Discarded {
     pub why: String,
 }
 
+/// A state of another identity, first seen: not used, left in the folder.
+#[derive(Debug)]
+pub struct Other {
+    pub file: PathBuf,
+    pub why: String,
+    /// The first of its reason: said (once for each reason).
+    pub first: bool,
+}
+
+/// What the listings of the folder found since it was last asked ([`Store::take_news`]).
+#[derive(Debug, Default)]
+pub struct News {
+    pub discarded: Vec<Discarded>,
+    pub others: Vec<Other>,
+}
+
+/// Where a restore reads its state from ([`copy::private`](super::copy::private)).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Source {
+    /// This serve's own copy (the temporary name it was given), checked against the
+    /// description; its token list marked to end the match at the restore's cut when
+    /// `marked`.
+    Copy { marked: bool },
+    /// The state itself, checked, restored whole: no copy could be written (a read-only or
+    /// full folder).
+    Whole,
+}
+
+/// Why a state cannot be restored.
+#[derive(Debug)]
+pub enum Unusable {
+    /// Its file is gone: another serve evicted or replaced it. Forgotten without a word.
+    Gone,
+    /// It does not fit its description, or is another identity's.
+    Bad(Reason, String),
+}
+
 /// One saved state.
 #[derive(Clone, Debug)]
 pub struct Entry {
@@ -64,8 +109,7 @@ pub struct Entry {
     /// stops there at the latest.
     pub exact: usize,
     pub bytes: u64,
-    crc32: u32,
-    used: SystemTime,
+    pub(super) crc32: u32,
 }
 
 /// What `NAME.json` says.
@@ -79,14 +123,6 @@ struct Description {
     exact: usize,
 }
 
-/// A token of a state file changed for one restore, and what it was.
-#[derive(Debug)]
-pub struct Mark {
-    path: PathBuf,
-    offset: u64,
-    original: [u8; 4],
-}
-
 /// What [`Store::admit`] did with a state llama-server saved.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Admitted {
@@ -96,104 +132,197 @@ pub enum Admitted {
     Dropped(&'static str),
 }
 
-/// The directory and what it holds for one identity.
+/// The folder and what this identity finds in it.
 pub struct Store {
     dir: PathBuf,
     budget: u64,
     identity: Identity,
+    /// The identity's key: the first part of its states' names.
+    key: String,
     entries: Vec<Entry>,
+    /// Descriptions in the folder of another identity or format: not read again.
+    others: HashSet<String>,
+    /// The reasons of others' states already said.
+    said: HashSet<String>,
+    /// The folder as it was when last listed; None: list it at the next refresh.
+    stamp: Option<Stamp>,
+    /// The bytes of every state in the folder, whoever made it, at the last eviction pass.
+    folder_bytes: u64,
+    news: News,
 }
 
 impl Store {
-    /// Read the directory: every description of this identity whose state has its size is an
-    /// entry; every other description and state is discarded (removed) and returned, to be
-    /// said. Leftover temporary files of a serve no longer running are removed. Then the
-    /// budget is applied.
-    pub fn open(dir: &Path, budget: u64, identity: Identity) -> (Store, Vec<Discarded>) {
+    /// Read the folder ([`refresh`](Self::refresh); a folder that cannot be read is an empty
+    /// one until it can), then apply the budget to it. What was discarded, and the states of
+    /// other identities, are in [`take_news`](Self::take_news).
+    pub fn open(dir: &Path, budget: u64, identity: Identity) -> Store {
         let mut store = Store {
             dir: dir.to_path_buf(),
             budget,
+            key: identity.key(),
             identity,
             entries: Vec::new(),
+            others: HashSet::new(),
+            said: HashSet::new(),
+            stamp: None,
+            folder_bytes: 0,
+            news: News::default(),
         };
-        let mut discarded = Vec::new();
-        let Ok(listing) = std::fs::read_dir(dir) else {
-            return (store, discarded);
-        };
+        let _ = store.refresh();
+        store.evict_to_budget(None);
+        store
+    }
+
+    /// See what other serves did in the folder since it was last listed: when its stamp is
+    /// the one seen then (one `stat`), nothing; else it is listed again: the descriptions not
+    /// yet known read (this identity's entered, others' set aside), the entries whose
+    /// description is gone (evicted or replaced by another serve) forgotten, leftovers
+    /// removed. Returns whether it was listed. An error when the folder cannot be read (gone,
+    /// replaced by a file, its disk lost): the cache is not used until it can be.
+    pub fn refresh(&mut self) -> std::io::Result<bool> {
+        let stamp = Stamp::of(&self.dir)?;
+        if self.stamp == Some(stamp) {
+            return Ok(false);
+        }
+        self.list()?;
+        self.stamp = (!stamp.racy()).then_some(stamp);
+        Ok(true)
+    }
+
+    /// What the listings discarded and found of others since the last call.
+    pub fn take_news(&mut self) -> News {
+        std::mem::take(&mut self.news)
+    }
+
+    fn list(&mut self) -> std::io::Result<()> {
+        let mut described = HashSet::new();
         let mut states = Vec::new();
-        for item in listing.flatten() {
+        for item in std::fs::read_dir(&self.dir)?.flatten() {
             let file_name = item.file_name().to_string_lossy().into_owned();
             let path = item.path();
-            if let Some(pid) = temp_owner(&file_name) {
-                if !Path::new(&format!("/proc/{pid}")).exists() {
+            if file_name.starts_with("tmp-") {
+                if folder::leftover(&file_name, &path) {
                     let _ = std::fs::remove_file(&path);
                 }
             } else if let Some(name) = file_name.strip_suffix(".json") {
-                match store.read_description(name) {
-                    Ok(entry) => store.entries.push(entry),
-                    Err((reason, why)) => {
-                        remove_pair(dir, name);
-                        discarded.push(Discarded {
-                            file: dir.join(format!("{name}.state")),
-                            reason,
-                            why,
-                        });
-                    }
-                }
+                described.insert(name.to_string());
             } else if let Some(name) = file_name.strip_suffix(".state") {
                 states.push((name.to_string(), path));
             }
         }
+        self.entries.retain(|e| described.contains(&e.name));
+        self.others.retain(|n| described.contains(n));
+        let known: HashSet<&str> = self.entries.iter().map(|e| e.name.as_str()).collect();
+        let mut new: Vec<String> = described
+            .iter()
+            .filter(|n| !self.others.contains(*n) && !known.contains(n.as_str()))
+            .cloned()
+            .collect();
+        new.sort();
+        for name in new {
+            self.enter(&name);
+        }
         for (name, path) in states {
-            let described = dir.join(format!("{name}.json")).exists();
+            if described.contains(&name) {
+                continue;
+            }
             let young = std::fs::metadata(&path)
                 .and_then(|m| m.modified())
                 .ok()
                 .and_then(|t| t.elapsed().ok())
                 .is_none_or(|age| age < ORPHAN_AGE);
-            if !described && !young {
+            if !young {
                 let _ = std::fs::remove_file(&path);
-                discarded.push(Discarded {
+                self.news.discarded.push(Discarded {
                     file: path,
                     reason: Reason::Corrupt,
                     why: "it has no description (a save cut off)".to_string(),
                 });
             }
         }
-        store.evict_to_budget(None);
-        (store, discarded)
+        Ok(())
     }
 
-    fn read_description(&self, name: &str) -> Result<Entry, (Reason, String)> {
+    /// A description not seen before: this identity's an entry; another's set aside (its
+    /// reason said once); one without its state forgotten (another serve is removing it);
+    /// one that does not fit its state removed with it.
+    fn enter(&mut self, name: &str) {
+        match self.read_description(name) {
+            Ok(entry) => self.entries.push(entry),
+            Err(Unusable::Gone) => {
+                let _ = std::fs::remove_file(self.dir.join(format!("{name}.json")));
+            }
+            Err(Unusable::Bad(Reason::Foreign, why)) => {
+                self.others.insert(name.to_string());
+                let first = self.said.insert(why.clone());
+                self.news.others.push(Other {
+                    file: self.dir.join(format!("{name}.state")),
+                    why,
+                    first,
+                });
+            }
+            Err(Unusable::Bad(reason, why)) => {
+                remove_pair(&self.dir, name);
+                self.news.discarded.push(Discarded {
+                    file: self.dir.join(format!("{name}.state")),
+                    reason,
+                    why,
+                });
+            }
+        }
+    }
+
+    fn read_description(&self, name: &str) -> Result<Entry, Unusable> {
+        let bad = |reason, why: String| Unusable::Bad(reason, why);
         let path = self.dir.join(format!("{name}.json"));
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            (
-                Reason::Corrupt,
-                format!("its description is unreadable ({e})"),
-            )
-        })?;
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Unusable::Gone),
+            Err(e) => {
+                return Err(bad(
+                    Reason::Corrupt,
+                    format!("its description is unreadable ({e})"),
+                ));
+            }
+        };
         let d: Description = serde_json::from_str(&text).map_err(|e| {
-            (
+            bad(
                 Reason::Corrupt,
                 format!("its description is not serve's ({e})"),
             )
         })?;
         if d.format != FORMAT {
-            return Err((
+            return Err(bad(
                 Reason::Foreign,
                 format!("its description is format {}, not {FORMAT}", d.format),
             ));
         }
         if let Some(why) = self.identity.mismatch(&d.identity) {
-            return Err((Reason::Foreign, why));
+            return Err(bad(Reason::Foreign, why));
+        }
+        // The identity's key is the first part of the name serve gives a state (an older
+        // serve's names have none): one that is not this key is not this identity's.
+        if let Some((key, _)) = name.split_once('-')
+            && key != self.key
+        {
+            return Err(bad(
+                Reason::Foreign,
+                format!("its name says identity {key}, not {}", self.key),
+            ));
         }
         let state = self.dir.join(format!("{name}.state"));
         let bytes = match std::fs::metadata(&state) {
             Ok(m) => m.len(),
-            Err(e) => return Err((Reason::Truncated, format!("its state file is gone ({e})"))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Unusable::Gone),
+            Err(e) => {
+                return Err(bad(
+                    Reason::Truncated,
+                    format!("its state file cannot be read ({e})"),
+                ));
+            }
         };
         if bytes != d.bytes {
-            return Err((
+            return Err(bad(
                 Reason::Truncated,
                 format!(
                     "it has {bytes} bytes, not the {} it was saved with",
@@ -201,16 +330,12 @@ impl Store {
                 ),
             ));
         }
-        let used = std::fs::metadata(&path)
-            .and_then(|m| m.modified())
-            .unwrap_or(SystemTime::UNIX_EPOCH);
         Ok(Entry {
             name: name.to_string(),
             exact: d.exact.min(d.tokens.len()),
             tokens: d.tokens,
             bytes: d.bytes,
             crc32: d.crc32,
-            used,
         })
     }
 
@@ -230,34 +355,6 @@ impl Store {
         format!("{}.state", entry.name)
     }
 
-    /// Check an entry's state file against its description (size and CRC-32, the whole file
-    /// read) before it is restored. On a mismatch the entry is discarded and returned.
-    pub fn verify(&mut self, entry: &Entry) -> Result<(), Discarded> {
-        let path = self.dir.join(Self::file_name(entry));
-        let checked = std::fs::read(&path)
-            .map_err(|e| (Reason::Truncated, format!("it cannot be read ({e})")))
-            .and_then(|data| {
-                if data.len() as u64 != entry.bytes {
-                    return Err((
-                        Reason::Truncated,
-                        format!(
-                            "it has {} bytes, not the {} it was saved with",
-                            data.len(),
-                            entry.bytes
-                        ),
-                    ));
-                }
-                if crc32fast::hash(&data) != entry.crc32 {
-                    return Err((
-                        Reason::Corrupt,
-                        "its CRC-32 does not match the one it was saved with".to_string(),
-                    ));
-                }
-                Ok(())
-            });
-        checked.map_err(|(reason, why)| self.discard(entry, reason, why))
-    }
-
     /// Remove an entry's files (llama-server refused it, or it failed its check).
     pub fn discard(&mut self, entry: &Entry, reason: Reason, why: String) -> Discarded {
         remove_pair(&self.dir, &entry.name);
@@ -269,64 +366,17 @@ impl Store {
         }
     }
 
-    /// Make the state file's token list end its match at `k` (a token there that no prompt
-    /// has: llama-server then keeps the first `k` cells it restores and prefills the rest),
-    /// and return what undoes it ([`unmark`](Self::unmark)). The KV data is untouched; the
-    /// CRC-32 was checked before. None when the file cannot be written (a read-only
-    /// directory): the whole state is restored then.
-    pub fn mark_end(&self, entry: &Entry, k: usize) -> Option<Mark> {
-        use std::os::unix::fs::FileExt;
-        let original = *entry.tokens.get(k)?;
-        let path = self.dir.join(Self::file_name(entry));
-        let file = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .ok()?;
-        let mut head = [0u8; 20];
-        file.read_exact_at(&mut head, 0).ok()?;
-        let word = |i: usize| {
-            u32::from_le_bytes([
-                head[i * 4],
-                head[i * 4 + 1],
-                head[i * 4 + 2],
-                head[i * 4 + 3],
-            ])
-        };
-        let packed = word(3) == u32::MAX && word(4) == 1;
-        let offset = 12 + 4 * (k as u64 + if packed { 3 } else { 0 });
-        let mut at = [0u8; 4];
-        file.read_exact_at(&mut at, offset).ok()?;
-        if i32::from_le_bytes(at) != original {
-            return None;
-        }
-        let other: i32 = if original == 0 { 1 } else { 0 };
-        file.write_all_at(&other.to_le_bytes(), offset).ok()?;
-        Some(Mark {
-            path,
-            offset,
-            original: at,
-        })
-    }
-
-    /// Put back the token [`mark_end`](Self::mark_end) changed.
-    pub fn unmark(mark: Mark) {
-        use std::os::unix::fs::FileExt;
-        if let Ok(file) = std::fs::File::options().write(true).open(&mark.path) {
-            let _ = file.write_all_at(&mark.original, mark.offset);
-        }
+    /// Forget an entry whose file another serve removed.
+    pub fn forget(&mut self, entry: &Entry) {
+        self.entries.retain(|e| e.name != entry.name);
     }
 
     /// An entry was restored: it is the most recently used (its description's mtime says so
-    /// across restarts).
-    pub fn touch(&mut self, entry: &Entry) {
-        let now = SystemTime::now();
+    /// across restarts, and to every serve of the folder).
+    pub fn touch(&self, entry: &Entry) {
         let path = self.dir.join(format!("{}.json", entry.name));
         if let Ok(file) = std::fs::File::options().append(true).open(&path) {
-            let _ = file.set_modified(now);
-        }
-        if let Some(e) = self.entries.iter_mut().find(|e| e.name == entry.name) {
-            e.used = now;
+            let _ = file.set_modified(SystemTime::now());
         }
     }
 
@@ -338,18 +388,27 @@ impl Store {
             .any(|e| e.tokens.starts_with(tokens) && e.exact >= exact.min(tokens.len()))
     }
 
-    /// A temporary name in the directory for llama-server to save a slot as.
+    /// A temporary name in the folder for llama-server to save a slot as (this serve's:
+    /// `tmp-<pid space>-<pid>-<seq>.state`).
     pub fn temp_name(seq: u64) -> String {
-        format!("tmp-{}-{seq}.state", std::process::id())
+        folder::temp_name(&format!("{seq}.state"))
+    }
+
+    /// A temporary name in the folder for a restore's private copy.
+    pub fn restore_temp_name(seq: u64) -> String {
+        folder::temp_name(&format!("r{seq}.state"))
     }
 
     /// Take the state llama-server saved as `temp` (a name from [`temp_name`](Self::temp_name)):
-    /// its tokens read from the file, made 0600, its description written, both renamed into
-    /// place (the description last: a state without one is never restored); entries that are
-    /// a prefix of it (and no more exact) and the least recently used beyond the budget
-    /// removed. `exact`: how many of its tokens hold what a cold prefill computes; a state
-    /// with fewer than `min_tokens` of them could never be restored and is not kept. An I/O
-    /// error (a full or read-only disk) is returned, the temporary file removed.
+    /// the folder refreshed (another serve may hold it already), its tokens read from the
+    /// file, made 0600, its description written, both renamed into place (the description
+    /// last: a state without one is never restored); entries that are a prefix of it (and no
+    /// more exact) and the folder's least recently used states beyond the budget removed.
+    /// `exact`: how many of its tokens hold what a cold prefill computes; a state with fewer
+    /// than `min_tokens` of them could never be restored and is not kept. Its name is the
+    /// identity's key and a hash of its tokens, CRC-32 and exact part: two serves saving the
+    /// same state at once write the same bytes under the same names. An I/O error (a full,
+    /// read-only or lost folder) is returned, the temporary file removed.
     pub fn admit(
         &mut self,
         temp: &str,
@@ -357,7 +416,9 @@ impl Store {
         exact: usize,
     ) -> std::io::Result<Admitted> {
         let temp_path = self.dir.join(temp);
-        let result = self.admit_file(&temp_path, min_tokens, exact);
+        let result = self
+            .refresh()
+            .and_then(|_| self.admit_file(&temp_path, min_tokens, exact));
         let _ = std::fs::remove_file(&temp_path);
         result
     }
@@ -401,20 +462,21 @@ impl Store {
         };
         drop(data);
         let name = {
-            let text = format!("{}:{:?}", self.identity.key(), description.tokens);
-            super::identity::hex(&sha2::Digest::finalize(
+            let text = format!(
+                "{:?}:{}:{}",
+                description.tokens, description.crc32, description.exact
+            );
+            let hash = super::identity::hex(&sha2::Digest::finalize(
                 <sha2::Sha256 as sha2::Digest>::new_with_prefix(text.as_bytes()),
-            ))[..24]
-                .to_string()
+            ));
+            format!("{}-{}", self.key, &hash[..20])
         };
         std::fs::set_permissions(temp_path, std::fs::Permissions::from_mode(0o600))?;
         let state = self.dir.join(format!("{name}.state"));
         std::fs::rename(temp_path, &state)?;
         let described = write_atomically(
             &self.dir.join(format!("{name}.json")),
-            &self
-                .dir
-                .join(format!("tmp-{}-{name}.json", std::process::id())),
+            &self.dir.join(folder::temp_name(&format!("{name}.json"))),
             serde_json::to_string(&description)
                 .unwrap_or_default()
                 .as_bytes(),
@@ -444,29 +506,57 @@ impl Store {
             exact,
             bytes,
             crc32: description.crc32,
-            used: SystemTime::now(),
         });
         evicted += self.evict_to_budget(Some(&name));
         Ok(Admitted::Kept { bytes, evicted })
     }
 
-    /// Remove the least recently used entries (but `keep`) until the total is within the
-    /// budget; the number removed.
+    /// The folder's budget: its least recently used states (whoever made them; a
+    /// description's mtime is its last use) but `keep` removed until the states in the folder
+    /// are within it; the number removed. Two serves evicting at once may each remove one
+    /// (the folder ends further below its budget); neither breaks the other's restore.
     fn evict_to_budget(&mut self, keep: Option<&str>) -> usize {
+        let Ok(listing) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        let mut states: Vec<(SystemTime, u64, String)> = listing
+            .flatten()
+            .filter_map(|item| {
+                let file_name = item.file_name().to_string_lossy().into_owned();
+                let name = file_name.strip_suffix(".json")?;
+                if file_name.starts_with("tmp-") {
+                    return None;
+                }
+                let used = item.metadata().and_then(|m| m.modified()).ok()?;
+                let bytes = std::fs::metadata(self.dir.join(format!("{name}.state")))
+                    .ok()?
+                    .len();
+                Some((used, bytes, name.to_string()))
+            })
+            .collect();
+        states.sort();
+        let mut total: u64 = states.iter().map(|(_, bytes, _)| bytes).sum();
         let mut evicted = 0;
-        while self.total_bytes() > self.budget {
-            let oldest = self
-                .entries
-                .iter()
-                .filter(|e| Some(e.name.as_str()) != keep)
-                .min_by_key(|e| e.used)
-                .map(|e| e.name.clone());
-            let Some(name) = oldest else { break };
+        for (_, bytes, name) in states {
+            if total <= self.budget {
+                break;
+            }
+            if Some(name.as_str()) == keep {
+                continue;
+            }
             remove_pair(&self.dir, &name);
             self.entries.retain(|e| e.name != name);
+            self.others.remove(&name);
+            total -= bytes;
             evicted += 1;
         }
+        self.folder_bytes = total;
         evicted
+    }
+
+    /// The bytes of the folder's states, whoever made them, when the budget was last applied.
+    pub fn folder_bytes(&self) -> u64 {
+        self.folder_bytes
     }
 
     pub fn total_bytes(&self) -> u64 {
@@ -505,16 +595,6 @@ pub fn state_tokens(data: &[u8]) -> Option<Vec<i32>> {
     Some(ids)
 }
 
-/// `tmp-PID-...`: a temporary file of the serve with that process id.
-fn temp_owner(file_name: &str) -> Option<u32> {
-    file_name
-        .strip_prefix("tmp-")?
-        .split('-')
-        .next()?
-        .parse()
-        .ok()
-}
-
 fn remove_pair(dir: &Path, name: &str) {
     let _ = std::fs::remove_file(dir.join(format!("{name}.json")));
     let _ = std::fs::remove_file(dir.join(format!("{name}.state")));
@@ -522,8 +602,6 @@ fn remove_pair(dir: &Path, name: &str) {
 
 /// Write `data` to `temp`, mode 0600, flush it, and rename it to `path`.
 fn write_atomically(path: &Path, temp: &Path, data: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     let written = std::fs::File::options()
         .write(true)
         .create(true)

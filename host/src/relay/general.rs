@@ -1,8 +1,8 @@
 //! The general engine: the axum handler that relays, by its [`RelayPlan`], every request the
 //! fast engine does not carry: the route's table answers, route forwards (`forward` on a
 //! blocking thread), in-process routes, `--pm`'s tool loop (`Target::ToolLoop`), a backend
-//! `--laya` picks by conversation from the body, and the rewrites (`--precise`, the served name in a
-//! whole reply and in each streamed event); and every refusal. Replies stream through as the
+//! `--laya` picks by conversation from the body, and the rewrites (`--precise`, Claude Code's
+//! attribution line, the served name in a whole reply and in each streamed event); and every refusal. Replies stream through as the
 //! backend sends them.
 
 use std::sync::Arc;
@@ -36,8 +36,8 @@ pub struct Relayed {
 /// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
 /// over with it ([`Decided`]) or made here from the head. Runs on the connection's task; the
 /// route's `forward` goes to a blocking thread. Its steps: the plan and the body read and
-/// checked ([`planned`]), the backend chosen ([`backend_for`]: the plan's, the route's
-/// forward, or an answer), the request sent and its head awaited ([`sent`]), the reply
+/// checked, with the plan's body rewrites ([`planned`]), the backend chosen
+/// ([`backend_for`]: the plan's, the route's forward, or an answer), the request sent and its head awaited ([`sent`]), the reply
 /// passed on ([`reply`]).
 pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Response {
     // serve's added time runs from here to the response handed to hyper, less the backend's
@@ -114,7 +114,7 @@ struct Relaying<'a> {
 
 /// The request's plan (the one handed over, or made here from the head), and its body read
 /// and checked by the rule's kind, with the plan's own rewrites (`--laya`'s device,
-/// `--precise`) applied. Err: the answer (a refusal, or the table's own answer).
+/// `--precise`, Claude Code's attribution line dropped) applied. Err: the answer (a refusal, or the table's own answer).
 async fn planned(
     app: &Arc<App>,
     decided: Option<Decided>,
@@ -153,7 +153,7 @@ async fn planned(
             .get(header::CONTENT_TYPE)
             .map(|v| v.as_bytes());
         match plan::check_body(plan.body, content_type, &body) {
-            Ok(streamed) => plan.with_body(app, streamed, body.len()),
+            Ok(streamed) => plan.with_body(app, streamed, &body),
             Err(e) => return Err(e.into_response()),
         }
     } else {
@@ -171,6 +171,13 @@ async fn planned(
     // --precise: every chat and completion is prefilled whole, as a cold run is.
     let body = if plan.precise {
         without_prompt_cache(body)
+    } else {
+        body
+    };
+    // Claude Code's attribution line changes every turn: the engine's cached prefix would end
+    // at it (`--keep-attribution` keeps it).
+    let body = if plan.drop_attribution {
+        crate::relay::attribution::without_attribution(body)
     } else {
         body
     };

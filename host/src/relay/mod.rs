@@ -11,6 +11,7 @@
 //! silences through `sse_keepalive`.
 
 pub mod app;
+pub mod attribution;
 pub mod busy_poll;
 pub mod early_stream;
 pub mod exchange;

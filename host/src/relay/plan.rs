@@ -79,6 +79,9 @@ pub struct RelayPlan {
     pub streamed: bool,
     /// `--precise`: the body goes with `cache_prompt` false.
     pub precise: bool,
+    /// An Anthropic Messages body that may begin its system prompt with Claude Code's
+    /// attribution line goes without it (`relay::attribution`; off with `--keep-attribution`).
+    pub drop_attribution: bool,
     /// A whole JSON reply gets the served name in `model`.
     pub name_reply: bool,
     /// Each streamed event gets the served name in `model` (`Plan::rename_in_streams`).
@@ -167,6 +170,7 @@ impl RelayPlan {
             reply: rule.reply,
             streamed: false,
             precise: false,
+            drop_attribution: false,
             name_reply: false,
             rename_stream: false,
             watched: false,
@@ -177,16 +181,20 @@ impl RelayPlan {
         .settle(app.precise, app.rename_in_streams, app.names_model)
     }
 
-    /// The plan once the body's `stream` flag and length are known (false, 0 without a JSON
+    /// The plan once the body and its `stream` flag are known (false and empty without a JSON
     /// body). A body shorter than the cache's minimum in bytes holds fewer tokens than that,
-    /// so the cache is not asked (and the fast engine may carry it).
-    pub fn with_body(mut self, app: &App, streamed: bool, body_len: usize) -> RelayPlan {
+    /// so the cache is not asked (and the fast engine may carry it). An Anthropic Messages
+    /// body that may hold Claude Code's attribution line is the general engine's, to drop it.
+    pub fn with_body(mut self, app: &App, streamed: bool, body: &[u8]) -> RelayPlan {
         self.streamed = streamed;
         self.prompt_cache = self.cacheable
             && app
                 .prompt_cache
                 .as_ref()
-                .is_some_and(|cache| body_len >= cache.min_tokens());
+                .is_some_and(|cache| body.len() >= cache.min_tokens());
+        self.drop_attribution = !app.keep_attribution
+            && self.reply == ReplyShape::Anthropic
+            && crate::relay::attribution::may_hold(body);
         self.settle(app.precise, app.rename_in_streams, app.names_model)
     }
 
@@ -203,6 +211,7 @@ impl RelayPlan {
         // --precise sets a JSON field: a body of another kind goes as it came.
         let json = self.body == BodyKind::Json;
         self.precise = (generating || tool_loop && self.generation) && json && precise;
+        self.drop_attribution &= generating && json;
         self.name_reply = generating && !self.streamed && names_model;
         self.rename_stream = generating && self.streamed && rename_in_streams;
         self.watched = relayed && self.generation;
@@ -214,6 +223,7 @@ impl RelayPlan {
             Target::Backend(_)
                 if by_rule
                     && !self.precise
+                    && !self.drop_attribution
                     && !self.name_reply
                     && !self.rename_stream
                     && !self.prompt_cache =>
@@ -510,6 +520,7 @@ mod tests {
             reply: ReplyShape::OpenAi,
             streamed,
             precise: false,
+            drop_attribution: false,
             name_reply: false,
             rename_stream: false,
             watched: false,
@@ -738,6 +749,25 @@ mod tests {
             Ok(false)
         );
         assert_eq!(check_body(BodyKind::Raw, None, upload), Ok(false));
+    }
+
+    #[test]
+    fn dropping_the_attribution_line_is_the_general_engines() {
+        // A streamed Messages request whose body may hold the line: general, to drop it.
+        let mut messages = plan(Target::Backend(0), true, true);
+        messages.reply = ReplyShape::Anthropic;
+        messages.drop_attribution = true;
+        let p = messages.clone().settle(false, false, true);
+        assert_eq!((p.engine, p.drop_attribution), (Engine::General, true));
+        // Not a generation, or not JSON: nothing to drop; fast.
+        let mut counted = messages.clone();
+        counted.generation = false;
+        let p = counted.settle(false, false, true);
+        assert_eq!((p.engine, p.drop_attribution), (Engine::Fast, false));
+        let mut upload = messages;
+        upload.body = BodyKind::Multipart;
+        let p = upload.settle(false, false, true);
+        assert_eq!((p.engine, p.drop_attribution), (Engine::Fast, false));
     }
 
     #[test]

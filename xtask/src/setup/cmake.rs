@@ -6,13 +6,14 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use super::steps::{Gauge, Step};
+use crate::Failure;
 use crate::cache::Layout;
-use crate::{Failure, process};
 
-/// cmake from PATH, else one installed with pip into `<cache>/tools/cmake`; says which it uses.
+/// cmake from PATH, else one installed with pip into `<cache>/tools/cmake` (a step line when
+/// it is installed).
 pub(super) fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
-    if let Some(version) = cmake_version(Path::new("cmake")) {
-        println!("cmake: {version}, from PATH");
+    if cmake_version(Path::new("cmake")).is_some() {
         return Ok(PathBuf::from("cmake"));
     }
     let target = layout.tools_dir().join("cmake");
@@ -31,10 +32,6 @@ pub(super) fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
     let cmake = match locate() {
         Some(cmake) => cmake,
         None => {
-            println!(
-                "cmake is not on PATH: installing it with pip into {}",
-                target.display()
-            );
             let mut pip = Command::new("python3");
             pip.args([
                 "-m",
@@ -46,10 +43,18 @@ pub(super) fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
             ])
             .arg(&target)
             .arg("cmake");
-            process::run(
-                &mut pip,
-                "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
-            )?;
+            Step {
+                title: &format!(
+                    "cmake is not on PATH: installing it with pip into {}",
+                    target.display()
+                ),
+                about: "",
+                log: layout.logs_dir().join("pip-cmake.log"),
+                todo: "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
+                gauge: Gauge::Time,
+                tail: 10,
+            }
+            .run(&mut pip)?;
             locate().ok_or_else(|| {
                 Failure::new(
                     format!("pip installed cmake into {} but it cannot be found there", target.display()),
@@ -58,7 +63,7 @@ pub(super) fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
             })?
         }
     };
-    let version = cmake_version(&cmake).ok_or_else(|| {
+    cmake_version(&cmake).ok_or_else(|| {
         Failure::new(
             format!("{} --version failed", cmake.display()),
             format!(
@@ -67,10 +72,6 @@ pub(super) fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
             ),
         )
     })?;
-    println!(
-        "cmake: {version}, installed with pip at {}",
-        cmake.display()
-    );
     Ok(cmake)
 }
 

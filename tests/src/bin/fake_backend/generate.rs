@@ -333,7 +333,7 @@ pub async fn handle(st: &Arc<State>, api: Api, body: &Bytes, triggers: Triggers)
         }))
         .into_response();
     }
-    let busy = st.busy();
+    let busy = st.busy().await;
     let started = Instant::now();
 
     let reply = text::reply_to(&ask.quoted);

@@ -31,7 +31,7 @@ pub(super) fn models(st: &State) -> Response {
 pub(super) fn props(st: &State) -> Response {
     axum::Json(json!({
         "default_generation_settings": {"n_ctx": st.cfg.n_ctx, "params": {}},
-        "total_slots": 1,
+        "total_slots": st.total_slots(),
         "model_alias": st.cfg.model_name,
         "model_path": st.cfg.model_path,
         "modalities": {"vision": false, "audio": false},
@@ -115,7 +115,7 @@ pub(super) async fn metrics(st: &State) -> Response {
             "requests_deferred",
             "gauge",
             "Number of requests deferred.",
-            0.0,
+            st.deferred.load(Ordering::Relaxed) as f64,
         ),
     ];
     let mut out = String::with_capacity(1024);

@@ -92,7 +92,18 @@ pub async fn list(st: &State, query: Option<&str>) -> Response {
         );
     }
     drop(slot);
-    axum::Json(json!([slot_json])).into_response()
+    // With `FAKE_SLOTS`, one entry a slot: as many processing as there are generations.
+    let busy = st.processing.load(Ordering::Relaxed);
+    let mut list = vec![slot_json];
+    for id in 1..st.total_slots() {
+        list.push(json!({
+            "id": id,
+            "n_ctx": st.cfg.n_ctx,
+            "speculative": false,
+            "is_processing": id < busy,
+        }));
+    }
+    axum::Json(Value::Array(list)).into_response()
 }
 
 /// `POST /slots/<id>?action=...`. The id is taken modulo the one slot, as llama-server does.
