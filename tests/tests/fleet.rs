@@ -529,17 +529,17 @@ fn a_rolling_restart_of_every_worker_under_load_loses_no_request() {
     let load = Load::start(gateway.url("/v1/chat/completions"), 6);
     std::thread::sleep(Duration::from_secs(2));
     let began = Instant::now();
-    for i in 0..workers.len() {
+    for worker in &mut workers {
         let signalled = Instant::now();
-        workers[i].serve().signal(Signal::SIGTERM);
-        let status = workers[i]
+        worker.serve().signal(Signal::SIGTERM);
+        let status = worker
             .serve()
             .wait_exit(Duration::from_secs(12))
             .expect("the worker stops");
-        assert_eq!(status.code(), Some(0), "{}", workers[i].serve().output());
+        assert_eq!(status.code(), Some(0), "{}", worker.serve().output());
         let stopped_in = signalled.elapsed();
-        workers[i].start();
-        let base = workers[i].base();
+        worker.start();
+        let base = worker.base();
         assert!(
             wait_until(
                 Duration::from_secs(15),

@@ -253,7 +253,7 @@ async fn models(State(app): State<Arc<App>>) -> Response {
     json_response(StatusCode::OK, body.to_string())
 }
 
-pub(super) fn json_response(status: StatusCode, body: String) -> Response {
+fn json_response(status: StatusCode, body: String) -> Response {
     let mut response = (status, body).into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::Response;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -95,7 +95,7 @@ async fn server_info(State(app): State<Arc<App>>) -> Response {
             }
         }
     }
-    super::own::json_response(StatusCode::OK, info.to_string())
+    reply(StatusCode::OK, info.to_string())
 }
 
 /// `GET /model_info` (and SGLang's older `/get_model_info`): the model file, from `/props`.
@@ -106,7 +106,7 @@ async fn model_info(State(app): State<Arc<App>>) -> Response {
     {
         info["model_path"] = path;
     }
-    super::own::json_response(StatusCode::OK, info.to_string())
+    reply(StatusCode::OK, info.to_string())
 }
 
 /// `GET /v1/loads` in the schema SGLang's engines answer and SMG's load-aware policies read:
@@ -154,13 +154,23 @@ async fn loads(State(app): State<Arc<App>>) -> Response {
             "max_running_requests": slots.len(),
         }],
     });
-    super::own::json_response(StatusCode::OK, body.to_string())
+    reply(StatusCode::OK, body.to_string())
 }
 
 /// An error reply in the OpenAI shape serve's own errors have.
 fn unanswerable(status: StatusCode, kind: &str, message: &str) -> Response {
-    super::own::json_response(
+    reply(
         status,
         onebit_plugin_api::error_body(status.as_u16(), kind, message),
     )
+}
+
+/// A JSON reply.
+fn reply(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
 }

@@ -117,6 +117,7 @@ pub fn run_for(ws: &Workspace, needs: Needs) -> Result<Installed, Failure> {
             gateway::versions(),
             agents::versions(&ws.pins.npm),
             ensure_prometheus_parser(layout)?,
+            ensure_prometheus_server(layout)?,
             ensure_iproute2(layout)?,
         ];
         println!("for the tests: {}", tools.join("; "));
@@ -157,6 +158,27 @@ fn ensure_prometheus_parser(layout: &Layout) -> Result<String, Failure> {
         tail: 10,
     }
     .run(&mut pip)?;
+    Ok(have)
+}
+
+/// Debian's Prometheus server, which the dashboard's test (tests/tests/serve_prometheus.rs)
+/// asks for every expression the dashboard uses; installed with apt-get when missing (a no-op
+/// when present).
+fn ensure_prometheus_server(layout: &Layout) -> Result<String, Failure> {
+    let have = "prometheus (Debian)".to_owned();
+    if ["/usr/bin/prometheus", "/usr/sbin/prometheus"]
+        .iter()
+        .any(|p| std::path::Path::new(p).is_file())
+    {
+        return Ok(have);
+    }
+    let todo = "install Debian's prometheus package, then rerun `cargo xtask setup`";
+    apt_install(
+        layout,
+        "prometheus",
+        "the dashboard test's Prometheus server",
+        todo,
+    )?;
     Ok(have)
 }
 
