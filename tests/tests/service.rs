@@ -106,8 +106,24 @@ fn xtask_install(prefix: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Every file and link under `dir`, relative to it.
+/// Every file and link under `dir`, by its path inside it. An installed route package's store folder
+/// (`.1bit-packages/NAME-VERSION-PID-N`, a new one at each install) is named by its package
+/// alone (`NAME-VERSION`), so two installs of the same packages give the same tree.
 fn tree(dir: &Path) -> BTreeSet<PathBuf> {
+    let normal = |path: &Path| -> PathBuf {
+        let mut out = PathBuf::new();
+        let mut in_store = false;
+        for part in path.iter() {
+            let part = part.to_string_lossy();
+            let name = match part.rsplitn(3, '-').collect::<Vec<_>>().as_slice() {
+                [_, _, package] if in_store => (*package).to_string(),
+                _ => part.to_string(),
+            };
+            in_store = part == ".1bit-packages";
+            out.push(name);
+        }
+        out
+    };
     let mut out = BTreeSet::new();
     let mut todo = vec![dir.to_path_buf()];
     while let Some(d) = todo.pop() {
@@ -116,7 +132,7 @@ fn tree(dir: &Path) -> BTreeSet<PathBuf> {
             if entry.file_type().unwrap().is_dir() {
                 todo.push(path);
             } else {
-                out.insert(path.strip_prefix(dir).unwrap().to_path_buf());
+                out.insert(normal(path.strip_prefix(dir).unwrap()));
             }
         }
     }
