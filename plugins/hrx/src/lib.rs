@@ -3,7 +3,7 @@
 #![deny(unsafe_code)]
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 
 use llama_server::placement::{self, PlacementLine, Watch};
@@ -16,7 +16,6 @@ use onebit_plugin_api::{
 /// Where TheRock's HSA runtime is looked for when neither `--hrx-libhsa` nor the user's
 /// `IREE_HAL_AMDGPU_LIBHSA_PATH` names one.
 pub const THEROCK_DIR: &str = "/opt/rocm-therock";
-const LIBHSA: &str = "libhsa-runtime64.so.1";
 
 /// `1` or `0` overrides the hardware check of `claim` (tests, or a machine whose sysfs is
 /// unusual).
@@ -60,32 +59,8 @@ fn strictness(request: &PlanRequest) -> Strictness {
 /// Whether this machine has HRX (shared with the hybrid route's decoder).
 pub use llama_server::hrx_present;
 
-/// The first `libhsa-runtime64.so.1` under `root`, directories in name order, at most four
-/// levels down.
-pub fn find_libhsa(root: &Path) -> Option<PathBuf> {
-    fn walk(dir: &Path, depth: u32) -> Option<PathBuf> {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-            .ok()?
-            .flatten()
-            .map(|e| e.path())
-            .collect();
-        entries.sort();
-        if let Some(found) = entries
-            .iter()
-            .find(|p| p.file_name().is_some_and(|n| n == LIBHSA) && p.exists())
-        {
-            return Some(found.clone());
-        }
-        if depth == 0 {
-            return None;
-        }
-        entries
-            .iter()
-            .filter(|p| p.is_dir())
-            .find_map(|p| walk(p, depth - 1))
-    }
-    walk(root, 4)
-}
+/// The first HSA runtime under a folder (shared with the Laya scorer daemon's start).
+pub use llama_server::{LIBHSA, find_libhsa};
 
 /// The two warm-up requests of an hrx chat plan: a 360-token chat prompt for 8 tokens (HRX's
 /// one-time per-shape program build), then a 16-token `/completion` with nothing to predict

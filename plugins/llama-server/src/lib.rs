@@ -226,6 +226,37 @@ pub fn rules() -> Vec<Rule> {
 /// Set to 1 or 0 to say whether the machine has HRX, instead of looking (tests, odd machines).
 pub const HRX_PRESENT_ENV: &str = "ONEBIT_HRX_PRESENT";
 
+/// The HSA runtime library HRX loads (`IREE_HAL_AMDGPU_LIBHSA_PATH` names it).
+pub const LIBHSA: &str = "libhsa-runtime64.so.1";
+
+/// The first `libhsa-runtime64.so.1` under `root`, directories in name order, at most four
+/// levels down: where the hrx route, and the Laya scorer daemon serve starts on hrx, find the
+/// HSA runtime when the user names none. Reads the disk; any thread.
+pub fn find_libhsa(root: &std::path::Path) -> Option<std::path::PathBuf> {
+    fn walk(dir: &std::path::Path, depth: u32) -> Option<std::path::PathBuf> {
+        let mut entries: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        entries.sort();
+        if let Some(found) = entries
+            .iter()
+            .find(|p| p.file_name().is_some_and(|n| n == LIBHSA) && p.exists())
+        {
+            return Some(found.clone());
+        }
+        if depth == 0 {
+            return None;
+        }
+        entries
+            .iter()
+            .filter(|p| p.is_dir())
+            .find_map(|p| walk(p, depth - 1))
+    }
+    walk(root, 4)
+}
+
 /// Whether this machine has HRX, judged cheaply: `ONEBIT_HRX_PRESENT` when set, else `/dev/kfd`
 /// and a DRM card driven by amdgpu.
 pub fn hrx_present(request: &PlanRequest) -> bool {

@@ -22,7 +22,6 @@ const ANSWER_WITHIN: Duration = Duration::from_millis(2000);
 /// (the hrx route's own rule, plugins/hrx: the user's variable, else `--hrx-libhsa`, else the
 /// first such file under TheRock's folder, four levels down at most).
 const LIBHSA_VAR: &str = "IREE_HAL_AMDGPU_LIBHSA_PATH";
-const LIBHSA: &str = "libhsa-runtime64.so.1";
 const THEROCK_DIR: &str = "/opt/rocm-therock";
 
 /// The daemon as serve will start it.
@@ -72,7 +71,7 @@ impl Setup {
             &device,
             |k| std::env::var_os(k).is_some(),
             libhsa,
-            || find_libhsa(Path::new(THEROCK_DIR)),
+            || llama_server::find_libhsa(Path::new(THEROCK_DIR)),
         );
         Ok(Setup {
             gguf,
@@ -196,33 +195,6 @@ fn device_env(
     flag.or_else(|| found().map(|p| p.to_string_lossy().into_owned()))
         .map(|libhsa| vec![(LIBHSA_VAR.to_string(), libhsa)])
         .unwrap_or_default()
-}
-
-/// The first `libhsa-runtime64.so.1` under `root`, entries in name order, at most four levels
-/// down (the hrx route's search).
-fn find_libhsa(root: &Path) -> Option<PathBuf> {
-    fn walk(dir: &Path, depth: u32) -> Option<PathBuf> {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-            .ok()?
-            .flatten()
-            .map(|e| e.path())
-            .collect();
-        entries.sort();
-        if let Some(found) = entries
-            .iter()
-            .find(|p| p.file_name().is_some_and(|n| n == LIBHSA) && p.exists())
-        {
-            return Some(found.clone());
-        }
-        if depth == 0 {
-            return None;
-        }
-        entries
-            .iter()
-            .filter(|p| p.is_dir())
-            .find_map(|p| walk(p, depth - 1))
-    }
-    walk(root, 4)
 }
 
 fn on_path(name: &str) -> Option<PathBuf> {
