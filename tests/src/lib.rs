@@ -10,6 +10,7 @@ pub mod netns;
 mod ports;
 mod processes;
 mod prometheus;
+pub mod prompt_cache_chats;
 pub mod route_fixture;
 pub mod rpc_worker;
 pub mod vendor_route;

@@ -11,27 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use onebit_tests::prompt_cache_chats::*;
 use onebit_tests::*;
 use serde_json::{Value, json};
-
-/// The shortest prefix kept in these tests: the prompts below are 350-450 tokens, so a cold
-/// prefill stays a few seconds on a loaded 2-core machine.
-const MIN_TOKENS: &str = "256";
-/// The cpu route's micro-batch (`-ub 256`).
-const UBATCH: u64 = 256;
-
-/// A long system prompt, different for each `topic`.
-fn system(topic: &str) -> String {
-    (0..24)
-        .map(|i| {
-            format!(
-                "Rule {i} about {topic}: answer briefly, and when asked about item {i} name the colour {}.",
-                ["red", "green", "blue", "amber"][i % 4]
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 fn chat_body(topic: &str, stream: bool) -> Value {
     json!({
@@ -53,13 +35,6 @@ fn chat(serve: &Serve, topic: &str) -> Value {
     );
     assert_eq!(status, 200, "{reply}\n{}", serve.output());
     serde_json::from_str(&reply).unwrap()
-}
-
-fn text(reply: &Value) -> String {
-    reply["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string()
 }
 
 /// A streamed greedy chat: its text and the last event's `timings`.
@@ -105,17 +80,6 @@ fn serve_with_env(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Serve {
     )
 }
 
-/// SIGTERM, and the exit: the drain saves what the replies left before the backend stops.
-fn stop(mut serve: Serve) -> String {
-    serve.signal(Signal::SIGTERM);
-    assert!(
-        serve.wait_exit(Duration::from_secs(60)).is_some(),
-        "serve did not stop:\n{}",
-        serve.output()
-    );
-    serve.output()
-}
-
 /// The state files in a cache directory.
 fn states(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -124,10 +88,6 @@ fn states(dir: &Path) -> Vec<PathBuf> {
     v.retain(|p| p.extension().is_some_and(|e| e == "state"));
     v.sort();
     v
-}
-
-fn count(output: &str, needle: &str) -> usize {
-    output.lines().filter(|l| l.contains(needle)).count()
 }
 
 /// The cache's series as `/metrics` shows them.
@@ -219,14 +179,6 @@ fn a_restored_prefix_answers_exactly_as_a_cold_prefill_across_a_restart() {
     assert_eq!(timings["cache"]["source"], "disk", "{timings}");
     stop(serve);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A whole chat of `messages`, greedy, at most 24 tokens.
-fn chat_of(serve: &Serve, messages: &Value) -> Value {
-    let body = json!({"messages": messages, "temperature": 0, "max_tokens": 24});
-    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body.to_string());
-    assert_eq!(status, 200, "{reply}\n{}", serve.output());
-    serde_json::from_str(&reply).unwrap()
 }
 
 /// How many tokens the backend makes of a chat's templated prompt.

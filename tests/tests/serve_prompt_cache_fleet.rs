@@ -11,26 +11,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
+use onebit_tests::prompt_cache_chats::*;
 use onebit_tests::*;
 use serde_json::{Value, json};
-
-/// As serve_prompt_cache.rs: prompts of 350-450 tokens, a state kept from 256.
-const MIN_TOKENS: &str = "256";
-/// The cpu route's micro-batch (`-ub 256`).
-const UBATCH: u64 = 256;
-
-fn system(topic: &str) -> String {
-    (0..24)
-        .map(|i| {
-            format!(
-                "Rule {i} about {topic}: answer briefly, and when asked about item {i} name the colour {}.",
-                ["red", "green", "blue", "amber"][i % 4]
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 fn first_turn(topic: &str) -> Value {
     json!([
@@ -63,31 +46,6 @@ fn cold_serve() -> Serve {
     serve_cpu(&model(), &["--ctx-size", "2048", "--no-prompt-cache"])
 }
 
-/// A whole greedy chat of `messages`, at most 24 tokens.
-fn chat_of(serve: &Serve, messages: &Value) -> Value {
-    let body = json!({"messages": messages, "temperature": 0, "max_tokens": 24});
-    let (status, reply) = post(&serve.url("/v1/chat/completions"), &body.to_string());
-    assert_eq!(status, 200, "{reply}\n{}", serve.output());
-    serde_json::from_str(&reply).unwrap()
-}
-
-fn text(reply: &Value) -> String {
-    reply["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string()
-}
-
-fn stop(mut serve: Serve) -> String {
-    serve.signal(Signal::SIGTERM);
-    assert!(
-        serve.wait_exit(Duration::from_secs(60)).is_some(),
-        "serve did not stop:\n{}",
-        serve.output()
-    );
-    serve.output()
-}
-
 /// The files of a kind (`json`, `state`) in the folder, temporary ones aside.
 fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -99,10 +57,6 @@ fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
     });
     v.sort();
     v
-}
-
-fn count(output: &str, needle: &str) -> usize {
-    output.lines().filter(|l| l.contains(needle)).count()
 }
 
 #[test]
