@@ -11,8 +11,8 @@ use gguf::memory::{KvSettings, MIB};
 use gguf::writer::Builder;
 use gguf::{ErrorKind, Header};
 
-use crate::cli::{GgufAction, StubArgs};
-use crate::{error, model};
+use onebit_command::cli::{GgufAction, StubArgs};
+use onebit_command::{error, model};
 
 /// llama.cpp's LLAMA_MAX_LAYERS: the memory check refuses more.
 const MAX_LAYERS: u32 = 512;
@@ -289,8 +289,11 @@ mod tests {
     /// `1bit gguf stub ARGS…` as the command line parses it.
     fn stub_args(args: &[&str]) -> StubArgs {
         let argv = ["1bit", "gguf", "stub"].iter().chain(args);
-        match crate::cli::Cli::try_parse_from(argv).unwrap().command {
-            crate::cli::Command::Gguf {
+        match onebit_command::cli::Cli::try_parse_from(argv)
+            .unwrap()
+            .command
+        {
+            onebit_command::cli::Command::Gguf {
                 action: GgufAction::Stub(args),
             } => args,
             other => panic!("{other:?}"),

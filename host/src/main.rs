@@ -4,37 +4,25 @@
 //! `onebit_process` (the one spawner: parent-death signal, own process group, one
 //! stop sequence), whose pre-exec hook is the only unsafe code it needs.
 //!
-//! The source is in rooms, each a folder with its own `//!` paragraph. A room imports only the
-//! rooms below it: `serve`, `packages` > `plugin_check` > `prepare`, `gguf_tool` > `notify`, `front` > `relay` > `pm`, `laya` > `metrics` > `rpc` >
-//! `backends` > `guard`, `admission`, `settings`, `model`, `routes` > `llama_server_cli` >
-//! `error`, `cli` (docs/architecture.md).
+//! The host is six crates, each a folder of `host/` whose dependencies Cargo enforces (bottom
+//! up): `onebit-command` (the command line, the model's facts, the lines, the errors) <
+//! `onebit-supervision` (the backends' lives, the memory check, RPC workers) < `onebit-metrics`
+//! < `onebit-features` (guard, prompt cache, pm, laya) < `onebit-relay` (the accept loop and
+//! the request pipeline) < this binary, which wires them: `serve`, `prepare` (the plan made
+//! before anything starts), `routes` (finding and loading route files), `packages`,
+//! `plugin_check`, `gguf_tool`, `notify` (docs/architecture.md).
 #![forbid(unsafe_code)]
 
-mod admission;
-mod backends;
-mod cli;
-mod error;
-mod front;
 mod gguf_tool;
-mod guard;
-mod heap_trim;
-mod laya;
-mod llama_server_cli;
-mod log;
-mod metrics;
-mod model;
 mod notify;
 mod packages;
 mod plugin_check;
-mod pm;
 mod prepare;
-mod prompt_cache;
-mod relay;
 mod routes;
-mod rpc;
-mod run_dir;
 mod serve;
-mod settings;
+
+use onebit_command::{cli, error, llama_server_cli, log};
+use onebit_supervision::rpc;
 
 use clap::Parser;
 
@@ -133,8 +121,7 @@ fn drop_in(args: &[String]) -> i32 {
             ..
         }) => {
             serve_args.command_line = translated;
-            metrics::text::set_under_lemonade();
-            notify::off();
+            serve_args.under_lemonade = true;
             serve::run(*serve_args)
         }
         Ok(_) => error::exit::USAGE,

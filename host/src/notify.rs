@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::backends::health::{Status, StatusCell};
+use onebit_supervision::backends::health::{Status, StatusCell};
 
 /// The longest a send may block (a service manager that stopped reading its socket).
 const SEND_LIMIT: Duration = Duration::from_secs(1);
@@ -33,21 +33,24 @@ struct Notifier {
     warned: AtomicBool,
 }
 
+/// The service manager's socket. A static because the operating system makes it one per
+/// process: systemd names it in this process's environment and checks the datagrams' sender
+/// against the unit's main pid, so every part of serve that reports (the start, the stop, the
+/// watchdog pings) reports on the same one. Opened by [`open`], before serve starts.
 static NOTIFIER: OnceLock<Option<Notifier>> = OnceLock::new();
-/// Set by [`off`]: serve is not the service (the drop-in under Lemonade).
-static OFF: AtomicBool = AtomicBool::new(false);
 
-/// Never notify in this process: called by `1bit llama-server`, whose supervisor is Lemonade,
-/// so a `NOTIFY_SOCKET` it inherited names Lemonade's own service, not serve's. Call before
-/// serve starts.
-pub fn off() {
-    OFF.store(true, Ordering::Relaxed);
+/// Open the service manager's socket `NOTIFY_SOCKET` names, or none when serve is not the
+/// service: `under_lemonade` (`1bit llama-server`), whose supervisor is Lemonade, so a
+/// `NOTIFY_SOCKET` it inherited names Lemonade's own service. Called once by serve before it
+/// reports anything; later calls change nothing.
+pub fn open(under_lemonade: bool) {
+    if under_lemonade {
+        let _ = NOTIFIER.set(None);
+    }
+    let _ = notifier();
 }
 
 fn notifier() -> Option<&'static Notifier> {
-    if OFF.load(Ordering::Relaxed) {
-        return None;
-    }
     NOTIFIER
         .get_or_init(|| {
             let named = std::env::var("NOTIFY_SOCKET").ok()?;

@@ -11,8 +11,8 @@ use onebit_route_package::keys::{SecretKey, Signed, TrustStore};
 use onebit_route_package::make::{self, Carry, Meta};
 use onebit_route_package::{PackageError, archive};
 
-use crate::cli::{PackageArgs, PluginAction};
-use crate::error::exit;
+use onebit_command::cli::{PackageArgs, PluginAction};
+use onebit_command::error::exit;
 
 /// Run one `1bit plugins` action; its exit status. An error is one line on stderr, exit 1
 /// (clap refuses bad usage before this, exit 2).

@@ -9,11 +9,14 @@ use std::path::{Path, PathBuf};
 use onebit_plugin_api::loader::LoadedRoute;
 use onebit_plugin_api::{Plan, PlanOutcome, PlanRequest, Purpose, RouteOption, ServeOptions};
 
-use crate::cli::ServeArgs;
-use crate::error::{Fatal, exit};
-use crate::guard::key::ApiKey;
-use crate::laya::start::Placed;
-use crate::{admission, llama_server_cli, model, routes};
+use crate::routes;
+use laya::start::RoutePlan;
+use onebit_command::cli::ServeArgs;
+use onebit_command::error::{Fatal, exit};
+use onebit_command::{llama_server_cli, model};
+use onebit_features::guard::key::ApiKey;
+use onebit_features::{laya, pm, prompt_cache};
+use onebit_supervision::{admission, rpc, run_dir};
 
 /// What serve calls the served model in router mode, where llama-server names each model itself
 /// (systemd's status line, the backend's lines).
@@ -36,21 +39,24 @@ pub struct ServePlan {
     pub served_name: String,
     pub run_dir: PathBuf,
     /// `--pm`: the checked experts file and Lemonade's address.
-    pub pm: Option<(crate::pm::Experts, crate::pm::LemonadeUrl)>,
+    pub pm: Option<(pm::Experts, pm::LemonadeUrl)>,
     /// `--laya`: the policy (and `--laya-model`'s daemon), and the plans of the other devices
     /// it can pick (their backends follow `plan`'s in serve's order).
-    pub laya: Option<(crate::laya::start::Settled, Vec<Placed>)>,
+    pub laya: Option<(laya::start::Settled, Vec<RoutePlan>)>,
     pub api_key: Option<ApiKey>,
     /// The persistent prompt cache of backend 0, when this serve keeps one.
-    pub prompt_cache: Option<crate::prompt_cache::Setup>,
+    pub prompt_cache: Option<prompt_cache::Setup>,
+    /// serve's own counters for this run (`/metrics`); the Laya daemon counts into them from
+    /// its start.
+    pub counters: onebit_metrics::Counters,
 }
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
 pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let printing = args.print_backend || args.print_backend_env;
     let api_key = checked_flags(args, printing)?;
-    let pm = crate::pm::start::settings(args)?;
-    let policy = crate::laya::start::settings(args)?;
+    let pm = pm::start::settings(args)?;
+    let policy = laya::start::settings(args)?;
     let route_options = route_options(args)?;
     if args.llama_router && printing {
         return Err(needs_serve("router mode (no -m)".to_string()));
@@ -80,7 +86,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     } else {
         reserve_ports(4)?
     };
-    let run_dir = crate::run_dir::for_this_serve(&std::env::temp_dir());
+    let run_dir = run_dir::for_this_serve(&std::env::temp_dir());
     let request = PlanRequest {
         purpose: if printing {
             Purpose::PrintBackend
@@ -119,22 +125,22 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         Some(policy) => {
             let auto = (route.clone(), plan);
             let (first, more) =
-                crate::laya::start::plans(&policy, &loaded, &request, auto, reserve_ports)?;
+                laya::start::plans(&policy, &loaded, &request, auto, reserve_ports)?;
             (first.0, first.1, Some((policy, more)))
         }
         None => (route.clone(), plan, None),
     };
     finish_plans(args, &mut plan, &mut laya)?;
     if pm.is_some() {
-        crate::pm::start::check_plan(&plan)?;
+        pm::start::check_plan(&plan)?;
     }
     let checked = match &laya {
-        Some((_, more)) => crate::laya::start::needs_together(&plan, more),
+        Some((_, more)) => laya::start::needs_together(&plan, more),
         None => plan.clone(),
     };
 
-    let workers = crate::rpc::before_start(args, &plan)?;
-    if let Some(code) = crate::rpc::split::admit(args, &served_name, &plan, &workers)? {
+    let workers = rpc::before_start(args, &plan)?;
+    if let Some(code) = rpc::split::admit(args, &served_name, &plan, &workers)? {
         return Ok(Prepared::Exit(code));
     }
     if args.mem_check {
@@ -159,9 +165,10 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     if printing {
         return print_backend(args, &plan).map(Prepared::Exit);
     }
-    let prompt_cache = crate::prompt_cache::start::setup(args, &mut plan)?;
+    let prompt_cache = prompt_cache::start::setup(args, &mut plan)?;
+    let counters = onebit_metrics::Counters::default();
     if let Some((settled, _)) = &mut laya {
-        crate::laya::start::start_scorer(settled, args)?;
+        laya::start::start_scorer(settled, args, &counters)?;
     }
     Ok(Prepared::Serve(Box::new(ServePlan {
         args: args.clone(),
@@ -173,6 +180,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         laya,
         api_key,
         prompt_cache,
+        counters,
     })))
 }
 
@@ -182,7 +190,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
 fn finish_plans(
     args: &ServeArgs,
     plan: &mut Plan,
-    laya: &mut Option<(crate::laya::start::Settled, Vec<Placed>)>,
+    laya: &mut Option<(laya::start::Settled, Vec<RoutePlan>)>,
 ) -> Result<(), Fatal> {
     let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
     for each in std::iter::once(plan).chain(more.map(|(_, p)| p)) {
@@ -198,7 +206,7 @@ fn finish_plans(
         );
         // The user's CORS policy reaches the llama-server too, so what it relays carries the
         // same headers as serve's own answers.
-        if let Some(cors) = crate::guard::cors::Cors::from_args(args) {
+        if let Some(cors) = onebit_features::guard::cors::Cors::from_args(args) {
             for backend in &mut each.backends {
                 if backend.engine == llama_server_cli::LLAMA_SERVER {
                     backend.argv.extend(cors.backend_args());
@@ -284,7 +292,7 @@ fn checked_flags(args: &ServeArgs, printing: bool) -> Result<Option<ApiKey>, Fat
             args.drain_notice_s
         )));
     }
-    crate::prompt_cache::start::checked(args)?;
+    prompt_cache::start::checked(args)?;
     if printing && let Some(flag) = args.needs_serve_in_path() {
         return Err(needs_serve(flag.to_string()));
     }

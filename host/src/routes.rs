@@ -7,7 +7,7 @@ use onebit_plugin_api::{ABI_VERSION, Claim, PackageFacts, PackageFile, PlanReque
 use onebit_route_package::keys::Signed;
 use onebit_route_package::{Checked, MANIFEST_FILE};
 
-use crate::error::Fatal;
+use onebit_command::error::Fatal;
 
 /// A route file's name: `libonebit_route_<name>.so`.
 const FILE_PREFIX: &str = "libonebit_route_";

@@ -9,28 +9,29 @@ use onebit_plugin_api::{Plan, Started};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
-use crate::backends::health::{
-    self, ProbeClient, Status, StatusCell, backend_post, monitor_health, wait_ready,
-};
-use crate::backends::let_go;
-use crate::backends::route_calls::{RouteCalls, install_host_services};
-use crate::backends::supervisor::{self, Backend, Event};
-use crate::backends::watchdog::{self, Watchdog};
-use crate::cli::ServeArgs;
-use crate::error::Fatal;
-use crate::front::accept::accept_loop;
-use crate::front::drain::{Cut, Drain};
-use crate::guard::Guard;
-use crate::laya::start::Placed;
-use crate::metrics;
 use crate::notify;
 use crate::prepare::{Prepared, ServePlan, prepare};
-use crate::relay::{App, pool};
-use crate::run_dir;
-use crate::settings::{self, Settings};
+use onebit_command::cli::ServeArgs;
+use onebit_command::error::Fatal;
+use onebit_features::guard::Guard;
+use onebit_features::laya::start::RoutePlan;
+use onebit_metrics as metrics;
+use onebit_relay::front::accept::accept_loop;
+use onebit_relay::front::drain::{Cut, Drain};
+use onebit_relay::settings::{self, Settings};
+use onebit_relay::traffic::Traffic;
+use onebit_relay::{App, pool};
+use onebit_supervision::backends::health::{
+    self, ProbeClient, Status, StatusCell, backend_post, monitor_health, wait_ready,
+};
+use onebit_supervision::backends::idle_before_stop;
+use onebit_supervision::backends::route_calls::{RouteCalls, install_host_services};
+use onebit_supervision::backends::supervisor::{self, Backend, Event};
+use onebit_supervision::backends::watchdog::{self, Watchdog};
+use onebit_supervision::run_dir;
 
-mod ended;
-use ended::{Ended, Loading, fail, impostor, port_taken, stop};
+mod shutdown;
+use shutdown::{Ended, Loading, fail, impostor, port_taken, stop};
 
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
@@ -44,8 +45,9 @@ const PAST_THE_WINDOW: Duration = Duration::from_millis(900);
 
 /// Run `1bit serve` and return its exit status.
 pub fn run(mut args: ServeArgs) -> i32 {
+    notify::open(args.under_lemonade);
     if let Err(fatal) =
-        crate::llama_server_cli::adopt_backend_ctx(&mut args.ctx_size, &args.backend_args)
+        onebit_command::llama_server_cli::adopt_backend_ctx(&mut args.ctx_size, &args.backend_args)
     {
         return say_fatal(&fatal);
     }
@@ -102,14 +104,16 @@ async fn serve_plan(p: ServePlan) -> i32 {
         laya,
         api_key,
         prompt_cache,
+        counters,
     } = p;
-    crate::relay::sse_keepalive::configure(args.sse_keepalive_s);
-    crate::relay::busy_poll::configure(args.env.busy_poll_us.as_deref());
+    let traffic = Traffic::new(onebit_relay::busy_poll::parse_budget(
+        args.env.busy_poll_us.as_deref(),
+    ));
     let (policy, more) = match laya {
         Some((policy, more)) => (Some(policy), more),
         None => (None, Vec::new()),
     };
-    let placed: Vec<Placed> = std::iter::once((route.clone(), plan.clone()))
+    let placed: Vec<RoutePlan> = std::iter::once((route.clone(), plan.clone()))
         .chain(more)
         .collect();
     let all_backends: Vec<&onebit_plugin_api::BackendSpec> =
@@ -119,9 +123,6 @@ async fn serve_plan(p: ServePlan) -> i32 {
         Err(fatal) => return say_fatal(&fatal),
     };
     let addr = format!("{}:{}", display_host(first_host(&args.host)), args.port);
-    if let Some(cors) = crate::guard::cors::Cors::from_args(&args) {
-        crate::guard::cors::set(cors);
-    }
     notify::loading(&served_name, &plan.device);
     let guard = Guard::for_bind(&args.host);
     if !guard.loopback_bind && api_key.is_none() {
@@ -141,49 +142,48 @@ async fn serve_plan(p: ServePlan) -> i32 {
     let app = Arc::new(App {
         settings,
         status: Arc::new(StatusCell::new(Status::Loading)),
-        client: pool::backend_client(),
+        client: pool::backend_client(&traffic),
         probes: client.clone(),
         forward_turn: Arc::new(tokio::sync::Mutex::new(())),
         route: RouteCalls {
             route: route.clone(),
         },
         watchdog: OnceLock::new(),
-        metrics: metrics::Sources {
-            state,
-            backends: all_backends
-                .iter()
-                .map(|b| (b.port, b.metrics_path.clone()))
-                .collect(),
-            sysfs_root: metrics::sysfs_root(),
-        },
-        pool: Default::default(),
+        metrics: metric_sources(state, &all_backends, counters, args.under_lemonade),
+        pool: pool::BackendPool::new(&traffic),
         requests: Default::default(),
         pm: pm.map(|(experts, url)| {
-            let pm = crate::pm::Pm::new(experts, url, served_name.clone(), client.clone());
+            let pm =
+                onebit_features::pm::Pm::new(experts, url, served_name.clone(), client.clone());
             tracing::info!("1bit serve: {}", pm.summary());
             Arc::new(pm)
         }),
         laya: policy.map(|policy| {
             let policy_file = args.route_policy.as_deref();
-            Arc::new(crate::laya::start::router(policy, &placed, policy_file))
+            Arc::new(onebit_features::laya::start::router(
+                policy,
+                &placed,
+                policy_file,
+            ))
         }),
         prompt_cache: prompt_cache.map(|setup| {
             let port = plan.backends[0].port;
-            Arc::new(crate::prompt_cache::PromptCache::new(
+            Arc::new(onebit_features::prompt_cache::PromptCache::new(
                 setup,
                 port,
                 client.clone(),
             ))
         }),
         generations: Default::default(),
+        traffic: traffic.clone(),
     });
     install_host_services(
         tokio::runtime::Handle::current(),
         client.clone(),
-        app.ports.clone(),
+        app.settings.ports.clone(),
     );
 
-    crate::heap_trim::start();
+    onebit_supervision::heap_trim::start();
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let server = tokio::spawn(accept_loop(
         listeners,
@@ -198,6 +198,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         server,
         Duration::from_secs_f64(args.drain_s),
         Duration::from_secs_f64(args.drain_notice_s),
+        &traffic,
     );
     if let Some(cache) = app.prompt_cache.clone() {
         drain.before_cut(move || cache.cutting());
@@ -206,6 +207,26 @@ async fn serve_plan(p: ServePlan) -> i32 {
     drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
+}
+
+/// What `/metrics` reads besides the status: the state file, each backend's own series, the
+/// machine's files, this run's counters, and the route's label.
+fn metric_sources(
+    state: Option<Arc<metrics::StateFile>>,
+    backends: &[&onebit_plugin_api::BackendSpec],
+    counters: metrics::Counters,
+    under_lemonade: bool,
+) -> metrics::Sources {
+    metrics::Sources {
+        state,
+        backends: backends
+            .iter()
+            .map(|b| (b.port, b.metrics_path.clone()))
+            .collect(),
+        sysfs_root: metrics::sysfs_root(),
+        counters,
+        route_label: metrics::text::route_label(under_lemonade),
+    }
 }
 
 /// A listener on each address of `--host` (llama-server's comma list) at `--port`.
@@ -284,7 +305,7 @@ async fn open_state(plan: &Plan, served_name: &str) -> Option<Arc<metrics::State
 /// started are stopped and the exit status is returned.
 async fn spawn_backends(
     args: &ServeArgs,
-    placed: &[Placed],
+    placed: &[RoutePlan],
     devices: &[String],
     events_tx: &tokio::sync::mpsc::UnboundedSender<Event>,
 ) -> Result<Vec<Backend>, i32> {
@@ -340,7 +361,7 @@ fn arm_watchdog(args: &ServeArgs, device: &str, backends: &[Backend], app: &App)
 /// Each route told its backends are up (`DeviceRoute::start`), then its plan's warm-ups; a
 /// route that fails to start stops every backend, and the exit status is returned.
 async fn start_routes(
-    placed: &[Placed],
+    placed: &[RoutePlan],
     backends: &[Backend],
     client: &ProbeClient,
     grace: Duration,
@@ -382,7 +403,7 @@ async fn start_routes(
 /// stop them. `placed[0]` is the main plan (its rules are serve's).
 async fn supervise(
     args: &ServeArgs,
-    placed: &[Placed],
+    placed: &[RoutePlan],
     app: &Arc<App>,
     client: &ProbeClient,
     drain: &mut Drain,
@@ -445,7 +466,7 @@ async fn supervise(
     notify::ready(&app.settings.served_name, &url, &plan.device);
     let pings = notify::spawn_watchdog(app.status.clone());
 
-    crate::rpc::watch::spawn();
+    onebit_supervision::rpc::watch::spawn();
     let mut watched = Vec::new();
     let mut first = 0;
     for (route, plan) in placed {
@@ -461,7 +482,7 @@ async fn supervise(
         client.clone(),
         watched,
         // An RPC worker that stopped answering downs the backend that holds layers on it.
-        crate::rpc::watch::down,
+        onebit_supervision::rpc::watch::down,
     ));
     let dog = app
         .watchdog
@@ -493,7 +514,9 @@ async fn supervise(
             // Tool calls alone are ended by the stop itself, so it is not put off for them.
             if cut == Cut::Served {
                 let ports: Vec<u16> = backends.iter().map(|b| b.spec.port).collect();
-                let held = let_go::until_let_go(&ports, stopping + window + PAST_THE_WINDOW).await;
+                let held =
+                    idle_before_stop::until_let_go(&ports, stopping + window + PAST_THE_WINDOW)
+                        .await;
                 if held > 0 {
                     tracing::debug!("{held} cut connection(s) not yet closed by the backend");
                 }

@@ -3,7 +3,7 @@
 //! coding is let through and that the chunked end does not move with how the bytes are split.
 #![no_main]
 
-#[path = "../../src/relay/wire.rs"]
+#[path = "../../relay/src/wire.rs"]
 #[allow(dead_code)] // the target uses fuzz_one alone
 mod wire;
 

@@ -2,7 +2,7 @@
 //! four methods. `fuzz_one` asserts that an accepted request on a loopback bind named loopback.
 #![no_main]
 
-#[path = "../../src/guard/rules.rs"]
+#[path = "../../features/src/guard/rules.rs"]
 #[allow(dead_code)] // the target uses fuzz_one alone
 mod rules;
 

@@ -18,8 +18,9 @@ use onebit_plugin_api::{
     RouteOption, ServeOptions, SinkError, Started,
 };
 
-use crate::cli::ServeArgs;
-use crate::{error, model, prepare};
+use crate::prepare;
+use onebit_command::cli::ServeArgs;
+use onebit_command::{error, model};
 
 mod package;
 mod through_serve;

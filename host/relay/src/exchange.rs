@@ -1,0 +1,252 @@
+//! One request's life, phase by phase, and [`Exchange`]: the one value that lives exactly as
+//! long as the request and carries everything released with it.
+//!
+//! The phases, in order, the same on every engine (the fast engine, the general engine, and
+//! the in-process path it leads to):
+//!
+//! 1. **accept and guard**: the browser guard and the API key (`onebit_features::guard`), before the
+//!    request is planned; then [`Exchange::begin`]: the request is in flight.
+//! 2. **plan**: [`RelayPlan::for_head`], completed by [`RelayPlan::with_body`].
+//! 3. **admit**: [`Exchange::admit`], the gates a planned request must pass (the limit on
+//!    generations in flight, `--max-generations`). A new gate is written here, once.
+//! 4. **prepare the slot**: [`Exchange::prepare`] (the persistent prompt cache restores a
+//!    saved prefix into the slot the request is pinned to; released with the exchange).
+//! 5. **send**: [`Exchange::sending`] (the watchdog's ticket, from before the request is sent).
+//! 6. **reply head**: [`Exchange::reply_head`] (the progress the head is), then
+//!    [`Exchange::head_written`] (serve's added time).
+//! 7. **each chunk**: [`Exchange::arrived`] from the backend (the watchdog's progress),
+//!    [`Exchange::passed`] to the client (the route's first-byte line, the stream's clock).
+//! 8. **end and log**: dropping the exchange (the reply finished, or the client left)
+//!    releases all it holds: the in-flight count, the generation, the ticket, the slot.
+//!
+//! The engines do the I/O and call these; they name none of the features behind them.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::App;
+use crate::plan::{Engine, RelayPlan, Target};
+use crate::traffic::InFlight;
+use onebit_command::error::ApiError;
+use onebit_metrics::requests::{PathClass, StreamClock};
+use onebit_supervision::backends::watchdog::Ticket;
+
+/// One request, from its plan's making to its reply's end.
+pub struct Exchange {
+    app: Arc<App>,
+    began: Instant,
+    path: PathClass,
+    engine: Engine,
+    in_flight: InFlight,
+    /// Holds one of `--max-generations`' places.
+    generation: bool,
+    ticket: Option<Ticket>,
+    first_byte: Option<FirstByte>,
+    clock: Option<StreamClock>,
+    slot: Option<Release>,
+}
+
+impl Exchange {
+    /// Phase 1: the request is in hand and in flight (the drain waits for it). `began` is when
+    /// it was in hand: serve's added time and the stream's clock run from it.
+    pub fn begin(app: &Arc<App>, engine: Engine, path: PathClass, began: Instant) -> Exchange {
+        Exchange {
+            app: app.clone(),
+            began,
+            path,
+            engine,
+            in_flight: InFlight::begin(&app.traffic),
+            generation: false,
+            ticket: None,
+            first_byte: None,
+            clock: None,
+            slot: None,
+        }
+    }
+
+    /// Phase 3: the gates (an in-process target is carried by the in-process path from here:
+    /// its label in the request series). A generation (a rule the route marks as inference) takes one of
+    /// `--max-generations`' places, or is refused (503, retry) when all are taken. Quick and
+    /// non-blocking, on the connection's task.
+    pub fn admit(&mut self, plan: &RelayPlan) -> Result<(), ApiError> {
+        if plan.generation && !self.generation {
+            if let Some(limit) = self.app.settings.max_generations {
+                let taken = self.app.generations.fetch_add(1, Ordering::AcqRel);
+                if taken >= limit {
+                    self.app.generations.fetch_sub(1, Ordering::AcqRel);
+                    return Err(ApiError::Saturated { limit });
+                }
+            } else {
+                self.app.generations.fetch_add(1, Ordering::AcqRel);
+            }
+            self.generation = true;
+        }
+        // A streamed generation's events are timed from the request in hand.
+        if plan.target == Target::InProcess {
+            self.engine = Engine::InProcess;
+        }
+        if plan.generation && plan.streamed && self.clock.is_none() {
+            self.clock = Some(StreamClock::new(self.began, self.path, self.engine));
+        }
+        Ok(())
+    }
+
+    /// Phase 4: the persistent prompt cache prepares the request's slot, when the plan uses
+    /// the cache: the body pinned to the slot holding a restored prefix, or the body as it
+    /// was. The slot is released (its state saved) when the exchange ends.
+    pub async fn prepare(
+        &mut self,
+        plan: &RelayPlan,
+        path: &str,
+        body: bytes::Bytes,
+    ) -> bytes::Bytes {
+        match &self.app.prompt_cache {
+            Some(cache) if plan.prompt_cache => match cache.prepare(path, &body).await {
+                Some((pinned, prepared)) => {
+                    self.slot = Some(Release(Some((cache.clone(), prepared))));
+                    pinned
+                }
+                None => body,
+            },
+            _ => body,
+        }
+    }
+
+    /// What the prompt cache notes in the reply of a prepared request, if it was prepared.
+    pub fn slot_watch(&self) -> Option<onebit_features::prompt_cache::ReplyWatch> {
+        self.slot.as_ref().and_then(Release::watch)
+    }
+
+    /// Phase 5: the request goes to `backend` (the backend abandons it at its stop when its
+    /// path is one of those), watched by the watchdog from here when the plan is watched: a
+    /// wait for the reply's head counts against it. A ticket already taken (the slot's
+    /// preparation is watched too) is kept.
+    pub fn sending(
+        &mut self,
+        plan: &RelayPlan,
+        method: &str,
+        path: &str,
+        backend: usize,
+        body_len: usize,
+    ) {
+        self.in_flight.relayed_to(path);
+        self.watch(plan, method, path, backend, body_len);
+    }
+
+    /// Watched by the watchdog from now (before the slot's preparation, say), when the plan is
+    /// watched and serve runs a watchdog.
+    pub fn watch(
+        &mut self,
+        plan: &RelayPlan,
+        method: &str,
+        path: &str,
+        backend: usize,
+        body_len: usize,
+    ) {
+        if self.ticket.is_none()
+            && plan.watched
+            && let Some(dog) = self.app.watchdog.get()
+        {
+            self.ticket = Some(dog.track(method, path, plan.streamed, backend, body_len));
+        }
+    }
+
+    /// The route's line for a forwarded reply's first byte (and its forward turn, released
+    /// then).
+    pub fn on_first_byte(&mut self, first_byte: Option<FirstByte>) {
+        self.first_byte = first_byte;
+    }
+
+    /// Phase 6: the reply's head arrived from the backend: progress for the watchdog.
+    pub fn reply_head(&self) {
+        self.arrived(0);
+    }
+
+    /// The reply's head is on its way to the client, the backend having taken `backend_time`
+    /// of the time since the request was in hand: serve's added time (the rest) is recorded
+    /// and returned.
+    pub fn head_written(&self, backend_time: Duration) -> Duration {
+        let added = self.began.elapsed().saturating_sub(backend_time);
+        self.app.requests.added(self.path, self.engine, added);
+        added
+    }
+
+    /// Phase 7, as the backend sends it: `len` bytes of the reply arrived (progress for the
+    /// watchdog).
+    pub fn arrived(&self, len: usize) {
+        if let Some(ticket) = &self.ticket {
+            ticket.progress(len);
+        }
+    }
+
+    /// Phase 7, as the client gets it: `len` bytes of the reply passed on (written, or handed
+    /// to hyper, which writes at once): the route's first-byte line, the stream's clock.
+    pub fn passed(&mut self, len: usize) {
+        if let Some(first) = self.first_byte.take() {
+            first.arrived();
+        }
+        if len > 0
+            && let Some(clock) = &mut self.clock
+        {
+            clock.wrote(&self.app.requests);
+        }
+    }
+}
+
+impl Drop for Exchange {
+    /// Phase 8: whatever the request holds is released, in the order it was taken last first.
+    fn drop(&mut self) {
+        self.slot = None;
+        self.first_byte = None;
+        self.ticket = None;
+        if self.generation {
+            self.app.generations.fetch_sub(1, Ordering::AcqRel);
+        }
+        let _ = &self.in_flight;
+    }
+}
+
+/// A prepared request's slot, released with the exchange (the reply finished, or the client
+/// left): the prompt cache then saves the slot's state.
+struct Release(
+    Option<(
+        Arc<onebit_features::prompt_cache::PromptCache>,
+        onebit_features::prompt_cache::Prepared,
+    )>,
+);
+
+impl Release {
+    fn watch(&self) -> Option<onebit_features::prompt_cache::ReplyWatch> {
+        self.0.as_ref().map(|(_, p)| p.watch())
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let Some((cache, prepared)) = self.0.take() {
+            cache.released(prepared);
+        }
+    }
+}
+
+/// What happens when a route-forwarded reply's first byte arrives: the route's line is said,
+/// and the forward turn (if held) is released.
+pub struct FirstByte {
+    pub asked_at: Instant,
+    pub line: Option<String>,
+    /// The route's forward turn, held until the first byte (`Plan::serialize_forwards`).
+    pub _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+    /// The request's span: the line is said when hyper polls the body, outside it.
+    pub span: tracing::Span,
+}
+
+impl FirstByte {
+    fn arrived(self) {
+        if let Some(line) = self.line {
+            let ms = format!("{:.1}", self.asked_at.elapsed().as_secs_f64() * 1000.0);
+            self.span
+                .in_scope(|| tracing::info!("{}", line.replace("{first_byte_ms}", &ms)));
+        }
+    }
+}

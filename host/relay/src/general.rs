@@ -1,0 +1,540 @@
+//! The general engine: the axum handler that relays, by its [`RelayPlan`], every request the
+//! fast engine does not carry: the route's table answers, route forwards (`forward` on a
+//! blocking thread), in-process routes, `--pm`'s tool loop (`Target::ToolLoop`), a backend
+//! `--laya` picks by conversation from the body, and the rewrites (`--precise`, Claude Code's
+//! attribution line, the served name in a whole reply and in each streamed event); and every refusal. Replies stream through as the
+//! backend sends them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use onebit_plugin_api::{BodyKind, Forward, ForwardRequest};
+
+use crate::App;
+use crate::exchange::{Exchange, FirstByte};
+use crate::plan::{self, DeviceChoice, Direction, Engine, HandedPlan, RelayPlan, Target};
+use crate::reply_body::{noted_stream, watched};
+use crate::request_id::RequestId;
+use crate::{general_early, in_process, pool, served_name, sse_keepalive};
+use onebit_command::error::{ApiError, error_chain};
+use onebit_metrics::requests::PathClass;
+
+/// What the general engine tells the request's log line about a relayed request: its backend
+/// and serve's added time. Rides on the response's extensions.
+#[derive(Clone, Copy, Debug)]
+pub struct Relayed {
+    pub backend: usize,
+    pub added: Duration,
+}
+
+/// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
+/// over with it ([`HandedPlan`]) or made here from the head. Runs on the connection's task; the
+/// route's `forward` goes to a blocking thread. Its steps: the plan and the body read and
+/// checked, with the plan's body rewrites ([`planned`]), the backend chosen
+/// ([`backend_for`]: the plan's, the route's forward, or an answer), the request sent and its head awaited ([`sent`]), the reply
+/// passed on ([`reply`]).
+pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Response {
+    // serve's added time runs from here to the response handed to hyper, less the backend's
+    // own time (`metrics::requests`).
+    let began = Instant::now();
+    let path = PathClass::of(request.uri().path());
+    let mut exchange = Exchange::begin(&app, Engine::General, path, began);
+    let decided = request.extensions_mut().remove::<HandedPlan>();
+    let id = request
+        .extensions()
+        .get::<RequestId>()
+        .copied()
+        .unwrap_or_else(RequestId::made);
+    let (parts, body) = request.into_parts();
+    let (plan, body) = match planned(&app, decided, &parts, body).await {
+        Ok(planned) => planned,
+        Err(response) => return response,
+    };
+    if let Err(refused) = exchange.admit(&plan) {
+        return refused.into_response();
+    }
+    // The slot's preparation calls the backend (template, tokenize, restore): a backend that
+    // hangs in them is the watchdog's from the start, as one that hangs in its reply is.
+    if app.prompt_cache.is_some() && plan.prompt_cache {
+        exchange.watch(
+            &plan,
+            parts.method.as_str(),
+            parts.uri.path(),
+            0,
+            body.len(),
+        );
+    }
+    let body = exchange.prepare(&plan, parts.uri.path(), body).await;
+    let chosen = match backend_for(&app, &plan, &parts, body).await {
+        Destination::Backend(chosen) => chosen,
+        Destination::InProcess(body) => {
+            return in_process::respond(&app, &plan, &parts, body, exchange).await;
+        }
+        Destination::Answered(response) => return response,
+    };
+    let Some(port) = app.settings.ports.get(chosen.backend).copied() else {
+        return ApiError::BadGateway(format!(
+            "the route named backend {}, which it did not start",
+            chosen.backend
+        ))
+        .into_response();
+    };
+    exchange.sending(
+        &plan,
+        parts.method.as_str(),
+        parts.uri.path(),
+        chosen.backend,
+        chosen.body.len(),
+    );
+    exchange.on_first_byte(chosen.on_first_byte);
+    let relaying = Relaying {
+        app: &app,
+        plan: &plan,
+        backend: chosen.backend,
+    };
+    let upstream = match upstream_request(parts, port, chosen.body, &id) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    sent(&relaying, upstream, exchange).await
+}
+
+/// One relayed request's settings for its steps after the backend is chosen.
+struct Relaying<'a> {
+    app: &'a Arc<App>,
+    plan: &'a RelayPlan,
+    backend: usize,
+}
+
+/// The request's plan (the one handed over, or made here from the head), and its body read
+/// and checked by the rule's kind, with the plan's own rewrites (`--laya`'s device,
+/// `--precise`, Claude Code's attribution line dropped) applied. Err: the answer (a refusal, or the table's own answer).
+async fn planned(
+    app: &Arc<App>,
+    decided: Option<HandedPlan>,
+    parts: &axum::http::request::Parts,
+    body: Body,
+) -> Result<(RelayPlan, Bytes), Response> {
+    let (plan, body_checked) = match decided {
+        Some(decided) => (decided.plan, decided.body_checked),
+        None => match RelayPlan::for_head(app, parts.method.as_str(), parts.uri.path()) {
+            Ok(plan) => (plan, false),
+            Err(e) => return Err(e.into_response()),
+        },
+    };
+    if let Target::Answer {
+        status,
+        content_type,
+        body,
+    } = &plan.target
+    {
+        return Err(answer(*status, content_type, body.clone()));
+    }
+
+    // The rule's kind says whether a body is read and relayed (none for a GET's).
+    let has_body = plan.body != BodyKind::None;
+    let body = if has_body {
+        match read_body(app, plan.body, &parts.headers, body).await {
+            Ok(bytes) => bytes,
+            Err(e) => return Err(e.into_response()),
+        }
+    } else {
+        Bytes::new()
+    };
+    let plan = if has_body && !body_checked {
+        let content_type = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.as_bytes());
+        match plan::check_body(plan.body, content_type, &body) {
+            Ok(streamed) => plan.with_body(app, streamed, &body),
+            Err(e) => return Err(e.into_response()),
+        }
+    } else {
+        plan
+    };
+
+    // --laya: the conversation's device, from the body, decides the backend.
+    let plan = match &app.laya {
+        Some(laya) if plan.device_choice == DeviceChoice::ByConversation => {
+            plan.on_device(laya.route(&body).await)
+        }
+        _ => plan,
+    };
+
+    // --precise: every chat and completion is prefilled whole, as a cold run is.
+    let body = if plan.precise {
+        without_prompt_cache(body)
+    } else {
+        body
+    };
+    // Claude Code's attribution line changes every turn: the engine's cached prefix would end
+    // at it (`--keep-attribution` keeps it).
+    let body = if plan.drop_attribution {
+        crate::attribution::without_attribution(body)
+    } else {
+        body
+    };
+
+    Ok((plan, body))
+}
+
+/// Where a planned request goes.
+enum Destination {
+    /// To a backend over its socket.
+    Backend(ToBackend),
+    /// To the route in serve's process, with the body.
+    InProcess(Bytes),
+    /// Nowhere: answered (by the route's forward, the tool loop, or a refusal).
+    Answered(Response),
+}
+
+/// The backend a request goes to, the body it gets (the route's rewrite, or the client's),
+/// and, for a route's forward, what its first byte does.
+struct ToBackend {
+    backend: usize,
+    body: Bytes,
+    on_first_byte: Option<FirstByte>,
+}
+
+/// The backend for a planned request: the plan's, the route's forward (asked at run time), or
+/// none (in process, the tool loop, an answer).
+async fn backend_for(
+    app: &Arc<App>,
+    plan: &RelayPlan,
+    parts: &axum::http::request::Parts,
+    body: Bytes,
+) -> Destination {
+    // For a route that asks to, its forwards take turns: the turn is held from asking the
+    // route until the backend's first byte (dropped with `on_first_byte`, or on any error).
+    match &plan.target {
+        Target::Backend(backend) => Destination::Backend(ToBackend {
+            backend: *backend,
+            body,
+            on_first_byte: None,
+        }),
+        Target::AskRoute => {
+            let turn = if app.settings.serialize_forwards {
+                Some(app.forward_turn.clone().lock_owned().await)
+            } else {
+                None
+            };
+            let asked_at = std::time::Instant::now();
+            match ask_route(app, &parts.method, &parts.uri, &body).await {
+                Ok(Forward::Proxy {
+                    backend,
+                    body: rewritten,
+                    first_byte_line,
+                }) => Destination::Backend(ToBackend {
+                    backend,
+                    body: rewritten.map(Bytes::from).unwrap_or(body),
+                    on_first_byte: Some(FirstByte {
+                        asked_at,
+                        line: first_byte_line,
+                        _turn: turn,
+                        span: tracing::Span::current(),
+                    }),
+                }),
+                Ok(Forward::Answer {
+                    status,
+                    content_type,
+                    body,
+                }) => Destination::Answered(answer(status, &content_type, body)),
+                Err(e) => Destination::Answered(e.into_response()),
+            }
+        }
+        Target::InProcess => Destination::InProcess(body),
+        Target::Answer {
+            status,
+            content_type,
+            body,
+        } => Destination::Answered(answer(*status, content_type, body.clone())),
+        Target::ToolLoop(backend) => {
+            // --pm: the tool loop answers the chat (after --precise, so its rounds carry
+            // `cache_prompt` false too). Only a plan made with the PM targets it.
+            let (Some(pm), Some(port)) = (&app.pm, app.settings.ports.get(*backend).copied())
+            else {
+                return Destination::Answered(
+                    ApiError::BadGateway(format!(
+                        "the route named backend {backend}, which it did not start"
+                    ))
+                    .into_response(),
+                );
+            };
+            Destination::Answered(pm.answer(&app.client, port, body).await)
+        }
+    }
+}
+
+/// Send the request and wait for its reply's head. A streamed inference request whose backend
+/// stays silent before its head (a long prefill) gets its reply begun by serve, with comments
+/// in the silences.
+async fn sent(
+    relaying: &Relaying<'_>,
+    upstream: hyper::Request<Full<Bytes>>,
+    exchange: Exchange,
+) -> Response {
+    let Relaying { app, plan, backend } = *relaying;
+    let sent_at = Instant::now();
+    let pending = pool::send(&app.client, upstream);
+    let every = app
+        .settings
+        .sse_keepalive
+        .filter(|_| plan.generation && plan.streamed);
+    match sse_keepalive::wait_head(pending, every).await {
+        sse_keepalive::Waited::Arrived(Ok(head)) => {
+            reply(relaying, head, sent_at.elapsed(), exchange).await
+        }
+        sse_keepalive::Waited::Arrived(Err(e)) => {
+            ApiError::no_answer(&app.settings.device, &error_chain(&e)).into_response()
+        }
+        sse_keepalive::Waited::Silent(pending) => {
+            let keepalive = (every.unwrap_or_default(), app.metrics.counters.clone());
+            let added = exchange.head_written(sent_at.elapsed());
+            let watch = exchange.slot_watch();
+            let wrap = move |body, event_stream: bool| {
+                noted_stream(watched(body, exchange), watch.filter(|_| event_stream))
+            };
+            let mut response =
+                general_early::early_stream(pending, wrap, app.settings.device.clone(), keepalive);
+            response.extensions_mut().insert(Relayed { backend, added });
+            response
+        }
+    }
+}
+
+/// Pass the backend's reply on: its headers filtered, a whole JSON reply named as serve
+/// serves the model, a stream renamed event by event where the engine cannot be told the
+/// name, comments in an event stream's silences.
+async fn reply(
+    relaying: &Relaying<'_>,
+    reply: hyper::Response<hyper::body::Incoming>,
+    mut backend_time: Duration,
+    exchange: Exchange,
+) -> Response {
+    let Relaying { app, plan, backend } = *relaying;
+    let (mut reply_parts, reply_body) = reply.into_parts();
+    plan::filter(
+        Direction::Reply {
+            cors: app.settings.cors.is_some(),
+        },
+        &mut reply_parts.headers,
+    );
+    if let DeviceChoice::Chosen(why) = &plan.device_choice {
+        reply_parts.headers.insert("x-1bit-route", why.clone());
+    }
+    let watch = exchange.slot_watch();
+    let json_reply = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    // Events are read (and noted) only in an event stream: a streamed request's error reply
+    // is one JSON object, passed as it came.
+    let event_stream = reply_parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let whole = plan.name_reply && json_reply;
+    if whole {
+        // A whole JSON reply: name the model as serve serves it. Its slot is released once
+        // the reply has been read (where llama-server began its prefill, which the save
+        // needs), with the exchange, whose other holdings end there too.
+        let collecting = Instant::now();
+        let mut exchange = exchange;
+        exchange.reply_head();
+        let collected = reply_body
+            .map_frame(|frame| {
+                if let Some(data) = frame.data_ref() {
+                    exchange.arrived(data.len());
+                    exchange.passed(data.len());
+                }
+                frame
+            })
+            .collect()
+            .await;
+        backend_time += collecting.elapsed();
+        let bytes = match collected {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) => {
+                return ApiError::BadGateway(format!(
+                    "the {} backend broke off its reply ({})",
+                    app.settings.device,
+                    error_chain(&e)
+                ))
+                .into_response();
+            }
+        };
+        let bytes = served_name::in_reply(bytes, &app.settings.served_name);
+        let bytes = match &watch {
+            Some(watch) => onebit_features::prompt_cache::noted_in_reply(bytes, watch),
+            None => bytes,
+        };
+        reply_parts.headers.remove(header::CONTENT_LENGTH);
+        let added = exchange.head_written(backend_time);
+        drop(exchange);
+        reply_parts.extensions.insert(Relayed { backend, added });
+        return Response::from_parts(reply_parts, Body::from(bytes));
+    }
+    let added = exchange.head_written(backend_time);
+    reply_parts.extensions.insert(Relayed { backend, added });
+    let reply_body = watched(reply_body, exchange);
+    // Streamed as it arrives: dropping this response (a client that went away) drops the
+    // upstream body, which closes the backend connection, and the engine stops generating.
+    if plan.rename_stream && event_stream {
+        // The engine cannot be told the served name (ds4-server has no alias): name it in
+        // every event as it passes. (Its refusal of a streamed request is one JSON object,
+        // passed below as it came.)
+        let renamed =
+            served_name::in_stream(reply_body, app.settings.served_name.clone(), plan.reply);
+        let renamed = noted_stream(renamed.boxed_unsync(), watch);
+        let body =
+            sse_keepalive::during(renamed, app.settings.sse_keepalive, &app.metrics.counters);
+        return Response::from_parts(reply_parts, body);
+    }
+    // Comments go only into an event stream (a streamed request's error reply is JSON).
+    let reply_body = noted_stream(reply_body, watch.filter(|_| event_stream));
+    Response::from_parts(
+        reply_parts,
+        sse_keepalive::during(
+            reply_body,
+            app.settings
+                .sse_keepalive
+                .filter(|_| plan.generation && plan.streamed && event_stream),
+            &app.metrics.counters,
+        ),
+    )
+}
+
+fn answer(status: u16, content_type: &str, body: String) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (status, body).into_response();
+    if let Ok(ct) = HeaderValue::from_str(content_type) {
+        response.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    response
+}
+
+/// Read a request body of `kind`: refuse a Content-Type the kind does not take (a form that
+/// is not JSON, for a JSON body), a declared length over the limit (before reading a byte), a
+/// body that grows past it (the read stops there) and one that takes longer than the body
+/// timeout. Called by `relay` before anything reaches a backend; [`plan::check_body`] then
+/// checks what was read.
+async fn read_body(
+    app: &App,
+    kind: BodyKind,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Bytes, ApiError> {
+    plan::check_content_type(
+        kind,
+        headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()),
+    )?;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > app.settings.body_limit as u64) {
+        return Err(ApiError::TooLarge {
+            limit: app.settings.body_limit,
+        });
+    }
+    let bytes = match tokio::time::timeout(
+        app.settings.body_timeout,
+        axum::body::to_bytes(body, app.settings.body_limit),
+    )
+    .await
+    {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(e)) => return Err(body_error(e, app.settings.body_limit)),
+        Err(_) => {
+            return Err(ApiError::BodyTimeout {
+                after: app.settings.body_timeout,
+            });
+        }
+    };
+    Ok(bytes)
+}
+
+fn body_error(e: axum::Error, limit: usize) -> ApiError {
+    let too_large = std::error::Error::source(&e)
+        .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+        || e.to_string().contains("length limit");
+    if too_large {
+        ApiError::TooLarge { limit }
+    } else {
+        ApiError::BodyBroken(error_chain(&e))
+    }
+}
+
+/// The request to the backend on `port`: the client's method, path, query and headers (moved,
+/// not copied: the hot path builds no second header map) that pass `headers::passes`
+/// upstream; hyper writes Host and Content-Length, as `headers::upstream_head` does for the
+/// fast engine.
+fn upstream_request(
+    parts: axum::http::request::Parts,
+    port: u16,
+    body: Bytes,
+    id: &RequestId,
+) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let target: Uri = format!("http://127.0.0.1:{port}{path_and_query}")
+        .parse()
+        .map_err(|e: axum::http::uri::InvalidUri| ApiError::BadPath(e.to_string()))?;
+    let mut request = hyper::Request::new(Full::new(body));
+    *request.method_mut() = parts.method;
+    *request.uri_mut() = target;
+    let headers = request.headers_mut();
+    *headers = parts.headers;
+    plan::filter(Direction::Upstream, headers);
+    if let Ok(value) = HeaderValue::from_bytes(id.as_bytes()) {
+        headers.insert(crate::request_id::HEADER, value);
+    }
+    Ok(request)
+}
+
+/// Ask the route what to do with a request, on a blocking thread.
+async fn ask_route(
+    app: &Arc<App>,
+    method: &Method,
+    uri: &Uri,
+    body: &Bytes,
+) -> Result<Forward, ApiError> {
+    let request = ForwardRequest {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+        query: uri.query().unwrap_or("").to_string(),
+        body: String::from_utf8_lossy(body).into_owned(),
+    };
+    let route = app.route.clone();
+    tokio::task::spawn_blocking(move || route.forward(&request))
+        .await
+        .map_err(|e| ApiError::BadGateway(format!("the route's forward did not finish: {e}")))?
+        .map_err(|e| ApiError::BadGateway(format!("the route could not forward the request: {e}")))
+}
+
+// The rewrite only this engine makes: `--precise` (the served name: `served_name`).
+
+/// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
+pub fn without_prompt_cache(body: Bytes) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return body;
+    };
+    match value.as_object_mut() {
+        Some(object) => {
+            object.insert("cache_prompt".to_string(), serde_json::Value::Bool(false));
+            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(body)
+        }
+        None => body,
+    }
+}

@@ -1,0 +1,42 @@
+//! The relay: how a request reaches its backend and the reply comes back. The accept loop
+//! and serve's own routes are [`front`]'s; what every request reads, fixed before the first,
+//! is [`settings`]'s; one request's phases are [`exchange`]'s.
+//!
+//! Each request gets one decision, a [`plan::RelayPlan`]: where it goes, what is rewritten,
+//! whether the watchdog tracks it, which engine carries it. Two engines carry requests. The
+//! fast engine (`fast`) serves every client connection first, on the raw socket, and carries
+//! the plans that need no rewrite; it hands every other request, with its plan and the bytes
+//! read so far, to the general engine (`general`: hyper and axum), which carries the rest
+//! (the rewrites, the route's `forward`, `in_process`). Which headers pass and the backend's
+//! request head are `plan`'s one function each; the backend connections are `pool`'s; both
+//! engines read and write through `busy_poll`, and both put SSE comments in a stream's
+//! silences through `sse_keepalive`.
+
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod attribution;
+pub mod busy_poll;
+pub mod early_stream;
+pub mod exchange;
+pub mod fast;
+pub mod front;
+pub mod general;
+pub mod general_early;
+pub mod in_process;
+pub mod plan;
+pub mod pool;
+mod reply_body;
+pub mod request_id;
+pub mod served_name;
+pub mod settings;
+pub mod sse_keepalive;
+pub mod traffic;
+pub mod wire;
+
+pub use app::App;
+
+/// Resolves once serve is told to stop (or the sender is gone).
+pub async fn stopped(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}

@@ -1,0 +1,144 @@
+//! [`Traffic`]: what serve's requests share while it runs, held by `App` and passed to what
+//! needs it (no global): the requests in flight, counted from reading the client's request to
+//! the end of its reply on both engines and the in-process path; whether serve is draining or
+//! stopping; and busy polling's budget and its one spinner. Busy polling reads the count (a
+//! socket spins only when its request is the only one), `/metrics` shows it, and the drain on
+//! SIGTERM waits for it to reach zero, not counting the requests the backend itself abandons
+//! when it is told to stop.
+//!
+//! Those are llama-server's tool calls (`/tools`: a built-in tool or an MCP server's, which can
+//! take as long as the tool does): at SIGTERM llama-server ends them at once (its terminating
+//! flag) while it lets a generation run. Waiting the drain window for them would only delay the
+//! stop that ends them anyway, so when nothing else is in flight the drain ends early and cuts
+//! them (llama.cpp's `test_mcp_slow_tool_call_slot_release` asks for a stop within 3 s).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// The paths whose requests the backend abandons at its stop (see the module's text).
+const ABANDONED_AT_STOP: [&str; 1] = ["/tools"];
+
+/// Whether the backend abandons a request to `path` at its stop.
+pub fn abandoned_at_stop(path: &str) -> bool {
+    ABANDONED_AT_STOP.contains(&path)
+}
+
+/// What serve's requests share while it runs (see the module's text). One per serve, made
+/// before the first connection is accepted.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    /// Requests in flight now.
+    in_flight: AtomicUsize,
+    /// Of those, the relayed requests the backend abandons at its stop.
+    abandoned: AtomicUsize,
+    /// Set when the drain begins (SIGTERM or SIGINT); `/health` answers 503 `draining` from
+    /// then on.
+    draining: AtomicBool,
+    /// Set once, when serve's drain window ends: every in-process route's sink fails from
+    /// then on.
+    stopping: AtomicBool,
+    /// How long a socket may spin for an answer it is owed (`busy_poll`; zero: never).
+    busy_poll: Duration,
+    /// Whether a socket spins now: one at a time.
+    spinning: AtomicBool,
+}
+
+impl Traffic {
+    /// Traffic whose sockets may spin up to `busy_poll` for an answer (`busy_poll`).
+    pub fn new(busy_poll: Duration) -> Arc<Traffic> {
+        Arc::new(Traffic {
+            busy_poll,
+            ..Traffic::default()
+        })
+    }
+
+    /// Requests in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests in flight now that the drain waits for: every one but those the backend
+    /// abandons at its stop.
+    pub fn holding_the_stop(&self) -> usize {
+        self.in_flight()
+            .saturating_sub(self.abandoned.load(Ordering::Relaxed))
+    }
+
+    /// Whether serve is draining: told to stop, it finishes what it has and takes nothing new.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// The drain began.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the drain window ended: in-process routes' sends fail from then on.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// The drain window ended (front's drain, at its end).
+    pub fn host_stopping(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// Busy polling's budget.
+    pub fn busy_poll(&self) -> Duration {
+        self.busy_poll
+    }
+
+    /// Take the one spinner's place, when no other socket holds it.
+    pub fn start_spin(&self) -> bool {
+        !self.spinning.swap(true, Ordering::Acquire)
+    }
+
+    /// Give the spinner's place back.
+    pub fn end_spin(&self) {
+        self.spinning.store(false, Ordering::Release);
+    }
+}
+
+/// One request, counted from reading the client's request until its reply body is finished
+/// or dropped.
+pub struct InFlight {
+    traffic: Arc<Traffic>,
+    abandoned: bool,
+}
+
+impl InFlight {
+    pub fn begin(traffic: &Arc<Traffic>) -> Self {
+        traffic.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            traffic: traffic.clone(),
+            abandoned: false,
+        }
+    }
+
+    /// The request is relayed to a backend at `path`: counted among those the backend abandons
+    /// at its stop when it is one of them.
+    pub fn relayed_to(&mut self, path: &str) {
+        if abandoned_at_stop(path) {
+            self.abandoned_at_stop();
+        }
+    }
+
+    /// The request is one the backend abandons at its stop.
+    pub fn abandoned_at_stop(&mut self) {
+        if !self.abandoned {
+            self.abandoned = true;
+            self.traffic.abandoned.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.abandoned {
+            self.traffic.abandoned.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.traffic.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
