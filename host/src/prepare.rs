@@ -49,6 +49,10 @@ pub struct ServePlan {
     /// serve's own counters for this run (`/metrics`); the Laya daemon counts into them from
     /// its start.
     pub counters: onebit_metrics::Counters,
+    /// The backends' loopback ports, held until they are about to start.
+    pub held_ports: HeldPorts,
+    /// `--rpc`'s workers, watched while serve runs (empty without the flag).
+    pub rpc_workers: rpc::watch::Workers,
 }
 
 /// Everything before a process starts: the flags, the model, the route, the plan.
@@ -81,10 +85,11 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let (loaded, unusable) =
         routes::loaded(routes::discover(&routes::search_dirs(&args.plugin_dir)));
 
+    let held_ports = HeldPorts::default();
     let ports = if printing {
         vec![args.port]
     } else {
-        reserve_ports(4)?
+        reserve_ports(&held_ports, 4)?
     };
     let run_dir = run_dir::for_this_serve(&std::env::temp_dir());
     let request = PlanRequest {
@@ -124,8 +129,9 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let (route, mut plan, mut laya) = match policy {
         Some(policy) => {
             let auto = (route.clone(), plan);
-            let (first, more) =
-                laya::start::plans(&policy, &loaded, &request, auto, reserve_ports)?;
+            let (first, more) = laya::start::plans(&policy, &loaded, &request, auto, |n| {
+                reserve_ports(&held_ports, n)
+            })?;
             (first.0, first.1, Some((policy, more)))
         }
         None => (route.clone(), plan, None),
@@ -154,14 +160,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     {
         admit(args, &served_name, &checked)?;
     }
-    if let Some((_, more)) = &laya {
-        for (_, other) in more {
-            plan.notes.extend(other.notes.iter().cloned());
-        }
-    }
-    for note in &plan.notes {
-        tracing::info!("1bit serve: {note}");
-    }
+    say_notes(&mut plan, laya.as_ref().map(|(_, more)| more.as_slice()));
     if printing {
         return print_backend(args, &plan).map(Prepared::Exit);
     }
@@ -181,7 +180,19 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         api_key,
         prompt_cache,
         counters,
+        held_ports,
+        rpc_workers: rpc::watch::Workers::watching(&workers),
     })))
+}
+
+/// The plan's notes, with those of the other devices `--laya` can pick, each said as a line.
+fn say_notes(plan: &mut Plan, more: Option<&[RoutePlan]>) {
+    for (_, other) in more.unwrap_or_default() {
+        plan.notes.extend(other.notes.iter().cloned());
+    }
+    for note in &plan.notes {
+        tracing::info!("1bit serve: {note}");
+    }
 }
 
 /// Every plan (one per device with --laya): llama.cpp's KV sized where the plan asks the host
@@ -533,13 +544,23 @@ fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
     Ok(exit::OK)
 }
 
-/// The listening sockets that hold the reserved ports until the backends are about to start.
-static HELD_PORTS: std::sync::Mutex<Vec<StdListener>> = std::sync::Mutex::new(Vec::new());
+/// The listening sockets that hold the reserved ports until the backends are about to start;
+/// dropping it (or [`HeldPorts::release`]) lets go.
+#[derive(Default)]
+pub struct HeldPorts(std::sync::Mutex<Vec<StdListener>>);
+
+impl HeldPorts {
+    /// Let go of the reserved ports: called right before the backends start, so the window in
+    /// which another program could take one is the time a spawn takes.
+    pub fn release(self) {
+        drop(self);
+    }
+}
 
 /// Reserve `n` free loopback ports outside Lemonade's range. The kernel picks each, and serve
-/// keeps listening on them ([`release_ports`] lets go) so that nothing else on the machine is
+/// keeps listening on them (in `into`, until it lets go) so that nothing else on the machine is
 /// handed one of them while the plan is made and checked.
-fn reserve_ports(n: usize) -> Result<Vec<u16>, Fatal> {
+fn reserve_ports(into: &HeldPorts, n: usize) -> Result<Vec<u16>, Fatal> {
     let mut held = Vec::new();
     let mut ports = Vec::new();
     for _ in 0..(n * 8) {
@@ -562,17 +583,11 @@ fn reserve_ports(n: usize) -> Result<Vec<u16>, Fatal> {
             "cannot reserve loopback ports outside 8001-9000",
         ));
     }
-    HELD_PORTS
+    into.0
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .extend(held);
     Ok(ports)
-}
-
-/// Let go of the reserved ports: called right before the backends start, so the window in
-/// which another program could take one is the time a spawn takes.
-pub fn release_ports() {
-    HELD_PORTS.lock().unwrap_or_else(|e| e.into_inner()).clear();
 }
 
 #[cfg(test)]
@@ -581,7 +596,8 @@ mod port_tests {
 
     #[test]
     fn reserved_ports_stay_taken_until_released() {
-        let ports = reserve_ports(2).unwrap();
+        let held = HeldPorts::default();
+        let ports = reserve_ports(&held, 2).unwrap();
         for &port in &ports {
             assert!(!LEMONADE_PORTS.contains(&port));
             assert!(
@@ -589,7 +605,7 @@ mod port_tests {
                 "port {port} was free before the release"
             );
         }
-        release_ports();
+        held.release();
         for &port in &ports {
             assert!(
                 StdListener::bind(("127.0.0.1", port)).is_ok(),

@@ -10,7 +10,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc::unbounded_channel;
 
 use crate::notify;
-use crate::prepare::{Prepared, ServePlan, prepare};
+use crate::prepare::{HeldPorts, Prepared, ServePlan, prepare};
 use onebit_command::cli::ServeArgs;
 use onebit_command::error::Fatal;
 use onebit_features::guard::Guard;
@@ -105,6 +105,8 @@ async fn serve_plan(p: ServePlan) -> i32 {
         api_key,
         prompt_cache,
         counters,
+        held_ports,
+        rpc_workers,
     } = p;
     let traffic = Traffic::new(onebit_relay::busy_poll::parse_budget(
         args.env.busy_poll_us.as_deref(),
@@ -176,6 +178,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
         }),
         generations: Default::default(),
         traffic: traffic.clone(),
+        rpc_workers,
     });
     install_host_services(
         tokio::runtime::Handle::current(),
@@ -203,7 +206,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     if let Some(cache) = app.prompt_cache.clone() {
         drain.before_cut(move || cache.cutting());
     }
-    let code = supervise(&args, &placed, &app, &client, &mut drain).await;
+    let code = supervise(&args, &placed, &app, &client, (&mut drain, held_ports)).await;
     drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
@@ -406,7 +409,7 @@ async fn supervise(
     placed: &[RoutePlan],
     app: &Arc<App>,
     client: &ProbeClient,
-    drain: &mut Drain,
+    (drain, held_ports): (&mut Drain, HeldPorts),
 ) -> i32 {
     let plan = &placed[0].1;
     // Each backend's device, in serve's order, for what is said about it.
@@ -421,7 +424,7 @@ async fn supervise(
         return say_fatal(&Fatal::backend("cannot install signal handlers"));
     };
     let (events_tx, mut events) = unbounded_channel();
-    crate::prepare::release_ports();
+    held_ports.release();
     let backends = match spawn_backends(args, placed, &devices, &events_tx).await {
         Ok(backends) => backends,
         Err(code) => return code,
@@ -466,7 +469,7 @@ async fn supervise(
     notify::ready(&app.settings.served_name, &url, &plan.device);
     let pings = notify::spawn_watchdog(app.status.clone());
 
-    onebit_supervision::rpc::watch::spawn();
+    app.rpc_workers.spawn();
     let mut watched = Vec::new();
     let mut first = 0;
     for (route, plan) in placed {
@@ -482,7 +485,10 @@ async fn supervise(
         client.clone(),
         watched,
         // An RPC worker that stopped answering downs the backend that holds layers on it.
-        onebit_supervision::rpc::watch::down,
+        {
+            let workers = app.rpc_workers.clone();
+            move || workers.down()
+        },
     ));
     let dog = app
         .watchdog

@@ -41,7 +41,7 @@ pub fn one_at_a_time() -> MutexGuard<'static, ()> {
 pub fn crate_sources() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let mut dirs = vec![root.join("addons/inproc/src")];
-    for group in ["", "plugins/"] {
+    for group in ["", "host/", "plugins/"] {
         let base = root.join(group);
         for entry in std::fs::read_dir(&base).unwrap() {
             let src = entry.unwrap().path().join("src");

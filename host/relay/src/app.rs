@@ -42,6 +42,8 @@ pub struct App {
     pub prompt_cache: Option<Arc<onebit_features::prompt_cache::PromptCache>>,
     /// The requests in flight, the drain, the stop, busy polling (`traffic`).
     pub traffic: Arc<crate::traffic::Traffic>,
+    /// `--rpc`'s workers as last seen (`/metrics`, `/health`, the stop's line).
+    pub rpc_workers: onebit_supervision::rpc::watch::Workers,
     /// Generations in flight (`relay::exchange`: taken at admission, released at the end),
     /// against `Settings::max_generations`.
     pub generations: std::sync::atomic::AtomicUsize,

@@ -42,6 +42,8 @@ impl RequestId {
 
     /// A new id of serve's own.
     pub fn made() -> RequestId {
+        // Statics because an id must be unique in the process's logs (and, with the start
+        // time and pid mixed in, across its restarts): one sequence per process.
         static START: OnceLock<u64> = OnceLock::new();
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let start = *START.get_or_init(|| {

@@ -160,8 +160,8 @@ pub(super) async fn fail(
         }
         None => "the backends' event channel closed; exiting".to_string(),
     };
-    let message = match tokio::task::spawn_blocking(onebit_supervision::rpc::watch::name_lost).await
-    {
+    let workers = app.rpc_workers.clone();
+    let message = match tokio::task::spawn_blocking(move || workers.name_lost()).await {
         Ok(Some(lost)) => format!(
             "{lost}: the {} backend cannot go on without the layers it held; {message}",
             device(0)

@@ -8,6 +8,8 @@ use std::sync::LazyLock;
 
 use onebit_heap::Trimmer;
 
+/// A static because the heap is the process's: glibc's allocator has one set of arenas per
+/// process, and every thread's frees leave their holes in it.
 static TRIMMER: LazyLock<Trimmer> = LazyLock::new(Trimmer::default);
 
 /// A request was answered (its allocations may have left holes).

@@ -22,6 +22,7 @@ const RACY: Duration = Duration::from_secs(2);
 /// box (their pids), not in two containers (their namespaces), not on two machines (their
 /// boots), so a serve removes another's leftover only when it can tell that writer is dead.
 fn tag() -> &'static (String, u32) {
+    // A static because it names this process (its pid, in the pid space of its boot).
     static TAG: OnceLock<(String, u32)> = OnceLock::new();
     TAG.get_or_init(|| (pid_space(std::process::id()), std::process::id()))
 }

@@ -478,6 +478,8 @@ struct Tracking {
 
 /// `Date: <now>`, formatted once a second.
 fn append_date(out: &mut Vec<u8>) {
+    // Per thread, not configuration: each runtime worker keeps the last second it formatted,
+    // so a reply's head costs no lock and no formatting.
     thread_local! {
         static CACHED: std::cell::RefCell<(u64, String)> = const {
             std::cell::RefCell::new((0, String::new()))

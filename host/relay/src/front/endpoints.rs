@@ -328,7 +328,7 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         }
         Err(_) => {}
     }
-    metrics::append(&mut body, &onebit_supervision::rpc::watch::render());
+    metrics::append(&mut body, &app.rpc_workers.render());
     if let Some(cache) = &app.prompt_cache {
         metrics::append(&mut body, &cache.render());
     }

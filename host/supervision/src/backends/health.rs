@@ -148,7 +148,7 @@ pub async fn monitor_health(
     status: Arc<StatusCell>,
     client: ProbeClient,
     routes: Vec<(LoadedRoute, Vec<(u16, String)>)>,
-    also_down: fn() -> Option<String>,
+    also_down: impl Fn() -> Option<String> + Send + 'static,
 ) {
     loop {
         tokio::time::sleep(HEALTH_EVERY).await;

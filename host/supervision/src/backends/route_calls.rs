@@ -30,6 +30,9 @@ struct HostContext {
     ports: Vec<u16>,
 }
 
+/// A static because the ABI makes it one: a route calls the host's services through a plain
+/// function (`HostBackend::backend_request`, an `extern "C"` entry with no context argument),
+/// so what that call needs is found here, set once when the backends are known.
 static HOST: OnceLock<HostContext> = OnceLock::new();
 
 /// Make the host services available to the route (once, when the backends are known).

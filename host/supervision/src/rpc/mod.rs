@@ -41,6 +41,5 @@ pub fn before_start(args: &ServeArgs, plan: &Plan) -> Result<Vec<probe::Offer>, 
             "{e}; start it (1bit rpc-worker) or drop it from --rpc; nothing was started"
         ),
     })?;
-    watch::install(&offers);
     Ok(offers)
 }

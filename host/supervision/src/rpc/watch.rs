@@ -9,7 +9,7 @@
 //! it when the worker dies, and TCP keep-alive notices a machine or link that vanishes.
 
 use std::io::Read;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -35,54 +35,64 @@ struct Worker {
     lost: Option<String>,
 }
 
-fn board() -> &'static Mutex<Vec<Worker>> {
-    static BOARD: OnceLock<Mutex<Vec<Worker>>> = OnceLock::new();
-    BOARD.get_or_init(|| Mutex::new(Vec::new()))
-}
+/// The workers serve was given, as last seen: made before anything starts (from what each
+/// offered), shared by the watcher threads, the health monitor, `/metrics` and the stop. A
+/// clone is the same board.
+#[derive(Clone, Debug, Default)]
+pub struct Workers(Arc<Mutex<Vec<Worker>>>);
 
-/// Remember the workers serve was given and what they offered. Called once, before anything
-/// starts.
-pub fn install(offers: &[Offer]) {
-    if let Ok(mut b) = board().lock() {
-        *b = offers
-            .iter()
-            .map(|o| Worker {
-                endpoint: o.endpoint.clone(),
-                offered: o.free(),
-                lost: None,
-            })
-            .collect();
+impl Workers {
+    /// The board of the workers serve was given and what they offered; empty without `--rpc`.
+    pub fn watching(offers: &[Offer]) -> Workers {
+        Workers(Arc::new(Mutex::new(
+            offers
+                .iter()
+                .map(|o| Worker {
+                    endpoint: o.endpoint.clone(),
+                    offered: o.free(),
+                    lost: None,
+                })
+                .collect(),
+        )))
+    }
+
+    fn board(&self) -> &Mutex<Vec<Worker>> {
+        &self.0
+    }
+
+    fn mark_lost(&self, endpoint: &str, why: String) {
+        if let Ok(mut b) = self.board().lock()
+            && let Some(w) = b.iter_mut().find(|w| w.endpoint == endpoint)
+            && w.lost.is_none()
+        {
+            w.lost = Some(why);
+        }
     }
 }
 
-fn mark_lost(endpoint: &str, why: String) {
-    if let Ok(mut b) = board().lock()
-        && let Some(w) = b.iter_mut().find(|w| w.endpoint == endpoint)
-        && w.lost.is_none()
-    {
-        w.lost = Some(why);
+impl Workers {
+    /// Start one watcher thread per worker, once the backend is ready (it holds its own
+    /// connections to the workers by then, so the held one waits in the accept queue and never
+    /// delays the backend's). The threads live as long as serve; they only read their socket.
+    pub fn spawn(&self) {
+        let workers: Vec<String> = self
+            .board()
+            .lock()
+            .map(|b| b.iter().map(|w| w.endpoint.clone()).collect())
+            .unwrap_or_default();
+        for endpoint in workers {
+            let _ = std::thread::Builder::new().name("rpc-watch".into()).spawn({
+                let workers = self.clone();
+                move || watch_one(&endpoint, &workers)
+            });
+        }
     }
 }
 
-/// Start one watcher thread per worker, once the backend is ready (it holds its own
-/// connections to the workers by then, so the held one waits in the accept queue and never
-/// delays the backend's). The threads live as long as serve; they only read their socket.
-pub fn spawn() {
-    let workers: Vec<String> = board()
-        .lock()
-        .map(|b| b.iter().map(|w| w.endpoint.clone()).collect())
-        .unwrap_or_default();
-    for endpoint in workers {
-        let _ = std::thread::Builder::new()
-            .name("rpc-watch".into())
-            .spawn(move || watch_one(&endpoint));
-    }
-}
-
-fn watch_one(endpoint: &str) {
+fn watch_one(endpoint: &str, workers: &Workers) {
     let stream = match probe::connect(endpoint, probe::ANSWER_WITHIN) {
         Ok(s) => s,
-        Err(e) => return mark_lost(endpoint, e),
+        Err(e) => return workers.mark_lost(endpoint, e),
     };
     let keepalive = socket2::TcpKeepalive::new()
         .with_time(KEEPALIVE)
@@ -96,7 +106,7 @@ fn watch_one(endpoint: &str) {
             // The worker closed it: it exited, or took this connection after the backend's
             // closed (which only a dying backend does).
             Ok(0) => {
-                return mark_lost(
+                return workers.mark_lost(
                     endpoint,
                     format!("RPC worker {endpoint} closed its connection"),
                 );
@@ -109,7 +119,7 @@ fn watch_one(endpoint: &str) {
                 ) && e.raw_os_error() != Some(libc::ETIMEDOUT) => {}
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => {
-                return mark_lost(
+                return workers.mark_lost(
                     endpoint,
                     format!("RPC worker {endpoint} stopped answering ({e})"),
                 );
@@ -118,46 +128,50 @@ fn watch_one(endpoint: &str) {
     }
 }
 
-/// Why /health should answer 503: the first worker that stopped answering, or None. Called by
-/// serve's health monitor each round; takes a lock, never blocks on the network.
-pub fn down() -> Option<String> {
-    board()
-        .lock()
-        .ok()?
-        .iter()
-        .find_map(|w| w.lost.clone())
-        .map(|why| format!("{why}; the backend cannot run the layers it held"))
+impl Workers {
+    /// Why /health should answer 503: the first worker that stopped answering, or None. Called by
+    /// serve's health monitor each round; takes a lock, never blocks on the network.
+    pub fn down(&self) -> Option<String> {
+        self.board()
+            .lock()
+            .ok()?
+            .iter()
+            .find_map(|w| w.lost.clone())
+            .map(|why| format!("{why}; the backend cannot run the layers it held"))
+    }
 }
 
-/// When a backend ended and serve was given workers: the line naming the worker it lost, or
-/// None when every worker still answers. A worker the watchers have not seen go is asked
-/// again (a connection), a few times over [`LOST_WITHIN`]: the backend may notice a dying
-/// worker's closed connection before the watcher thread has run or the worker's port has
-/// closed. Blocks the calling thread for up to that long (more for a worker that times out).
-pub fn name_lost() -> Option<String> {
-    let started = std::time::Instant::now();
-    loop {
-        let workers: Vec<Worker> = board().lock().ok()?.clone();
-        if workers.is_empty() {
-            return None;
-        }
-        let lost: Vec<String> = workers
-            .iter()
-            .filter_map(|w| {
-                w.lost.clone().or_else(|| {
-                    probe::connect(&w.endpoint, probe::ANSWER_WITHIN)
-                        .err()
-                        .inspect(|e| mark_lost(&w.endpoint, e.clone()))
+impl Workers {
+    /// When a backend ended and serve was given workers: the line naming the worker it lost, or
+    /// None when every worker still answers. A worker the watchers have not seen go is asked
+    /// again (a connection), a few times over [`LOST_WITHIN`]: the backend may notice a dying
+    /// worker's closed connection before the watcher thread has run or the worker's port has
+    /// closed. Blocks the calling thread for up to that long (more for a worker that times out).
+    pub fn name_lost(&self) -> Option<String> {
+        let started = std::time::Instant::now();
+        loop {
+            let workers: Vec<Worker> = self.board().lock().ok()?.clone();
+            if workers.is_empty() {
+                return None;
+            }
+            let lost: Vec<String> = workers
+                .iter()
+                .filter_map(|w| {
+                    w.lost.clone().or_else(|| {
+                        probe::connect(&w.endpoint, probe::ANSWER_WITHIN)
+                            .err()
+                            .inspect(|e| self.mark_lost(&w.endpoint, e.clone()))
+                    })
                 })
-            })
-            .collect();
-        if !lost.is_empty() {
-            return Some(lost.join("; "));
+                .collect();
+            if !lost.is_empty() {
+                return Some(lost.join("; "));
+            }
+            if started.elapsed() >= LOST_WITHIN {
+                return None;
+            }
+            std::thread::sleep(LOOK_EVERY);
         }
-        if started.elapsed() >= LOST_WITHIN {
-            return None;
-        }
-        std::thread::sleep(LOOK_EVERY);
     }
 }
 
@@ -169,36 +183,38 @@ struct WorkerLabel {
     worker: String,
 }
 
-/// The per-worker series as Prometheus text; empty without workers. Called by `GET /metrics`
-/// on a runtime worker; takes a lock, never blocks on the network.
-pub fn render() -> String {
-    let workers = board().lock().map(|b| b.clone()).unwrap_or_default();
-    if workers.is_empty() {
-        return String::new();
+impl Workers {
+    /// The per-worker series as Prometheus text; empty without workers. Called by `GET /metrics`
+    /// on a runtime worker; takes a lock, never blocks on the network.
+    pub fn render(&self) -> String {
+        let workers = self.board().lock().map(|b| b.clone()).unwrap_or_default();
+        if workers.is_empty() {
+            return String::new();
+        }
+        let up = Family::<WorkerLabel, Gauge>::default();
+        let offered = Family::<WorkerLabel, Gauge>::default();
+        for w in &workers {
+            let label = WorkerLabel {
+                worker: w.endpoint.clone(),
+            };
+            up.get_or_create(&label).set(i64::from(w.lost.is_none()));
+            offered
+                .get_or_create(&label)
+                .set(i64::try_from(w.offered).unwrap_or(i64::MAX));
+        }
+        let mut registry = Registry::default();
+        registry.register(
+            "onebit_rpc_worker_up",
+            "1 while the RPC worker answers, 0 once it stopped",
+            up,
+        );
+        registry.register(
+            "onebit_rpc_worker_offered_bytes",
+            "The memory the RPC worker offered (its devices' free memory) when serve started",
+            offered,
+        );
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
+        out
     }
-    let up = Family::<WorkerLabel, Gauge>::default();
-    let offered = Family::<WorkerLabel, Gauge>::default();
-    for w in &workers {
-        let label = WorkerLabel {
-            worker: w.endpoint.clone(),
-        };
-        up.get_or_create(&label).set(i64::from(w.lost.is_none()));
-        offered
-            .get_or_create(&label)
-            .set(i64::try_from(w.offered).unwrap_or(i64::MAX));
-    }
-    let mut registry = Registry::default();
-    registry.register(
-        "onebit_rpc_worker_up",
-        "1 while the RPC worker answers, 0 once it stopped",
-        up,
-    );
-    registry.register(
-        "onebit_rpc_worker_offered_bytes",
-        "The memory the RPC worker offered (its devices' free memory) when serve started",
-        offered,
-    );
-    let mut out = String::new();
-    let _ = prometheus_client::encoding::text::encode_registry(&mut out, &registry);
-    out
 }
