@@ -515,7 +515,7 @@ async fn supervise(
                     .await;
             }
             // A backend told to stop while it still serves a request serve closed waits on it
-            // (llama-server: 30 s); it is stopped once it let go of them (`let_go`), or at the
+            // (llama-server: 30 s); it is stopped once it let go of them (`idle_before_stop`), or at the
             // stop's bound (the backend's own stop follows).
             // Tool calls alone are ended by the stop itself, so it is not put off for them.
             if cut == Cut::Served {

@@ -1,4 +1,4 @@
-//! serve gives its heap's freed pages back after work (host/src/heap_trim.rs): a request, and
+//! serve gives its heap's freed pages back after work (host/supervision/src/heap_trim.rs): a request, and
 //! within the trimmer's interval a trim, which `ONEBIT_LOG=debug` shows. What a trim gives
 //! back is plugin-api's unit test (heap.rs); what it does to a long run is the soak's
 //! (docs/performance.md).

@@ -6,7 +6,7 @@
 //! serves saving the same conversation at once leave a state a third restores exactly. A folder
 //! that cannot be read (replaced by a file) leaves serving on, said once, until it is back.
 //! The store's own concurrency (several serves saving, restoring and evicting in one folder):
-//! host/src/prompt_cache/store_tests.rs.
+//! host/features/src/prompt_cache/store_tests.rs.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! The relay's two engines on one connection: plain proxied requests on the fast engine
-//! (host/src/relay/fast.rs), everything else handed to the general one (relay/general.rs),
+//! (host/relay/src/fast/mod.rs), everything else handed to the general one (relay/general.rs),
 //! with keep-alive, pipelining, a backend that closes its connections, streams and a backend
 //! that dies. Each test checks, in `onebit_requests_total`, which engine carried what.
 

@@ -4,8 +4,8 @@
 //! keeps out callers without it.
 //!
 //! The rules are in `docs/security.md` and in [`rules`], a pure function the fuzz target and
-//! the unit tests call directly; this file is the axum middleware around both. This room sits
-//! below the relay: both relay engines call [`check`] and the key themselves.
+//! the unit tests call directly; this file is the axum middleware around both. The relay's crate
+//! is above this one: both relay engines call [`check`] and the key themselves.
 
 pub mod cors;
 pub mod key;

@@ -22,7 +22,7 @@ pub enum Cut {
     /// Nothing: every request finished in the window (or none was in flight).
     Nothing,
     /// Requests the backend was serving: it must see them leave before it is told to stop
-    /// (`backends::let_go`), or it may wait on them.
+    /// (`backends::idle_before_stop`), or it may wait on them.
     Served,
     /// Only requests the backend ends itself at its stop (llama-server's tool calls): it is
     /// told to stop at once.

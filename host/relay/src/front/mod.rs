@@ -3,10 +3,10 @@
 //! and the drain on SIGTERM that says so on `/health`, stops accepting and waits for the
 //! requests in flight (`drain`).
 //!
-//! The front sits above the relay in the order of the rooms: it hands each connection to the
-//! relay's fast engine and puts the general engine behind the router; the relay never imports
-//! the front. The browser guard is a room of its own below both, because both engines apply
-//! it (`onebit_features::guard`).
+//! The front sits above the rest of this crate: it hands each connection to the fast engine and
+//! puts the general engine behind the router; nothing else in the crate imports the front. The
+//! browser guard is below the whole crate (`onebit_features::guard`), because both engines
+//! apply it.
 
 pub mod accept;
 pub mod drain;

@@ -4,7 +4,7 @@
 //! calls between the route and its backends (`route_calls`), and, at a stop, whether each
 //! backend let go of the connections serve cut (`idle_before_stop`).
 //!
-//! This room knows nothing of how client requests are relayed.
+//! This crate knows nothing of how client requests are relayed (Cargo holds it).
 
 pub mod health;
 pub mod idle_before_stop;
