@@ -16,8 +16,11 @@ pub struct Rule {
     pub path: String,
     /// What the host does with a request that matches.
     pub action: Action,
-    /// A chat, completion or Responses request: the watchdog tracks it, and a non-streamed
-    /// JSON reply gets the served model name.
+    /// The request is a generation (what the host's relay calls `RelayPlan::generation`): a
+    /// chat, completion, Responses, Anthropic Messages, `/infill` or transcription request in
+    /// [`llama_server_rules`]. The watchdog tracks it, `--max-generations` counts it, a
+    /// streamed one gets keep-alive comments and the token clock, and a non-streamed JSON reply
+    /// gets the served model name. (The field keeps its 1.0 name: routes set it by it.)
     pub inference: bool,
     /// 1.4: what the request's body is, and so what the host checks before it relays it; by
     /// default, as 1.3 and older: none for `GET` and `HEAD`, a JSON object for any other
