@@ -17,7 +17,11 @@
 //! 7. **each chunk**: [`Exchange::arrived`] from the backend (the watchdog's progress),
 //!    [`Exchange::passed`] to the client (the route's first-byte line, the stream's clock).
 //! 8. **end and log**: dropping the exchange (the reply finished, or the client left)
-//!    releases all it holds: the in-flight count, the generation, the ticket, the slot.
+//!    releases all it holds: the in-flight count, the generation, the ticket, the slot; and
+//!    its [`Record`] (counted at the head by [`Exchange::answered`]) says the request's
+//!    duration and its line. The general engine's outer layer (`front::endpoints`) keeps a
+//!    `Record` of its own for every answer it writes (serve's own routes and refusals too):
+//!    the count, the duration and the line are written here once, for every engine.
 //!
 //! The engines do the I/O and call these; they name none of the features behind them.
 
@@ -27,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use crate::App;
 use crate::plan::{Engine, RelayPlan, Target};
+use crate::request_id::RequestId;
 use crate::traffic::InFlight;
 use onebit_command::error::ApiError;
 use onebit_metrics::requests::{PathClass, StreamClock};
@@ -45,6 +50,8 @@ pub struct Exchange {
     first_byte: Option<FirstByte>,
     clock: Option<StreamClock>,
     slot: Option<Release>,
+    /// Phase 8's record, when the engine keeps it here (the fast engine's).
+    record: Option<Record>,
 }
 
 impl Exchange {
@@ -62,6 +69,21 @@ impl Exchange {
             first_byte: None,
             clock: None,
             slot: None,
+            record: None,
+        }
+    }
+
+    /// Keep phase 8's record here: the request's id and, when its line is on, its method and
+    /// path (the fast engine's requests; the general engine's are its outer layer's).
+    pub fn record(&mut self, id: RequestId, logged: Option<Box<(String, String)>>) {
+        self.record = Some(Record::new(&self.app, self.began, self.path, id, logged));
+    }
+
+    /// Phase 6: the answer's head goes out with `status`: counted once (`onebit_requests_total`).
+    pub fn answered(&mut self, status: u16) {
+        let engine = self.engine;
+        if let Some(record) = &mut self.record {
+            record.answered(status, engine);
         }
     }
 
@@ -131,6 +153,9 @@ impl Exchange {
         body_len: usize,
     ) {
         self.in_flight.relayed_to(path);
+        if let Some(record) = &mut self.record {
+            record.backend = Some(backend);
+        }
         self.watch(plan, method, path, backend, body_len);
     }
 
@@ -166,9 +191,12 @@ impl Exchange {
     /// The reply's head is on its way to the client, the backend having taken `backend_time`
     /// of the time since the request was in hand: serve's added time (the rest) is recorded
     /// and returned.
-    pub fn head_written(&self, backend_time: Duration) -> Duration {
+    pub fn head_written(&mut self, backend_time: Duration) -> Duration {
         let added = self.began.elapsed().saturating_sub(backend_time);
         self.app.requests.added(self.path, self.engine, added);
+        if let Some(record) = &mut self.record {
+            record.added = added;
+        }
         added
     }
 
@@ -186,6 +214,9 @@ impl Exchange {
         if let Some(first) = self.first_byte.take() {
             first.arrived();
         }
+        if let Some(record) = &mut self.record {
+            record.bytes += len as u64;
+        }
         if len > 0
             && let Some(clock) = &mut self.clock
         {
@@ -197,6 +228,7 @@ impl Exchange {
 impl Drop for Exchange {
     /// Phase 8: whatever the request holds is released, in the order it was taken last first.
     fn drop(&mut self) {
+        let record = self.record.take();
         self.slot = None;
         self.first_byte = None;
         self.ticket = None;
@@ -204,6 +236,8 @@ impl Drop for Exchange {
             self.app.generations.fetch_sub(1, Ordering::AcqRel);
         }
         let _ = &self.in_flight;
+        // Last: the request's duration covers the releases, and its line follows them.
+        drop(record);
     }
 }
 
@@ -247,6 +281,91 @@ impl FirstByte {
             let ms = format!("{:.1}", self.asked_at.elapsed().as_secs_f64() * 1000.0);
             self.span
                 .in_scope(|| tracing::info!("{}", line.replace("{first_byte_ms}", &ms)));
+        }
+    }
+}
+
+/// Phase 8's record of one answer, written once for every engine: counted in
+/// `onebit_requests_total` when its head goes out ([`Record::answered`]); when it ends
+/// (finished, or the client left) its duration (`onebit_request_duration_seconds`) and, with
+/// `ONEBIT_LOG=debug`, its line. A record never answered says nothing.
+pub struct Record {
+    app: Arc<App>,
+    began: Instant,
+    path: PathClass,
+    engine: Engine,
+    id: RequestId,
+    /// The method and path for the line, kept only when the line is on.
+    logged: Option<Box<(String, String)>>,
+    status: Option<u16>,
+    /// Bytes of the reply's body passed to the client.
+    pub bytes: u64,
+    /// The backend a relayed request went to.
+    pub backend: Option<usize>,
+    /// serve's added time (phase 6).
+    pub added: Duration,
+}
+
+impl Record {
+    pub fn new(
+        app: &Arc<App>,
+        began: Instant,
+        path: PathClass,
+        id: RequestId,
+        logged: Option<Box<(String, String)>>,
+    ) -> Record {
+        Record {
+            app: app.clone(),
+            began,
+            path,
+            engine: Engine::General,
+            id,
+            logged,
+            status: None,
+            bytes: 0,
+            backend: None,
+            added: Duration::ZERO,
+        }
+    }
+
+    /// The method and path to keep for the request's line, only when that line is on.
+    pub fn logged(method: &str, path: &str) -> Option<Box<(String, String)>> {
+        tracing::enabled!(target: onebit_command::log::REQUEST, tracing::Level::DEBUG)
+            .then(|| Box::new((method.to_string(), path.to_string())))
+    }
+
+    /// The answer's head goes out with `status`, carried by `engine`: counted, once.
+    pub fn answered(&mut self, status: u16, engine: Engine) {
+        if self.status.is_none() {
+            self.app.requests.count(self.path, status, engine);
+        }
+        self.status = Some(status);
+        self.engine = engine;
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        let Some(status) = self.status else {
+            return;
+        };
+        self.app
+            .requests
+            .lasted(self.path, self.engine, self.began.elapsed());
+        if let Some(seen) = &self.logged {
+            let backend = self.backend.map(|b| b.to_string());
+            tracing::debug!(
+                target: onebit_command::log::REQUEST,
+                method = %seen.0,
+                path = %seen.1,
+                status,
+                engine = self.engine.as_str(),
+                backend = backend.as_deref().unwrap_or("none"),
+                added_us = self.added.as_micros() as u64,
+                bytes = self.bytes,
+                request_id = %self.id,
+                "1bit serve: request"
+            );
         }
     }
 }

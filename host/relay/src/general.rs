@@ -278,7 +278,7 @@ async fn backend_for(
 async fn sent(
     relaying: &Relaying<'_>,
     upstream: hyper::Request<Full<Bytes>>,
-    exchange: Exchange,
+    mut exchange: Exchange,
 ) -> Response {
     let Relaying { app, plan, backend } = *relaying;
     let sent_at = Instant::now();
@@ -316,7 +316,7 @@ async fn reply(
     relaying: &Relaying<'_>,
     reply: hyper::Response<hyper::body::Incoming>,
     mut backend_time: Duration,
-    exchange: Exchange,
+    mut exchange: Exchange,
 ) -> Response {
     let Relaying { app, plan, backend } = *relaying;
     let (mut reply_parts, reply_body) = reply.into_parts();

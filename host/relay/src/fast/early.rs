@@ -33,7 +33,7 @@ pub(super) fn framed(say: Say, fed: &[u8], out: &mut Vec<u8>) -> bool {
 
 /// The rest of a streamed reply whose head serve already sent: the backend's head just read
 /// goes to the early stream, then its body as it arrives, with the stream's comments in its
-/// silences. The connection closes after it either way. Returns the event bytes passed on.
+/// silences. The connection closes after it either way.
 pub(super) async fn after_early_head(
     client: &mut BusyPollStream,
     mut backend: BusyPollStream,
@@ -41,7 +41,7 @@ pub(super) async fn after_early_head(
     mut reply: BytesMut,
     head: ReplyHead,
     tracking: Tracking,
-) -> u64 {
+) {
     let Tracking {
         keepalive,
         mut exchange,
@@ -49,7 +49,6 @@ pub(super) async fn after_early_head(
     let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
     stream.head(head.status);
     let mut body = Body::new(head.framing);
-    let mut bytes = 0;
     // Bytes read past the head come first; a body with no bytes ends at once.
     let mut closed = head.framing == Framing::None;
     loop {
@@ -70,15 +69,14 @@ pub(super) async fn after_early_head(
         };
         reply.clear();
         if !out.is_empty() && client.write_all(&out).await.is_err() {
-            return bytes;
+            return;
         }
         if passed {
-            bytes += payload.len() as u64;
             exchange.passed(payload.len());
         }
         if over {
             drop(exchange);
-            return bytes;
+            return;
         }
         let silence = tokio::time::sleep(every);
         tokio::pin!(silence);
@@ -93,7 +91,7 @@ pub(super) async fn after_early_head(
                         let mut out = Vec::new();
                         framed(stream.broke(), &[], &mut out);
                         let _ = client.write_all(&out).await;
-                        return bytes;
+                        return;
                     }
                     Ok(n) => {
                         exchange.arrived(n);
@@ -105,7 +103,7 @@ pub(super) async fn after_early_head(
                     let mut out = Vec::new();
                     framed(stream.silence(), &[], &mut out);
                     if !out.is_empty() && client.write_all(&out).await.is_err() {
-                        return bytes;
+                        return;
                     }
                 },
             }

@@ -24,7 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use crate::App;
 use crate::busy_poll::BusyPollStream;
 use crate::early_stream::EarlyStream;
-use crate::exchange::Exchange;
+use crate::exchange::{Exchange, Record};
 use crate::plan::{self, Direction, Engine, HandedPlan, RelayPlan, Target};
 use crate::request_id::RequestId;
 use crate::sse_keepalive;
@@ -158,15 +158,15 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         keepalive,
         exchange,
     };
-    let sent = match send(app, client, &fast, &mut tracking, began).await {
+    let sent = match send(app, client, &fast, &mut tracking).await {
         Ok(sent) => sent,
         Err(outcome) => return outcome,
     };
     let backend_time = sent.at.elapsed();
     tracking.exchange.reply_head();
     if let Some(stream) = sent.early {
-        app.requests.count(fast.path, 200, Engine::Fast);
-        let bytes = after_early_head(
+        tracking.exchange.answered(200);
+        after_early_head(
             client,
             sent.backend,
             stream,
@@ -175,18 +175,10 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
             tracking,
         )
         .await;
-        app.requests
-            .lasted(fast.path, Engine::Fast, began.elapsed());
-        fast.log(200, Duration::ZERO, bytes);
         return Outcome::Close;
     }
-    app.requests
-        .count(fast.path, sent.head.status, Engine::Fast);
-    let timing = Timing {
-        began,
-        backend_time,
-    };
-    relay_reply(app, client, buf, &fast, sent, tracking, timing).await
+    tracking.exchange.answered(sent.head.status);
+    relay_reply(app, client, buf, &fast, sent, tracking, backend_time).await
 }
 
 /// The request sent and its reply's head read: the backend connection, the head, the bytes
@@ -210,7 +202,6 @@ async fn send(
     client: &mut BusyPollStream,
     fast: &Fast,
     tracking: &mut Tracking,
-    began: Instant,
 ) -> Result<Sent, Outcome> {
     let keepalive = tracking.keepalive;
     let to_client = Direction::Reply {
@@ -228,7 +219,11 @@ async fn send(
         };
         let (mut conn, reused) = match taken {
             Ok(c) => c,
-            Err(e) => return Err(bad_gateway(app, client, fast, &e.to_string(), began).await),
+            Err(e) => {
+                return Err(
+                    bad_gateway(app, client, fast, &e.to_string(), &mut tracking.exchange).await,
+                );
+            }
         };
         // No flush: a socket has nothing to flush, and `BusyPollStream`'s flush would spin
         // by peeking; the reply's first read spins by reading, so the call that finds the
@@ -299,23 +294,16 @@ async fn send(
                     framed(stream.no_head(&e.to_string()), &[], &mut out);
                 }
                 let _ = client.write_all(&out).await;
-                app.requests.count(fast.path, 200, Engine::Fast);
-                app.requests
-                    .lasted(fast.path, Engine::Fast, began.elapsed());
-                fast.log(200, Duration::ZERO, 0);
+                tracking.exchange.answered(200);
                 return Err(Outcome::Close);
             }
-            Err(e) => return Err(bad_gateway(app, client, fast, &e.to_string(), began).await),
+            Err(e) => {
+                return Err(
+                    bad_gateway(app, client, fast, &e.to_string(), &mut tracking.exchange).await,
+                );
+            }
         }
     }
-}
-
-/// When the request was in hand, and how long the backend took to its reply's head: serve's
-/// added time is the rest, up to the head written.
-#[derive(Clone, Copy)]
-struct Timing {
-    began: Instant,
-    backend_time: Duration,
 }
 
 /// The client's reply head: the backend's lines, the framing the client gets (a body that
@@ -353,7 +341,7 @@ async fn relay_reply(
     fast: &Fast,
     sent: Sent,
     tracking: Tracking,
-    timing: Timing,
+    backend_time: Duration,
 ) -> Outcome {
     let Sent {
         mut backend,
@@ -365,15 +353,9 @@ async fn relay_reply(
         keepalive,
         mut exchange,
     } = tracking;
-    let Timing {
-        began,
-        backend_time,
-    } = timing;
     let mut head_written = false;
     let close = fast.close;
     let mut out = client_head(&head, close, &fast.id);
-    let mut added = Duration::ZERO;
-    let mut bytes: u64 = 0;
     // The body: what came with the head, then as it arrives, each read written at once.
     let mut body = Body::new(head.framing);
     let mut watch_client = true;
@@ -401,10 +383,9 @@ async fn relay_reply(
             }
             out.clear();
             if !std::mem::replace(&mut head_written, true) {
-                added = exchange.head_written(backend_time);
+                exchange.head_written(backend_time);
             }
             if take > 0 {
-                bytes += take as u64;
                 exchange.passed(take);
             }
         }
@@ -413,9 +394,6 @@ async fn relay_reply(
                 app.pool.checkin(fast.port, backend);
             }
             drop(exchange);
-            app.requests
-                .lasted(fast.path, Engine::Fast, began.elapsed());
-            fast.log(head.status, added, bytes);
             return if close {
                 Outcome::Close
             } else {
@@ -443,8 +421,6 @@ async fn relay_reply(
                     Ok(0) if body.framing == Framing::UntilClose => {
                         // The backend's close ends the body: so does the last chunk.
                         drop(exchange);
-                        app.requests.lasted(fast.path, Engine::Fast, began.elapsed());
-                        fast.log(head.status, added, bytes);
                         if client.write_all(b"0\r\n\r\n").await.is_err() || close {
                             return Outcome::Close;
                         }
@@ -506,12 +482,9 @@ async fn bad_gateway(
     client: &mut BusyPollStream,
     fast: &Fast,
     why: &str,
-    began: Instant,
+    exchange: &mut Exchange,
 ) -> Outcome {
-    app.requests.count(fast.path, 502, Engine::Fast);
-    app.requests
-        .lasted(fast.path, Engine::Fast, began.elapsed());
-    fast.log(502, Duration::ZERO, 0);
+    exchange.answered(502);
     let close = fast.close;
     let error = ApiError::no_answer(&app.settings.device, why);
     let body = onebit_command::error::openai_error_body(

@@ -23,7 +23,6 @@ pub(super) enum Verdict {
 
 /// A request that qualified: what to send where.
 pub(super) struct Fast {
-    pub(super) backend: usize,
     pub(super) port: u16,
     /// The backend request, head and body.
     pub(super) upstream: Vec<u8>,
@@ -35,32 +34,8 @@ pub(super) struct Fast {
     /// general engine's when serve names the model in replies; in router mode, where it does
     /// not, the fast engine carries it too, without them.)
     pub(super) streamed: bool,
-    /// For `onebit_requests_total`.
-    pub(super) path: PathClass,
     /// Sent to the backend, and on the reply.
     pub(super) id: RequestId,
-    /// The method and path for the request's log line, kept only when that line is on.
-    pub(super) logged: Option<Box<(String, String)>>,
-}
-
-impl Fast {
-    /// The request's one line (`ONEBIT_LOG=debug`); nothing when it is off.
-    pub(super) fn log(&self, status: u16, added: Duration, bytes: u64) {
-        if let Some(seen) = &self.logged {
-            tracing::debug!(
-                target: onebit_command::log::REQUEST,
-                method = %seen.0,
-                path = %seen.1,
-                status,
-                engine = "fast",
-                backend = self.backend,
-                added_us = added.as_micros() as u64,
-                bytes,
-                request_id = %self.id,
-                "1bit serve: request"
-            );
-        }
-    }
 }
 
 /// Read the request at the start of `buf` and decide it: the transport conditions the fast
@@ -135,12 +110,13 @@ pub(super) fn qualify(app: &Arc<App>, buf: &[u8], began: Instant) -> Verdict {
 
     // Admission: a refusal is the general engine's to send (it admits the request again).
     let mut exchange = Exchange::begin(app, Engine::Fast, PathClass::of(path), began);
+    let id = RequestId::for_request(head.request_ids());
+    exchange.record(id, Record::logged(method, path));
     if exchange.admit(&plan).is_err() {
         return decided(plan, has_body);
     }
     exchange.sending(&plan, method, path, backend, body_len);
 
-    let id = RequestId::for_request(head.request_ids());
     let mut upstream = Vec::with_capacity(head_len + body_len + 64);
     let line = plan::UpstreamLine {
         method,
@@ -157,16 +133,12 @@ pub(super) fn qualify(app: &Arc<App>, buf: &[u8], began: Instant) -> Verdict {
     );
     upstream.extend_from_slice(body);
     let fast = Fast {
-        backend,
         port,
         upstream,
         consumed: head_len + body_len,
         close: head.close,
         streamed: plan.generation && plan.streamed,
-        path: PathClass::of(path),
         id,
-        logged: tracing::enabled!(target: onebit_command::log::REQUEST, tracing::Level::DEBUG)
-            .then(|| Box::new((method.to_string(), path.to_string()))),
     };
     Verdict::Fast(fast, exchange)
 }

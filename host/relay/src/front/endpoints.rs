@@ -14,6 +14,7 @@ use axum::{Router, middleware};
 use onebit_plugin_api::{Action, error_body};
 
 use crate::App;
+use crate::exchange::Record;
 use crate::general::{Relayed, relay};
 use crate::request_id::{self, RequestId};
 use onebit_features::guard;
@@ -80,7 +81,8 @@ pub fn router(app: Arc<App>) -> Router {
 /// extensions for the relay, on its log lines through its span, on the reply), its count in
 /// `onebit_requests_total` when its head is ready, under the engine the response names (an
 /// in-process answer does) or `general`, and, when its reply body ends,
-/// `onebit_request_duration_seconds` and its line (`ONEBIT_LOG=debug`).
+/// `onebit_request_duration_seconds` and its line (`ONEBIT_LOG=debug`): phase 8's
+/// [`Record`], the same the fast engine's exchange keeps.
 async fn observed(
     State(app): State<Arc<App>>,
     mut request: axum::extract::Request,
@@ -96,13 +98,8 @@ async fn observed(
             .map(|v| v.as_bytes()),
     );
     request.extensions_mut().insert(id);
-    let logged = tracing::enabled!(target: onebit_command::log::REQUEST, tracing::Level::DEBUG)
-        .then(|| {
-            (
-                request.method().to_string(),
-                request.uri().path().to_string(),
-            )
-        });
+    let logged = Record::logged(request.method().as_str(), request.uri().path());
+    let mut record = Record::new(&app, began, path, id, logged);
     let span = tracing::info_span!("request", request_id = %id);
     let mut response = next.run(request).instrument(span).await;
     let engine = response
@@ -110,31 +107,28 @@ async fn observed(
         .get::<Engine>()
         .copied()
         .unwrap_or(Engine::General);
-    let status = response.status().as_u16();
-    app.requests.count(path, status, engine);
+    record.answered(response.status().as_u16(), engine);
+    if let Some(relayed) = response.extensions().get::<Relayed>() {
+        record.backend = Some(relayed.backend);
+        record.added = relayed.added;
+    }
     if let Ok(value) = HeaderValue::from_bytes(id.as_bytes()) {
         response.headers_mut().insert(request_id::HEADER, value);
     }
-    let ended = Ended {
-        app,
-        began,
-        path,
-        engine,
-        status,
-        id,
-        logged,
-        relayed: response.extensions().get::<Relayed>().copied(),
-        bytes: 0,
-    };
-    response.map(|body| axum::body::Body::new(EndedBody { inner: body, ended }))
+    response.map(|body| {
+        axum::body::Body::new(EndedBody {
+            inner: body,
+            record,
+        })
+    })
 }
 
-/// A reply body that counts its bytes and carries its [`Ended`], dropped with it. Its length
-/// and end are the inner body's, so hyper frames the reply as before (a whole reply keeps its
-/// Content-Length).
+/// A reply body that counts its bytes and carries its [`Record`], dropped with it (phase 8).
+/// Its length and end are the inner body's, so hyper frames the reply as before (a whole reply
+/// keeps its Content-Length).
 struct EndedBody {
     inner: axum::body::Body,
-    ended: Ended,
+    record: Record,
 }
 
 impl hyper::body::Body for EndedBody {
@@ -149,7 +143,7 @@ impl hyper::body::Body for EndedBody {
         if let std::task::Poll::Ready(Some(Ok(frame))) = &polled
             && let Some(data) = frame.data_ref()
         {
-            self.ended.bytes += data.len() as u64;
+            self.record.bytes += data.len() as u64;
         }
         polled
     }
@@ -160,43 +154,6 @@ impl hyper::body::Body for EndedBody {
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.inner.size_hint()
-    }
-}
-
-/// A reply body's end (finished, or dropped when the client left): the request's duration
-/// and its line.
-struct Ended {
-    app: Arc<App>,
-    began: std::time::Instant,
-    path: PathClass,
-    engine: Engine,
-    status: u16,
-    id: RequestId,
-    logged: Option<(String, String)>,
-    relayed: Option<Relayed>,
-    bytes: u64,
-}
-
-impl Drop for Ended {
-    fn drop(&mut self) {
-        self.app
-            .requests
-            .lasted(self.path, self.engine, self.began.elapsed());
-        if let Some((method, path)) = &self.logged {
-            let backend = self.relayed.map(|r| r.backend.to_string());
-            tracing::debug!(
-                target: onebit_command::log::REQUEST,
-                method = %method,
-                path = %path,
-                status = self.status,
-                engine = self.engine.as_str(),
-                backend = backend.as_deref().unwrap_or("none"),
-                added_us = self.relayed.map_or(0, |r| r.added.as_micros() as u64),
-                bytes = self.bytes,
-                request_id = %self.id,
-                "1bit serve: request"
-            );
-        }
     }
 }
 
