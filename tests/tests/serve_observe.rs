@@ -413,3 +413,64 @@ fn polling_serve_never_changes_what_the_next_scrape_shows() {
     };
     assert_eq!(own(&first), own(&second));
 }
+
+/// Phase 8 is one record for every engine: a stream whose client leaves after its first
+/// event is counted and timed (`onebit_request_duration_seconds`) and has its line, on the
+/// fast engine as on the general one.
+#[test]
+fn a_stream_whose_client_leaves_is_counted_timed_and_said_on_both_engines() {
+    use std::io::{Read, Write};
+    let dir = temp_dir("observe-left");
+    let model = dummy_model(&dir, "m.gguf");
+    // 5 chunks 400 ms apart: the client is gone well before the stream would end.
+    let serve = Serve::with_fake(
+        &model,
+        &[],
+        &[("FAKE_SSE_INTERVAL_MS", "400"), ("ONEBIT_LOG", "debug")],
+    );
+    serve.ready();
+    let general = streamed_general();
+    for (engine, body, chunked) in [
+        ("fast", STREAMED, false),
+        ("general", general.as_str(), true),
+    ] {
+        let request = raw_json_post(serve.port, "/v1/chat/completions", body, chunked);
+        let mut client = std::net::TcpStream::connect(("127.0.0.1", serve.port)).unwrap();
+        client.write_all(&request).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("data: ") {
+            let n = client.read(&mut buf).expect("the stream's first event");
+            assert!(n > 0, "{engine}: the stream ended before its first event");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        drop(client);
+        let labels = [("path_class", "chat"), ("engine", engine)];
+        let timed = wait_until(Duration::from_secs(10), || {
+            let (_, scraped) = get(&serve.url("/metrics"));
+            histogram(
+                &parse_prometheus(&scraped),
+                "onebit_request_duration_seconds",
+                &labels,
+            )
+            .0 == 1.0
+        });
+        let (_, scraped) = get(&serve.url("/metrics"));
+        assert!(timed, "{engine}: the left stream is timed once:\n{scraped}");
+        assert_eq!(
+            requests_total_in(&scraped, &[("path_class", "chat"), ("engine", engine)]),
+            1,
+            "{engine}: counted once:\n{scraped}"
+        );
+        assert!(
+            wait_until(Duration::from_secs(5), || serve
+                .output()
+                .contains(&format!("status=200 engine={engine} backend=0"))),
+            "{engine}: its line:\n{}",
+            serve.output()
+        );
+    }
+}
