@@ -553,6 +553,31 @@ fn each_request_is_counted_under_the_engine_that_carried_it() {
     }
 }
 
+/// `ONEBIT_FAST_ENGINE=0`: the requests the fast engine carries (a plain one, a streamed chat)
+/// go on the general engine, answered alike; anything else than `0` leaves the fast engine on.
+#[test]
+fn fast_engine_0_carries_every_request_on_the_general_engine() {
+    let dir = temp_dir("relay-general-only");
+    let model = dummy_model(&dir, "m.gguf");
+    for (value, engine) in [("0", "general"), ("1", "fast")] {
+        let serve = Serve::with_fake(&model, &[], &[("ONEBIT_FAST_ENGINE", value)]);
+        serve.ready();
+        assert_eq!(post(&serve.url("/tokenize"), TOKENIZE).0, 200);
+        let events = sse(
+            &serve.url("/v1/chat/completions"),
+            r#"{"stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        assert!(events.iter().any(|e| e.contains("[DONE]")), "{events:?}");
+        for class in ["other", "chat"] {
+            assert_eq!(
+                requests_total(&serve, &[("path_class", class), ("engine", engine)]),
+                1,
+                "ONEBIT_FAST_ENGINE={value}: {class} on the {engine} engine"
+            );
+        }
+    }
+}
+
 /// A backend in the manner of Python's http.server: HTTP/1.0 replies with no Content-Length,
 /// each ending at the connection's close; a stream's events 150 ms apart. It takes
 /// llama-server's command line and answers /health; /slots is 404 (no progress route), so the

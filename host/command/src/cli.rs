@@ -261,6 +261,10 @@ pub struct EnvSettings {
     /// Microseconds a socket owed an answer asks for it before the thread sleeps.
     #[arg(long, hide = true, env = "ONEBIT_BUSY_POLL_US")]
     pub busy_poll_us: Option<String>,
+    /// `0`: every request on the general engine (the fast engine hands each connection over
+    /// unread); the engines' comparison, and a way around a fault in the fast one.
+    #[arg(long, hide = true, env = "ONEBIT_FAST_ENGINE")]
+    pub fast_engine: Option<String>,
     /// `--watchdog`'s default.
     #[arg(long, hide = true, env = "ONEBIT_WATCHDOG_SECS")]
     pub watchdog_secs: Option<String>,

@@ -65,6 +65,9 @@ pub struct Settings {
     /// `--cors-origins`' policy: the guard lets the origins it names write, and replies carry
     /// its `Access-Control-*` headers (`guard::cors`); None without the flag.
     pub cors: Option<std::sync::Arc<onebit_features::guard::cors::Cors>>,
+    /// False with `ONEBIT_FAST_ENGINE=0`: the fast engine hands every connection to the
+    /// general engine before reading it.
+    pub fast_engine: bool,
 }
 
 impl Settings {
@@ -106,6 +109,7 @@ impl Settings {
             sse_keepalive: Some(Duration::from_secs(args.sse_keepalive_s))
                 .filter(|every| !every.is_zero()),
             cors: onebit_features::guard::cors::Cors::from_args(args).map(std::sync::Arc::new),
+            fast_engine: args.env.fast_engine.as_deref().map(str::trim) != Some("0"),
             side_models: plan.side_models.clone(),
             rename_in_streams: plan.rename_in_streams,
             names_model: !args.llama_router,

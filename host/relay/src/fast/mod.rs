@@ -78,6 +78,9 @@ pub async fn serve_connection<F, Fut>(
     Fut: std::future::Future<Output = ()>,
 {
     let mut buf = BytesMut::with_capacity(8 * 1024);
+    if !app.settings.fast_engine {
+        return general(Prefixed::new(client, buf), stop, None).await;
+    }
     let deadline = tokio::time::sleep(header_timeout);
     tokio::pin!(deadline);
     loop {
