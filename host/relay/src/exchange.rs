@@ -4,18 +4,21 @@
 //! The phases, in order, the same on every engine (the fast engine, the general engine, and
 //! the in-process path it leads to):
 //!
-//! 1. **accept and guard**: the browser guard and the API key (`onebit_features::guard`), before the
-//!    request is planned; then [`Exchange::begin`]: the request is in flight.
-//! 2. **plan**: [`RelayPlan::for_head`], completed by [`RelayPlan::with_body`].
+//! 1. **accept and guard**: the browser guard and the API key (`onebit_features::guard`),
+//!    before the request is planned; then [`Exchange::begin`]: the request is in flight.
+//! 2. **plan**: [`RelayPlan::for_head`], completed by [`RelayPlan::with_body`] and, with the
+//!    whole body, [`RelayPlan::placed`] (`--laya`'s device, `--precise`, the attribution line).
 //! 3. **admit**: [`Exchange::admit`], the gates a planned request must pass (the limit on
 //!    generations in flight, `--max-generations`). A new gate is written here, once.
 //! 4. **prepare the slot**: [`Exchange::prepare`] (the persistent prompt cache restores a
 //!    saved prefix into the slot the request is pinned to; released with the exchange).
-//! 5. **send**: [`Exchange::sending`] (the watchdog's ticket, from before the request is sent).
-//! 6. **reply head**: [`Exchange::reply_head`] (the progress the head is), then
-//!    [`Exchange::head_written`] (serve's added time).
+//! 5. **send**: [`Exchange::sending`] (the watchdog's ticket, from before the request is sent);
+//!    for `--pm`'s target, [`tool_loop`] answers instead.
+//! 6. **reply head**: [`Exchange::reply_head`] (the progress the head is),
+//!    [`Exchange::answered`] (counted), then [`Exchange::head_written`] (serve's added time).
 //! 7. **each chunk**: [`Exchange::arrived`] from the backend (the watchdog's progress),
-//!    [`Exchange::passed`] to the client (the route's first-byte line, the stream's clock).
+//!    [`Exchange::passed`] to the client (the route's first-byte line, the stream's clock);
+//!    a prepared request's reply [`noted`] where its prefix came from the disk.
 //! 8. **end and log**: dropping the exchange (the reply finished, or the client left)
 //!    releases all it holds: the in-flight count, the generation, the ticket, the slot; and
 //!    its [`Record`] (counted at the head by [`Exchange::answered`]) says the request's
@@ -120,23 +123,41 @@ impl Exchange {
     pub async fn prepare(
         &mut self,
         plan: &RelayPlan,
-        path: &str,
+        (method, path): (&str, &str),
         body: bytes::Bytes,
     ) -> bytes::Bytes {
-        match &self.app.prompt_cache {
-            Some(cache) if plan.prompt_cache => match cache.prepare(path, &body).await {
-                Some((pinned, prepared)) => {
-                    self.slot = Some(Release(Some((cache.clone(), prepared))));
-                    pinned
-                }
-                None => body,
-            },
+        match self.app.prompt_cache.clone() {
+            Some(cache) if plan.prompt_cache => {
+                // The preparation calls the backend (template, tokenize, restore): a backend
+                // that hangs in it is the watchdog's from the start, as one that hangs in its
+                // reply is.
+                self.watch(plan, method, path, 0, body.len());
+                self.prepared(cache, path, body).await
+            }
             _ => body,
         }
     }
 
-    /// What the prompt cache notes in the reply of a prepared request, if it was prepared.
-    pub fn slot_watch(&self) -> Option<onebit_features::prompt_cache::ReplyWatch> {
+    /// The body pinned to the slot holding a restored prefix (released with the exchange), or
+    /// the body as it was.
+    async fn prepared(
+        &mut self,
+        cache: Arc<onebit_features::prompt_cache::PromptCache>,
+        path: &str,
+        body: bytes::Bytes,
+    ) -> bytes::Bytes {
+        match cache.prepare(path, &body).await {
+            Some((pinned, prepared)) => {
+                self.slot = Some(Release(Some((cache, prepared))));
+                pinned
+            }
+            None => body,
+        }
+    }
+
+    /// What the prompt cache notes in the reply of a prepared request, if it was prepared
+    /// (phase 7: [`noted`]).
+    pub fn slot_watch(&self) -> Option<SlotWatch> {
         self.slot.as_ref().and_then(Release::watch)
     }
 
@@ -241,6 +262,29 @@ impl Drop for Exchange {
     }
 }
 
+/// What the prompt cache notes in a prepared request's reply.
+pub type SlotWatch = onebit_features::prompt_cache::ReplyWatch;
+
+/// Phase 7 for a prepared request: the reply's event (or whole JSON) that carries `timings`
+/// says where its prefix came from the disk (`prompt_cache::noted_in_reply`).
+pub fn noted(bytes: bytes::Bytes, watch: &SlotWatch) -> bytes::Bytes {
+    onebit_features::prompt_cache::noted_in_reply(bytes, watch)
+}
+
+/// Phase 5 for a plan whose target is `--pm`'s tool loop: the loop answers the chat on
+/// `backend` (after `--precise`, so its rounds carry `cache_prompt` false too). Only a plan
+/// made with the Project Manager targets it.
+pub async fn tool_loop(app: &App, backend: usize, body: bytes::Bytes) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let (Some(pm), Some(port)) = (&app.pm, app.settings.ports.get(backend).copied()) else {
+        return ApiError::BadGateway(format!(
+            "the route named backend {backend}, which it did not start"
+        ))
+        .into_response();
+    };
+    pm.answer(&app.client, port, body).await
+}
+
 /// A prepared request's slot, released with the exchange (the reply finished, or the client
 /// left): the prompt cache then saves the slot's state.
 struct Release(
@@ -251,7 +295,7 @@ struct Release(
 );
 
 impl Release {
-    fn watch(&self) -> Option<onebit_features::prompt_cache::ReplyWatch> {
+    fn watch(&self) -> Option<SlotWatch> {
         self.0.as_ref().map(|(_, p)| p.watch())
     }
 }

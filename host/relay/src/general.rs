@@ -59,18 +59,9 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if let Err(refused) = exchange.admit(&plan) {
         return refused.into_response();
     }
-    // The slot's preparation calls the backend (template, tokenize, restore): a backend that
-    // hangs in them is the watchdog's from the start, as one that hangs in its reply is.
-    if app.prompt_cache.is_some() && plan.prompt_cache {
-        exchange.watch(
-            &plan,
-            parts.method.as_str(),
-            parts.uri.path(),
-            0,
-            body.len(),
-        );
-    }
-    let body = exchange.prepare(&plan, parts.uri.path(), body).await;
+    let body = exchange
+        .prepare(&plan, (parts.method.as_str(), parts.uri.path()), body)
+        .await;
     let chosen = match backend_for(&app, &plan, &parts, body).await {
         Destination::Backend(chosen) => chosen,
         Destination::InProcess(body) => {
@@ -160,29 +151,7 @@ async fn planned(
         plan
     };
 
-    // --laya: the conversation's device, from the body, decides the backend.
-    let plan = match &app.laya {
-        Some(laya) if plan.device_choice == DeviceChoice::ByConversation => {
-            plan.on_device(laya.route(&body).await)
-        }
-        _ => plan,
-    };
-
-    // --precise: every chat and completion is prefilled whole, as a cold run is.
-    let body = if plan.precise {
-        without_prompt_cache(body)
-    } else {
-        body
-    };
-    // Claude Code's attribution line changes every turn: the engine's cached prefix would end
-    // at it (`--keep-attribution` keeps it).
-    let body = if plan.drop_attribution {
-        crate::attribution::without_attribution(body)
-    } else {
-        body
-    };
-
-    Ok((plan, body))
+    Ok(plan.placed(app, body).await)
 }
 
 /// Where a planned request goes.
@@ -256,18 +225,7 @@ async fn backend_for(
             body,
         } => Destination::Answered(answer(*status, content_type, body.clone())),
         Target::ToolLoop(backend) => {
-            // --pm: the tool loop answers the chat (after --precise, so its rounds carry
-            // `cache_prompt` false too). Only a plan made with the PM targets it.
-            let (Some(pm), Some(port)) = (&app.pm, app.settings.ports.get(*backend).copied())
-            else {
-                return Destination::Answered(
-                    ApiError::BadGateway(format!(
-                        "the route named backend {backend}, which it did not start"
-                    ))
-                    .into_response(),
-                );
-            };
-            Destination::Answered(pm.answer(&app.client, port, body).await)
+            Destination::Answered(crate::exchange::tool_loop(app, *backend, body).await)
         }
     }
 }
@@ -373,7 +331,7 @@ async fn reply(
         };
         let bytes = served_name::in_reply(bytes, &app.settings.served_name);
         let bytes = match &watch {
-            Some(watch) => onebit_features::prompt_cache::noted_in_reply(bytes, watch),
+            Some(watch) => crate::exchange::noted(bytes, watch),
             None => bytes,
         };
         reply_parts.headers.remove(header::CONTENT_LENGTH);
@@ -521,20 +479,4 @@ async fn ask_route(
         .await
         .map_err(|e| ApiError::BadGateway(format!("the route's forward did not finish: {e}")))?
         .map_err(|e| ApiError::BadGateway(format!("the route could not forward the request: {e}")))
-}
-
-// The rewrite only this engine makes: `--precise` (the served name: `served_name`).
-
-/// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
-pub fn without_prompt_cache(body: Bytes) -> Bytes {
-    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else {
-        return body;
-    };
-    match value.as_object_mut() {
-        Some(object) => {
-            object.insert("cache_prompt".to_string(), serde_json::Value::Bool(false));
-            serde_json::to_vec(&value).map(Bytes::from).unwrap_or(body)
-        }
-        None => body,
-    }
 }

@@ -7,7 +7,7 @@
 //! sink holds at most [`SINK_BUFFER_BYTES`] for the client, and the route's `send` blocks on it.
 //! Cancellation: a client that leaves drops the body, which closes the channel: the route's
 //! next (or blocked) `send` fails at once, and `client_gone` (ABI 1.5) says so without a send.
-//! Stop: once serve's drain window ends ([`host_stopping`]), every `send` fails with
+//! Stop: once serve's drain window ends (`Traffic::host_stopping`), every `send` fails with
 //! [`HOST_STOPPING`] (a zero-length one too, so a route may ask; `client_gone` is true), and
 //! the client's body is cut as on the relay. A failure or panic in the route is one line on
 //! stderr, a 500 before the head, a cut-off stream after it. Each request's `respond` runs on

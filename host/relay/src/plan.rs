@@ -270,6 +270,50 @@ impl RelayPlan {
     }
 }
 
+impl RelayPlan {
+    /// The plan completed with the request's whole body, on the general engine: the device
+    /// `--laya` picks by the conversation (its backend), and the body's rewrites: `--precise`
+    /// (`cache_prompt` false: every chat and completion prefilled whole, as a cold run is) and
+    /// Claude Code's attribution line dropped (it changes every turn, so the engine's cached
+    /// prefix would end at it; `--keep-attribution` keeps it). Awaits `--laya`'s scorer, at
+    /// most its bound.
+    pub async fn placed(self, app: &App, body: bytes::Bytes) -> (RelayPlan, bytes::Bytes) {
+        let plan = match &app.laya {
+            Some(laya) if self.device_choice == DeviceChoice::ByConversation => {
+                self.on_device(laya.route(&body).await)
+            }
+            _ => self,
+        };
+        let body = if plan.precise {
+            without_prompt_cache(body)
+        } else {
+            body
+        };
+        let body = if plan.drop_attribution {
+            crate::attribution::without_attribution(body)
+        } else {
+            body
+        };
+        (plan, body)
+    }
+}
+
+/// The request body with `cache_prompt` false, so the backend reuses no cached prefix.
+pub fn without_prompt_cache(body: bytes::Bytes) -> bytes::Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return body;
+    };
+    match value.as_object_mut() {
+        Some(object) => {
+            object.insert("cache_prompt".to_string(), serde_json::Value::Bool(false));
+            serde_json::to_vec(&value)
+                .map(bytes::Bytes::from)
+                .unwrap_or(body)
+        }
+        None => body,
+    }
+}
+
 /// A request the fast engine read, judged and planned, handed to the general engine with its
 /// connection: the general engine takes the plan instead of deciding again. Rides as a request
 /// extension on the first request hyper reads from the handed connection.

@@ -5,15 +5,15 @@
 use bytes::Bytes;
 use http_body_util::BodyExt;
 
-use crate::exchange::Exchange;
+use crate::exchange::{Exchange, SlotWatch, noted};
 use crate::served_name;
 
 /// A prepared request's streamed reply: the event that carries `timings` (the last) is read
-/// and, where the prefix came from the disk, says so (`prompt_cache::noted_in_reply`). Any
+/// and, where the prefix came from the disk, says so (`exchange::noted`). Any
 /// other reply passes as it is.
 pub(super) fn noted_stream(
     body: http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error>,
-    watch: Option<onebit_features::prompt_cache::ReplyWatch>,
+    watch: Option<SlotWatch>,
 ) -> http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error> {
     let Some(watch) = watch else {
         return body;
@@ -21,7 +21,7 @@ pub(super) fn noted_stream(
     served_name::each_event(body, move |event| {
         // Only the last event carries `timings`; the others pass unparsed.
         if event.windows(9).any(|w| w == b"\"timings\"") {
-            onebit_features::prompt_cache::noted_in_reply(event, &watch)
+            noted(event, &watch)
         } else {
             event
         }
