@@ -5,7 +5,10 @@
 //! once); and the throughput of streamed chats through the gateway at 1, 2 and 4 workers whose
 //! backends run one generation at a time at a fixed time per token (the fake backend's
 //! `FAKE_SLOTS=1` and `FAKE_SSE_INTERVAL_MS`), so the scaling measured is the fleet's and not
-//! this machine's cores. Release builds.
+//! this machine's cores; and, on two serves of the real llama-server, multi-turn conversations
+//! with long system prompts under cache-aware routing with one shared prompt cache against
+//! round-robin without it: the prompt tokens prefilled again and the time to the first token
+//! (`fleet_conversations.rs`). Release builds.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -16,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::arms::{Server, free_addr};
 use super::client::{self, Conn};
+use super::fleet_conversations::{self as conversations, Conversations};
 use crate::{Failure, Prepare, Workspace};
 
 /// The engine behind each worker.
@@ -37,7 +41,7 @@ pub struct Spec {
     pub workers: usize,
     /// The gateway's address; each worker listens on the next ports (None: free ports).
     pub gateway: Option<SocketAddr>,
-    /// More of serve's flags for every worker (the drain's, say).
+    /// More of serve's flags for every worker (the drain's, say), last on its command line.
     pub serve_args: Vec<String>,
     /// Where the logs go.
     pub scratch: PathBuf,
@@ -55,6 +59,16 @@ const READY_LIMIT: Duration = Duration::from_secs(180);
 /// out at its first failure and back at its first success, five retries, the workers' load
 /// polled every 2 s, Prometheus metrics on `metrics`.
 pub fn gateway_args(gateway: SocketAddr, metrics: SocketAddr, workers: &[String]) -> Vec<String> {
+    gateway_args_with(gateway, metrics, workers, "cache_aware")
+}
+
+/// [`gateway_args`] with another routing policy (SMG's `--policy`: `round_robin`, ...).
+fn gateway_args_with(
+    gateway: SocketAddr,
+    metrics: SocketAddr,
+    workers: &[String],
+    policy: &str,
+) -> Vec<String> {
     let mut args: Vec<String> = [
         "launch",
         "--host",
@@ -70,7 +84,7 @@ pub fn gateway_args(gateway: SocketAddr, metrics: SocketAddr, workers: &[String]
     args.extend(
         [
             "--policy",
-            "cache_aware",
+            policy,
             "--health-check-endpoint",
             "/health",
             "--health-check-interval-secs",
@@ -114,6 +128,11 @@ impl Fleet {
     /// routes to all of them. The children stay in the caller's process group, so a terminal's
     /// Ctrl-C stops every one of them (each serve drains) as it stops the caller.
     pub fn start(spec: &Spec) -> Result<Fleet, Failure> {
+        Fleet::start_with(spec, "cache_aware")
+    }
+
+    /// [`Fleet::start`] with the gateway routing by another policy (SMG's `--policy`).
+    pub fn start_with(spec: &Spec, policy: &str) -> Result<Fleet, Failure> {
         let gateway_addr = match spec.gateway {
             Some(addr) => addr,
             None => free_addr()?,
@@ -130,7 +149,6 @@ impl Fleet {
                 .args(["--device", "cpu", "--alias", "fleet"])
                 .args(["--host", &addr.ip().to_string()])
                 .args(["--port", &addr.port().to_string()])
-                .args(&spec.serve_args)
                 .env("ONEBIT_STATE_DIR", spec.scratch.join(format!("state-{i}")));
             match &spec.backend {
                 Backend::Fake { binary, env } => {
@@ -152,6 +170,8 @@ impl Fleet {
                         .arg(server);
                 }
             }
+            // Last, so they may end with `-- LLAMA_SERVER_ARGS`.
+            command.args(&spec.serve_args);
             workers.push(Server::spawn("worker", addr, &mut command, &spec.scratch)?);
         }
         let since = Instant::now();
@@ -164,7 +184,7 @@ impl Fleet {
             .map(|w| format!("http://{}", w.addr))
             .collect();
         let mut command = Command::new(&spec.smg);
-        command.args(gateway_args(gateway_addr, metrics, &urls));
+        command.args(gateway_args_with(gateway_addr, metrics, &urls, policy));
         let gateway = Server::spawn("gateway", gateway_addr, &mut command, &spec.scratch)?;
         let fleet = Fleet {
             gateway,
@@ -279,8 +299,25 @@ pub fn run(ws: &Workspace, prep: &dyn Prepare, quick: bool) -> Result<ExitCode, 
             fleet.sent(),
         ));
     }
+
+    let (llama_server, model) = (
+        ws.layout.llama_server(),
+        ws.layout.model(ws.pins.default_model()),
+    );
+    if !llama_server.exists() || !model.exists() {
+        prep.setup(ws)?;
+    }
+    let kit = conversations::Kit {
+        onebit: onebit.clone(),
+        smg: smg.clone(),
+        llama_server,
+        model,
+        model_name: ws.pins.default_model().name.clone(),
+        scratch: scratch.clone(),
+    };
+    let conversations = conversations::run(&kit, quick)?;
     let _ = std::fs::remove_dir_all(&scratch);
-    report(ws, &direct, &through, &rows);
+    report(ws, &direct, &through, &rows, &conversations);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -392,15 +429,21 @@ fn throughput(gateway: SocketAddr, window: Duration) -> Result<(u64, u64), Failu
     Ok(totals)
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-/// The table, and `results/fleet.json`.
-fn report(ws: &Workspace, direct: &[f64], through: &[f64], rows: &[(usize, f64, u64, Vec<u64>)]) {
+/// The tables, and `results/fleet.json`.
+fn report(
+    ws: &Workspace,
+    direct: &[f64],
+    through: &[f64],
+    rows: &[(usize, f64, u64, Vec<u64>)],
+    conversations: &Conversations,
+) {
     let sorted = |v: &[f64]| {
         let mut v = v.to_vec();
         v.sort_by(f64::total_cmp);
@@ -439,6 +482,7 @@ fn report(ws: &Workspace, direct: &[f64], through: &[f64], rows: &[(usize, f64, 
             100.0 * rate / ideal
         );
     }
+    conversations.print();
     let json = serde_json::json!({
         "added_us": {"p50": added[0], "p90": added[1], "p99": added[2]},
         "direct_us": {"p50": percentile(&direct, 0.5), "p99": percentile(&direct, 0.99)},
@@ -447,6 +491,7 @@ fn report(ws: &Workspace, direct: &[f64], through: &[f64], rows: &[(usize, f64, 
             "workers": w, "requests_per_s": rate, "tokens_per_s": rate * TOKENS as f64,
             "ideal_requests_per_s": one * *w as f64, "failed": failed, "sent": sent,
         })).collect::<Vec<_>>(),
+        "conversations": conversations.json(),
     });
     let results = ws.root.join("results");
     if std::fs::create_dir_all(&results).is_ok() {

@@ -9,7 +9,9 @@
 //! (SIGTERM to exit on every kind of route, idle and with a stream in flight, `stop.rs`);
 //! `prompt-cache` alone (a conversation's second request after a restart, `prompt_cache.rs`);
 //! `fleet` alone (serves behind the pinned gateway: its added time, throughput at 1, 2 and 4
-//! workers, `fleet.rs`, which also starts the fleet `cargo xtask fleet` runs).
+//! workers, `fleet.rs`, which also starts the fleet `cargo xtask fleet` runs; conversations on
+//! the real llama-server, cache-aware with a shared prompt cache against round-robin,
+//! `fleet_conversations.rs`).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`);
 //! `hop --repeat N` measures the hop N times and judges the series (`series.rs`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
@@ -18,6 +20,7 @@ mod arms;
 pub(crate) mod chart;
 mod client;
 pub mod fleet;
+mod fleet_conversations;
 mod inproc;
 mod inproc_llama;
 mod measures;
