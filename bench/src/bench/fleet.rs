@@ -8,7 +8,7 @@
 //! this machine's cores; and, on two serves of the real llama-server, multi-turn conversations
 //! with long system prompts under cache-aware routing with one shared prompt cache against
 //! round-robin without it: the prompt tokens prefilled again and the time to the first token
-//! (`fleet_conversations.rs`). Release builds.
+//! (`fleet/conversations.rs`). Release builds.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 
 use super::arms::{Server, free_addr};
 use super::client::{self, Conn};
-use super::fleet_conversations::{self as conversations, Conversations};
+mod conversations;
 use crate::{Failure, Prepare, Workspace};
+use conversations::Conversations;
 
 /// The engine behind each worker.
 pub enum Backend {

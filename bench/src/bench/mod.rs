@@ -11,7 +11,7 @@
 //! `fleet` alone (serves behind the pinned gateway: its added time, throughput at 1, 2 and 4
 //! workers, `fleet.rs`, which also starts the fleet `cargo xtask fleet` runs; conversations on
 //! the real llama-server, cache-aware with a shared prompt cache against round-robin,
-//! `fleet_conversations.rs`).
+//! `fleet/conversations.rs`).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`);
 //! `hop --repeat N` measures the hop N times and judges the series (`series.rs`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
@@ -20,7 +20,6 @@ mod arms;
 pub(crate) mod chart;
 mod client;
 pub mod fleet;
-mod fleet_conversations;
 mod inproc;
 mod inproc_llama;
 mod measures;

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{Value, json};
 
-use super::client::{self, Conn};
-use super::fleet::{Backend, Fleet, Spec, percentile};
+use super::{Backend, Fleet, Spec, percentile};
 use crate::Failure;
+use crate::bench::client::{self, Conn};
 
 /// What the arms run: the binaries, the model, where the logs and the prompt cache go.
 pub struct Kit {
