@@ -3,11 +3,10 @@
 //! checked against its sha256 and installed into a venv of its own in the cache (its
 //! dependencies come from PyPI as pip resolves them). The wheel is built for x86-64 Linux.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 
-use super::steps::{Gauge, Step};
-use super::{PypiFile, fetch_from_pypi};
+use super::PypiFile;
+use super::venv::Venv;
 use crate::Failure;
 use crate::cache::Layout;
 
@@ -23,31 +22,23 @@ const WHEEL: PypiFile<'static> = PypiFile {
 };
 
 /// `<cache>/venvs/smg-<version>`.
-pub fn venv(layout: &Layout) -> PathBuf {
-    layout
-        .cache_dir
-        .join("venvs")
-        .join(format!("{PACKAGE}-{VERSION}"))
+fn venv(layout: &Layout) -> Venv {
+    Venv::new(layout, &format!("{PACKAGE}-{VERSION}"), "gateway.log")
 }
 
 /// The gateway's command (`smg launch ...`).
 pub fn smg(layout: &Layout) -> PathBuf {
-    venv(layout).join("bin").join("smg")
+    venv(layout).bin("smg")
 }
 
 /// Installs the pinned gateway into its venv unless it is there (a fraction of a second then).
 /// Blocks on pip.
 pub fn ensure(layout: &Layout) -> Result<PathBuf, Failure> {
-    let python = venv(layout).join("bin").join("python");
+    let venv = venv(layout);
     let check = format!(
         "import importlib.metadata as m, sys; sys.exit(m.version('{PACKAGE}') != '{VERSION}')"
     );
-    let present = Command::new(&python)
-        .args(["-c", &check])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if present && smg(layout).is_file() {
+    if venv.passes(&check) && smg(layout).is_file() {
         return Ok(smg(layout));
     }
     if std::env::consts::ARCH != "x86_64" {
@@ -59,34 +50,8 @@ pub fn ensure(layout: &Layout) -> Result<PathBuf, Failure> {
             "run the fleet's gateway on an x86-64 machine, or install smg yourself (docs/fleet.md)",
         ));
     }
-    let downloads = layout.downloads_dir();
-    super::create_dir_all(&downloads)?;
-    let todo = "check that python3 with venv and pip is installed and PyPI is reachable, then rerun `cargo xtask setup`";
-    let log = layout.logs_dir().join("gateway.log");
-    if !python.is_file() {
-        let mut make = Command::new("python3");
-        make.args(["-m", "venv"]).arg(venv(layout));
-        let title = format!("making the venv {}", venv(layout).display());
-        step(&title, &log, todo).run(&mut make)?;
-    }
-    let wheel = fetch_from_pypi(&WHEEL, &downloads, layout)?;
-    let mut pip = Command::new(&python);
-    pip.args(["-m", "pip", "install", "--disable-pip-version-check"])
-        .arg(&wheel);
-    let title = format!("installing the gateway {PACKAGE} {VERSION} into its venv");
-    step(&title, &log, todo).run(&mut pip)?;
+    venv.install(layout, &[&WHEEL])?;
     Ok(smg(layout))
-}
-
-fn step<'a>(title: &'a str, log: &Path, todo: &'a str) -> Step<'a> {
-    Step {
-        title,
-        log: log.to_path_buf(),
-        about: "",
-        todo,
-        gauge: Gauge::Time,
-        tail: 10,
-    }
 }
 
 /// The pinned gateway and its venv, in words, for setup's last lines.

@@ -12,6 +12,7 @@ mod models;
 pub mod openai_sdk;
 mod self_test;
 pub mod steps;
+mod venv;
 
 use std::fs::{self, File, TryLockError};
 use std::io::{self, Read, Write};

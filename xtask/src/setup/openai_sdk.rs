@@ -2,11 +2,10 @@
 //! pinned wheel each from PyPI, checked against its sha256, installed into one virtual
 //! environment in the cache (named after the OpenAI SDK, which came first).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 
-use super::steps::{Gauge, Step};
-use super::{PypiFile, fetch_from_pypi};
+use super::PypiFile;
+use super::venv::Venv;
 use crate::Failure;
 use crate::cache::Layout;
 
@@ -48,69 +47,27 @@ const SDKS: [(PypiFile<'static>, &str); 2] = [
 ];
 
 /// `<cache>/venvs/openai-<version>`.
-pub fn venv(layout: &Layout) -> PathBuf {
-    layout
-        .cache_dir
-        .join("venvs")
-        .join(format!("{PACKAGE}-{VERSION}"))
-}
-
-/// The venv's python, which imports the pinned SDK.
-pub fn python(layout: &Layout) -> PathBuf {
-    venv(layout).join("bin").join("python")
+fn venv(layout: &Layout) -> Venv {
+    Venv::new(layout, &format!("{PACKAGE}-{VERSION}"), "python-sdks.log")
 }
 
 /// Installs the pinned SDKs into their venv unless they are there (a fraction of a second
 /// then): the venv is made once, and each SDK whose pinned version it lacks is installed.
 /// Blocks on pip.
 pub fn ensure(layout: &Layout) -> Result<PathBuf, Failure> {
-    let python = python(layout);
-    let has = |module: &str, version: &str| {
-        let check = format!("import sys, {module}; sys.exit({module}.__version__ != '{version}')");
-        Command::new(&python)
-            .args(["-c", &check])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
+    let venv = venv(layout);
     let missing: Vec<&PypiFile<'_>> = SDKS
         .iter()
-        .filter(|(file, module)| !has(module, file.version))
+        .filter(|(file, module)| {
+            !venv.passes(&format!(
+                "import sys, {module}; sys.exit({module}.__version__ != '{}')",
+                file.version
+            ))
+        })
         .map(|(file, _)| file)
         .collect();
-    if missing.is_empty() {
-        return Ok(python);
-    }
-    let downloads = layout.downloads_dir();
-    super::create_dir_all(&downloads)?;
-    let todo = "check that python3 with venv and pip is installed and PyPI is reachable, then rerun `cargo xtask setup`";
-    let log = layout.logs_dir().join("python-sdks.log");
-    if !python.is_file() {
-        let mut make = Command::new("python3");
-        make.args(["-m", "venv"]).arg(venv(layout));
-        let title = format!("making the venv {}", venv(layout).display());
-        step(&title, &log, todo).run(&mut make)?;
-    }
-    for file in missing {
-        let wheel = fetch_from_pypi(file, &downloads, layout)?;
-        let mut pip = Command::new(&python);
-        pip.args(["-m", "pip", "install", "--disable-pip-version-check"])
-            .arg(&wheel);
-        let title = format!("installing {} {} into the venv", file.package, file.version);
-        step(&title, &log, todo).run(&mut pip)?;
-    }
-    Ok(python)
-}
-
-fn step<'a>(title: &'a str, log: &Path, todo: &'a str) -> Step<'a> {
-    Step {
-        title,
-        log: log.to_path_buf(),
-        about: "",
-        todo,
-        gauge: Gauge::Time,
-        tail: 10,
-    }
+    venv.install(layout, &missing)?;
+    Ok(venv.python())
 }
 
 /// The pinned SDKs and their venv, in words, for setup's last lines.
