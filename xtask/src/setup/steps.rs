@@ -43,7 +43,20 @@ pub struct Step<'a> {
     pub tail: usize,
 }
 
-impl Step<'_> {
+impl<'a> Step<'a> {
+    /// A short step (a download, a pip install): its elapsed time shown, the log's last 10
+    /// lines on failure.
+    pub fn short(title: &'a str, log: PathBuf, todo: &'a str) -> Step<'a> {
+        Step {
+            title,
+            about: "",
+            log,
+            todo,
+            gauge: Gauge::Time,
+            tail: 10,
+        }
+    }
+
     /// Runs `command` with its stdout and stderr in the step's log (made anew), showing its
     /// progress until it exits; the one line `<title>: done in <time>` when it exits 0 (a
     /// build's names its log, and off a terminal a build's start is a line too), else the

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use super::steps::{Gauge, Step};
+use super::steps::Step;
 use super::{PypiFile, fetch_from_pypi};
 use crate::Failure;
 use crate::cache::Layout;
@@ -75,13 +75,6 @@ impl Venv {
     }
 
     fn step<'a>(&self, title: &'a str) -> Step<'a> {
-        Step {
-            title,
-            log: self.log.clone(),
-            about: "",
-            todo: TODO,
-            gauge: Gauge::Time,
-            tail: 10,
-        }
+        Step::short(title, self.log.clone(), TODO)
     }
 }
