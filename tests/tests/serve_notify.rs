@@ -2,7 +2,8 @@
 //! and an abstract name), and watches what `1bit serve` says against the real llama-server:
 //! `MAINPID=` and a loading status, `READY=1` only once `/health` answers 200, `WATCHDOG=1` at
 //! half `WATCHDOG_USEC` while healthy and none while the backend is stopped, `STOPPING=1` and
-//! the drain on SIGTERM; and a backend that exits leaves its reason in the status.
+//! the drain on SIGTERM; and a backend that exits leaves its reason in the status. The drop-in
+//! (`1bit llama-server`, over the fake backend) never writes to the socket it inherits.
 
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
@@ -313,4 +314,44 @@ fn a_backend_that_exits_leaves_the_reason_in_the_status() {
             .and_then(|s| s.code()),
         Some(1)
     );
+}
+
+/// `1bit llama-server` (the drop-in) runs under Lemonade, whose own service a `NOTIFY_SOCKET` it
+/// inherits names: it never writes there, from start to stop; `1bit serve` given the same
+/// socket and the same fake backend does (so the socket is one serve can reach).
+#[test]
+fn the_drop_in_never_notifies_the_socket_it_inherits() {
+    let dir = temp_dir("notify-dropin");
+    let model = dummy_model(&dir, "m.gguf");
+    for (words, notifies) in [
+        (&["llama-server"][..], false),
+        (&["serve", "--device", "cpu"], true),
+    ] {
+        let port = free_port();
+        let manager = Manager::at_path(&dir, health_url(port));
+        let mut command = Command::new(onebit());
+        command
+            .args(words)
+            .args(["-m", model.to_str().unwrap(), "--port", &port.to_string()])
+            .env("NOTIFY_SOCKET", &manager.name)
+            .env("ONEBIT_STATE_DIR", temp_dir("notify-dropin-state"))
+            .env("ONEBIT_LLAMA_SERVER", fake_backend())
+            .env("ONEBIT_HRX_PRESENT", "0");
+        let mut serve = Serve::spawn(command, port);
+        serve.ready();
+        serve.signal(Signal::SIGTERM);
+        assert!(
+            serve.wait_exit(Duration::from_secs(10)).is_some(),
+            "{}",
+            serve.output()
+        );
+        let said = manager.during(Duration::from_millis(500));
+        assert_eq!(
+            !said.is_empty(),
+            notifies,
+            "{words:?}: {:?}\n{}",
+            said.iter().map(|m| &m.text).collect::<Vec<_>>(),
+            serve.output()
+        );
+    }
 }
