@@ -216,10 +216,13 @@ impl Serve {
     pub fn start(args: &[&str], env: &[(&str, &str)]) -> Serve {
         let port = free_port();
         let mut command = Command::new(onebit());
+        // serve's own port goes before a `--`, whose arguments are llama-server's.
+        let backend_at = args.iter().position(|a| *a == "--").unwrap_or(args.len());
         command
             .arg("serve")
-            .args(args)
+            .args(&args[..backend_at])
             .args(["--port", &port.to_string()])
+            .args(&args[backend_at..])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

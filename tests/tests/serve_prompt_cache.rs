@@ -300,6 +300,104 @@ fn a_long_prompt_after_a_short_chat_on_its_slot_is_prefilled_whole_and_saved() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two long conversations taking turns on one serve. llama-server (unified KV, `-np auto`)
+/// empties every idle slot when another task starts (`--cache-idle-slots`, its default), so a
+/// first turn's slot is empty when its second turn comes: serve reads that in `/slots` and
+/// restores the first turn from the folder (it pinned the turn to the emptied slot, and the
+/// prompt was prefilled whole). With the user's `--no-cache-idle-slots` the slot keeps the
+/// first turn for the second to reuse; the idle slots that keep their turns never starve a
+/// prompt of the shared context (llama-server empties them for it), and a restore finds room
+/// (serve empties the least recently used), so the next turns go on, from the folder where
+/// their slot was emptied.
+#[test]
+fn two_conversations_taking_turns_each_find_their_first_turn() {
+    let _turn = one_at_a_time();
+    let first = |topic: &str| {
+        json!([
+            {"role": "system", "content": system(topic)},
+            {"role": "user", "content": "What colour is item 7? Answer in one sentence."},
+        ])
+    };
+    let next = |turn: &Value, reply: &Value, question: &str| {
+        let mut turn = turn.clone();
+        let list = turn.as_array_mut().unwrap();
+        list.push(json!({"role": "assistant", "content": text(reply)}));
+        list.push(json!({"role": "user", "content": question}));
+        turn
+    };
+    // A turn whose prompt begins with the first turn's: its reply, having found at least the
+    // first turn's whole micro-batches, from the folder or not.
+    let found = |serve: &Serve, turn: &Value, first_turn: &Value, from_disk: bool| {
+        let reply = chat_of(serve, turn);
+        let first_prompt = first_turn["usage"]["prompt_tokens"].as_u64().unwrap();
+        let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(
+            cached >= first_prompt / UBATCH * UBATCH && cached >= UBATCH,
+            "the first turn's {first_prompt} tokens found: {reply}\n{}",
+            serve.output()
+        );
+        assert_eq!(
+            reply["timings"]["cache"]["source"] == "disk",
+            from_disk,
+            "{reply}\n{}",
+            serve.output()
+        );
+        reply
+    };
+    for (extra, from_disk) in [
+        (&[][..], true),
+        (&["--", "--no-cache-idle-slots"][..], false),
+    ] {
+        let dir = temp_dir("pc-turns");
+        let serve = serve_with(&dir, extra);
+        let mut turns = Vec::new();
+        for topic in ["ships", "rivers"] {
+            let turn = first(topic);
+            let reply = chat_of(&serve, &turn);
+            turns.push((turn, reply));
+        }
+        for (turn, reply) in &turns {
+            found(&serve, &next(turn, reply, "And item 8?"), reply, from_disk);
+        }
+        if !from_disk {
+            // Three topics' rules: more than the context has free beside the two idle slots.
+            let long: String = ["oceans", "forests", "deserts"].map(system).join(" ");
+            let reply = chat_of(
+                &serve,
+                &json!([{"role": "system", "content": long}, {"role": "user", "content": "Hi."}]),
+            );
+            assert!(
+                reply["usage"]["prompt_tokens"].as_u64().unwrap() > 1_500,
+                "{reply}"
+            );
+            assert!(
+                serve.output().contains("purging slot"),
+                "{}",
+                serve.output()
+            );
+            // Every conversation goes on, one of them from the folder.
+            let from_folder = turns
+                .iter()
+                .filter(|(turn, reply)| {
+                    let again = chat_of(&serve, &next(turn, reply, "And item 9?"));
+                    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
+                    assert!(cached >= UBATCH, "{again}\n{}", serve.output());
+                    again["timings"]["cache"]["source"] == "disk"
+                })
+                .count();
+            assert!(from_folder >= 1, "{}", serve.output());
+        }
+        // A state refused for want of room is no bad state.
+        assert_eq!(count(&serve.output(), "discarded"), 0, "{}", serve.output());
+        stop(serve);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 /// A streamed chat too long for the context, prepared like any long prompt: llama-server's
 /// refusal is one JSON object, not an event stream, and reaches the client whole.
 #[test]

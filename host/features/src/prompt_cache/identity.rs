@@ -111,6 +111,14 @@ pub fn file_sha256(path: &Path) -> std::io::Result<String> {
     Ok(hex(&hasher.finalize()))
 }
 
+/// Whether the slots of a llama-server with this command line share one KV: `-kvu`, or no
+/// `-np` (its auto parallel turns unified KV on), and not `-no-kvu`.
+pub fn kv_unified(argv: &[String]) -> bool {
+    kv_settings(argv)
+        .last()
+        .is_some_and(|s| s != "--kv-unified=off")
+}
+
 /// The KV flags of a llama-server command line, each `flag=value` under its long name, with
 /// llama.cpp's defaults for those it does not name (common/arg.cpp): what decides the layout
 /// of a slot's state besides the model and the context.

@@ -35,6 +35,7 @@ mod copy;
 mod folder;
 mod note;
 mod restore;
+mod room;
 mod series;
 
 pub use note::{ReplyWatch, noted_in_reply};
@@ -135,6 +136,24 @@ struct Slot {
     busy: usize,
 }
 
+/// One slot as the backend's `/slots` says it is now.
+#[derive(Clone, Copy, Debug)]
+struct SlotNow {
+    idle: bool,
+    /// The tokens in its KV (`n_prompt_tokens`: its prompt and what it generated); absent
+    /// for a slot that never ran a task.
+    holds: Option<usize>,
+}
+
+impl SlotNow {
+    fn of(slot: &Value) -> SlotNow {
+        SlotNow {
+            idle: !slot["is_processing"].as_bool().unwrap_or(false),
+            holds: slot["n_prompt_tokens"].as_u64().map(|n| n as usize),
+        }
+    }
+}
+
 /// The cache of one backend (backend 0 of a llama-server route). Made by `serve`; opened once
 /// the backend is ready; shared by every request handler.
 pub struct PromptCache {
@@ -143,6 +162,11 @@ pub struct PromptCache {
     client: ProbeClient,
     store: Arc<Mutex<Option<Store>>>,
     slots: Mutex<Vec<Slot>>,
+    /// The slots share one KV (llama-server's unified KV): a restore needs the room the other
+    /// slots leave (`room`).
+    shared_kv: bool,
+    /// The KV's cells (a slot's context, `n_ctx`, from the backend's `/props`); 0 until open.
+    context: AtomicUsize,
     clock: AtomicU64,
     saving: AtomicBool,
     seq: AtomicU64,
@@ -158,6 +182,8 @@ pub struct PromptCache {
 impl PromptCache {
     pub fn new(setup: Setup, port: u16, client: ProbeClient) -> PromptCache {
         PromptCache {
+            shared_kv: identity::kv_unified(&setup.argv),
+            context: AtomicUsize::new(0),
             setup,
             port,
             client,
@@ -213,12 +239,13 @@ impl PromptCache {
                 kv_settings: identity::kv_settings(&setup.argv),
             };
             let slots = identity.total_slots.max(1) as usize;
+            let context = identity.n_ctx_slot as usize;
             let mut store = Store::open(&setup.dir, setup.budget_bytes, identity);
             let news = store.take_news();
-            Ok::<_, std::io::Error>((store, news, slots))
+            Ok::<_, std::io::Error>((store, news, slots, context))
         })
         .await;
-        let (store, news, slots) = match opened {
+        let (store, news, slots, context) = match opened {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => {
                 tracing::warn!(
@@ -240,6 +267,7 @@ impl PromptCache {
         if let Ok(mut s) = self.slots.lock() {
             *s = vec![Slot::default(); slots];
         }
+        self.context.store(context, Ordering::Relaxed);
         if let Ok(mut s) = self.store.lock() {
             *s = Some(store);
         }
@@ -291,7 +319,7 @@ impl PromptCache {
         if tokens.len() < self.setup.min_tokens || !self.refreshed().await {
             return None;
         }
-        let (slot, held) = self.choose_slot(asked_slot, &tokens).await;
+        let (slot, held, backend) = self.choose_slot(asked_slot, &tokens).await;
         let best = self
             .store
             .lock()
@@ -313,14 +341,17 @@ impl PromptCache {
             })
             .filter(|(_, k, _)| *k >= self.setup.min_tokens && *k > held);
         let restored = match best {
-            Some((entry, k, reusable)) => self.restore(slot, entry, k, reusable).await,
+            Some((entry, k, reusable)) => {
+                let room = self.make_room(slot, entry.tokens.len(), &backend).await;
+                self.restore(slot, entry, k, reusable, room).await
+            }
             None => None,
         };
         if restored.is_none() && held < self.setup.min_tokens {
             // What the slot holds is not worth keeping: emptied, the prompt is prefilled from
             // its first token as a cold run prefills it, and its state can be saved as exact
             // (llama-server would otherwise reuse the few tokens a template's preamble shares).
-            self.erase(slot).await;
+            self.erase(slot, 1).await;
         }
         let object = value.as_object_mut()?;
         object.insert("id_slot".to_string(), Value::from(slot));
@@ -342,16 +373,18 @@ impl PromptCache {
         n / unit * unit
     }
 
-    /// Empty an idle slot (`POST /slots/<id>?action=erase`); a refusal leaves it as it was.
-    async fn erase(&self, slot: usize) {
+    /// Empty a slot that at most `busy` requests of serve's have chosen (the one asking, or
+    /// none) with `POST /slots/<id>?action=erase`; a refusal leaves it as it was. Whether it
+    /// was emptied.
+    async fn erase(&self, slot: usize, busy: usize) -> bool {
         let idle = self
             .slots
             .lock()
             .ok()
-            .and_then(|slots| slots.get(slot).map(|s| s.busy <= 1))
+            .and_then(|slots| slots.get(slot).map(|s| s.busy <= busy))
             .unwrap_or(false);
         if !idle {
-            return;
+            return false;
         }
         if self
             .post_json(
@@ -365,25 +398,39 @@ impl PromptCache {
             && let Some(s) = slots.get_mut(slot)
         {
             s.tokens.clear();
+            return true;
         }
+        false
     }
 
     /// The slot a prepared request goes to: the one it asked for, else among the idle slots
     /// (the backend's `/slots`) the one serve knows holds most of the prompt, else the least
     /// recently used. Returns it with the prompt tokens serve knows it holds.
-    async fn choose_slot(&self, asked: Option<i64>, tokens: &[i32]) -> (usize, usize) {
-        let idle: Option<Vec<bool>> = self.get_json("/slots").await.ok().and_then(|v| {
-            v.as_array().map(|slots| {
-                slots
-                    .iter()
-                    .map(|s| !s["is_processing"].as_bool().unwrap_or(false))
-                    .collect()
-            })
+    ///
+    /// What serve knows a slot holds is what it last gave it, as long as the backend says the
+    /// slot still holds at least that many tokens: llama-server empties idle slots on its own
+    /// (with `--cache-idle-slots` when another task starts, and when its KV runs short), and a
+    /// request pinned to a slot serve wrongly trusts is prefilled whole.
+    /// Returns too what `/slots` said (empty when it did not answer).
+    async fn choose_slot(
+        &self,
+        asked: Option<i64>,
+        tokens: &[i32],
+    ) -> (usize, usize, Vec<SlotNow>) {
+        let backend: Option<Vec<SlotNow>> = self.get_json("/slots").await.ok().and_then(|v| {
+            v.as_array()
+                .map(|slots| slots.iter().map(SlotNow::of).collect())
         });
         let now = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
         let Ok(mut slots) = self.slots.lock() else {
-            return (0, 0);
+            return (0, 0, Vec::new());
         };
+        for (slot, said) in slots.iter_mut().zip(backend.iter().flatten()) {
+            if slot.busy == 0 && said.holds.is_some_and(|n| n < slot.tokens.len()) {
+                slot.tokens.clear();
+            }
+        }
+        let idle: Option<Vec<bool>> = backend.as_ref().map(|b| b.iter().map(|s| s.idle).collect());
         let n = slots.len().max(1);
         let chosen = match asked {
             Some(asked) => asked as usize % n,
@@ -409,13 +456,14 @@ impl PromptCache {
                 })
                 .unwrap_or_else(|| (0..n).min_by_key(|i| slots[*i].used).unwrap_or(0)),
         };
+        let backend = backend.unwrap_or_default();
         let Some(slot) = slots.get_mut(chosen) else {
-            return (chosen, 0);
+            return (chosen, 0, backend);
         };
         let held = store::common_prefix(&slot.tokens, tokens);
         slot.busy += 1;
         slot.used = now;
-        (chosen, held)
+        (chosen, held, backend)
     }
 
     /// The request's reply ended (or its client left): the slot is released, and its state

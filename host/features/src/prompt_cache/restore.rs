@@ -13,14 +13,16 @@ use super::store::{self, Reason, Source, Store, Unusable};
 use super::{PromptCache, Restored};
 
 impl PromptCache {
-    /// Check a state file and restore it into `slot`; a file that fails the check or that the
-    /// backend refuses is discarded with its line, and the request goes on without it.
+    /// Check a state file and restore it into `slot`; a file that fails the check, or that the
+    /// backend refuses though there was `room` for it, is discarded with its line, and the
+    /// request goes on without it.
     pub(super) async fn restore(
         &self,
         slot: usize,
         entry: store::Entry,
         k: usize,
         reusable: usize,
+        room: bool,
     ) -> Option<Restored> {
         let began = Instant::now();
         let temp = Store::restore_temp_name(self.seq.fetch_add(1, Ordering::Relaxed));
@@ -67,6 +69,13 @@ impl PromptCache {
                     .unwrap_or(true);
             if gone {
                 self.store.lock().ok()?.as_mut()?.forget(&entry);
+                return None;
+            }
+            if !room && reply.is_err() {
+                // Slots at work hold the cells it needs; the state is kept for a later turn.
+                tracing::debug!(
+                    "1bit serve: prompt cache: not restored into slot {slot}: no room beside the slots at work"
+                );
                 return None;
             }
             let why = match reply {
