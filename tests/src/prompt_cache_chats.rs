@@ -17,7 +17,12 @@ pub const UBATCH: u64 = 256;
 
 /// A long system prompt, different for each `topic`.
 pub fn system(topic: &str) -> String {
-    (0..24)
+    rules(topic, 24)
+}
+
+/// `n` rules about `topic` (about 22 tokens each).
+pub fn rules(topic: &str, n: usize) -> String {
+    (0..n)
         .map(|i| {
             format!(
                 "Rule {i} about {topic}: answer briefly, and when asked about item {i} name the colour {}.",

@@ -47,10 +47,9 @@ struct Arm {
 
 /// The second arm is the first with llama-server's `--no-cache-idle-slots`. By default
 /// llama-server (with `-np auto`, one unified KV pool) moves an idle slot's tokens to its RAM
-/// prompt cache and empties the slot when another request starts; serve's prompt cache still
-/// counts the slot as holding its last prompt, so it restores nothing from the folder and pins
-/// the request to that slot, and llama-server, given the slot, prefills the prompt whole. A
-/// worker serving two or more conversations in turn then prefills each turn whole.
+/// prompt cache and empties the slot when another request starts, so a worker serving
+/// conversations in turn finds each one's slot empty at its next turn, and serve restores it
+/// from the folder; with the flag an idle slot keeps its turn until a prompt needs the room.
 static ARMS: [Arm; 3] = [
     Arm {
         name: "cache-aware, shared prompt cache",

@@ -165,6 +165,8 @@ pub struct PromptCache {
     /// The slots share one KV (llama-server's unified KV): a restore needs the room the other
     /// slots leave (`room`).
     shared_kv: bool,
+    /// llama-server empties every idle slot as a request starts (`room`).
+    idle_slots_emptied: bool,
     /// The KV's cells (a slot's context, `n_ctx`, from the backend's `/props`); 0 until open.
     context: AtomicUsize,
     clock: AtomicU64,
@@ -183,6 +185,7 @@ impl PromptCache {
     pub fn new(setup: Setup, port: u16, client: ProbeClient) -> PromptCache {
         PromptCache {
             shared_kv: identity::kv_unified(&setup.argv),
+            idle_slots_emptied: room::idle_slots_emptied(&setup.argv),
             context: AtomicUsize::new(0),
             setup,
             port,

@@ -1,16 +1,44 @@
-//! Room in a shared KV for a restore. llama-server restores a state into free cells only: it
-//! empties the slot it restores into, but never another slot, and refuses a restore that
-//! does not fit (`/slots/<id>?action=restore` answers 400). Serve's backend keeps its idle
-//! slots' turns (`--no-cache-idle-slots`), so a long conversation's state may find the KV
-//! full of other conversations' turns: the least recently used idle slots are emptied first,
-//! as llama-server itself empties idle slots for a prompt that needs their room.
+//! Room in a shared KV for a restore, laid out as a cold prefill's. llama-server restores a
+//! state into free cells only: it empties the slot it restores into, never another, and
+//! refuses a restore that does not fit (`/slots/<id>?action=restore` answers 400). Where a
+//! state's cells lie matters too: the kernels read the KV's cells in blocks, and a prompt whose
+//! cells follow another conversation's is computed in other sums than a cold prefill's (seen
+//! with SmolLM2: a second conversation's greedy reply differs when the first's cells stay).
+//! By default llama-server empties every idle slot as a request starts
+//! (`--cache-idle-slots`), so a cold prefill runs in an otherwise empty KV: serve empties the
+//! other idle slots before a restore, as the request about to start would. Where idle slots
+//! keep their turns (the user's `--no-cache-idle-slots`), only the least recently used are
+//! emptied, until the state fits.
 
 use super::{PromptCache, SlotNow};
 
+/// Whether llama-server with this command line empties every idle slot when a request starts:
+/// `--cache-idle-slots` (its default, the last of it and `--no-cache-idle-slots` wins) with a
+/// RAM cache (`--cache-ram`, not 0) and one KV for the slots.
+pub(super) fn idle_slots_emptied(argv: &[String]) -> bool {
+    let mut asked = true;
+    let mut ram = true;
+    for (i, arg) in argv.iter().enumerate() {
+        match arg.as_str() {
+            "--cache-idle-slots" => asked = true,
+            "--no-cache-idle-slots" => asked = false,
+            "-cram" | "--cache-ram" => ram = argv.get(i + 1).is_none_or(|v| v != "0"),
+            _ => {
+                if let Some(v) = arg.strip_prefix("--cache-ram=") {
+                    ram = v != "0";
+                }
+            }
+        }
+    }
+    asked && ram && super::identity::kv_unified(argv)
+}
+
 impl PromptCache {
-    /// Empty idle slots, least recently used first, until a state of `need` tokens fits
-    /// beside what the other slots hold (`backend`: `/slots` as the slot was chosen). Whether
-    /// it surely fits: a refusal of the restore is then the state's fault, not the room's.
+    /// Empty idle slots (never one a request of serve's has chosen) before a state of `need`
+    /// tokens is restored into `slot` (`backend`: `/slots` as the slot was chosen): every
+    /// other one where llama-server empties them as a request starts, else the least recently
+    /// used first until the state fits. Whether it surely fits: a refusal of the restore is
+    /// then the state's fault, not the room's.
     pub(super) async fn make_room(&self, slot: usize, need: usize, backend: &[SlotNow]) -> bool {
         if !self.shared_kv {
             // A slot of its own, as long as the context the state was saved in.
@@ -26,12 +54,10 @@ impl PromptCache {
             *own = 0;
         }
         loop {
-            let others: usize = held.iter().sum();
-            if others + need <= context {
-                // A slot at work grows as it generates; only idle ones are counted surely.
-                return backend.iter().enumerate().all(|(i, s)| i == slot || s.idle);
-            }
-            let victim = {
+            let fits = held.iter().sum::<usize>() + need <= context;
+            let victim = if fits && !self.idle_slots_emptied {
+                None
+            } else {
                 let Ok(slots) = self.slots.lock() else {
                     return false;
                 };
@@ -41,13 +67,14 @@ impl PromptCache {
                     .min_by_key(|&i| slots[i].used)
             };
             let Some(victim) = victim else {
-                return false;
+                // A slot at work grows as it generates; only idle ones are counted surely.
+                return fits && backend.iter().enumerate().all(|(i, s)| i == slot || s.idle);
             };
             if !self.erase(victim, 0).await {
                 return false;
             }
             tracing::debug!(
-                "1bit serve: prompt cache: emptied idle slot {victim} ({} tokens) to restore {need} into slot {slot}",
+                "1bit serve: prompt cache: emptied idle slot {victim} ({} tokens) before restoring {need} into slot {slot}",
                 held[victim]
             );
             held[victim] = 0;
@@ -60,6 +87,7 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use super::super::{PromptCache, Setup, Slot, SlotNow};
+    use super::idle_slots_emptied;
 
     /// A cache of four slots in a KV of 2,048 cells, its backend (never called) at a closed port.
     fn cache(argv: &[&str]) -> PromptCache {
@@ -97,9 +125,12 @@ mod tests {
         }
     }
 
+    /// llama-server's idle slots keep their turns.
+    const KEEPING: &[&str] = &["llama-server", "--no-cache-idle-slots"];
+
     #[test]
-    fn a_state_that_fits_beside_idle_slots_surely_fits() {
-        let cache = cache(&["llama-server"]);
+    fn a_state_that_fits_beside_idle_slots_that_keep_their_turns_surely_fits() {
+        let cache = cache(KEEPING);
         let backend = [
             slot(true, 1500),
             slot(true, 300),
@@ -135,6 +166,38 @@ mod tests {
             slot(true, 0),
         ];
         assert!(!runtime().block_on(cache.make_room(0, 600, &backend)));
+    }
+
+    #[test]
+    fn where_llama_server_empties_idle_slots_serve_empties_them_before_a_restore() {
+        // The erase goes to a closed port and fails: the room is then not sure.
+        let cache = cache(&["llama-server"]);
+        let backend = [slot(true, 0), slot(true, 300), slot(true, 0), slot(true, 0)];
+        assert!(!runtime().block_on(cache.make_room(0, 600, &backend)));
+        let backend = [slot(true, 0), slot(true, 0), slot(true, 0), slot(true, 0)];
+        assert!(runtime().block_on(cache.make_room(0, 600, &backend)));
+    }
+
+    #[test]
+    fn which_command_lines_empty_idle_slots() {
+        let argv = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(idle_slots_emptied(&argv(&["llama-server"])));
+        assert!(idle_slots_emptied(&argv(&[
+            "s",
+            "--no-cache-idle-slots",
+            "--cache-idle-slots"
+        ])));
+        assert!(!idle_slots_emptied(&argv(&[
+            "s",
+            "--cache-idle-slots",
+            "--no-cache-idle-slots"
+        ])));
+        assert!(!idle_slots_emptied(&argv(&["s", "--cache-ram", "0"])));
+        assert!(!idle_slots_emptied(&argv(&["s", "-cram", "0"])));
+        assert!(!idle_slots_emptied(&argv(&["s", "--cache-ram=0"])));
+        assert!(idle_slots_emptied(&argv(&["s", "--cache-ram", "512"])));
+        assert!(!idle_slots_emptied(&argv(&["s", "-np", "4"])));
+        assert!(idle_slots_emptied(&argv(&["s", "-np", "4", "-kvu"])));
     }
 
     #[test]
