@@ -4,7 +4,9 @@
 //! Through the gateway, as `cargo xtask fleet` configures it (cache-aware, health checks on
 //! serve's `/health` every second, retries): chats, streams and Anthropic messages on the real
 //! llama-server, and what the gateway learns of each worker (a generic OpenAI-compatible
-//! worker with its slots and context, its load as llama-server has it); on the fake backend, a
+//! worker with its slots and context, its load as llama-server has it), and the fleet's one
+//! prompt cache (a conversation moved to another worker by a restart is restored from the
+//! folder the workers share, and answers as a cold serve does); on the fake backend, a
 //! rolling restart of every worker under steady load with the gateway's retries off, so that
 //! only the drain can keep the count of failures at zero; and a worker killed outright mid-load:
 //! what fails was in flight on it, nothing of it is left, its next start removes its run
@@ -678,4 +680,123 @@ fn a_worker_killed_outright_costs_at_most_its_requests_in_flight_and_leaves_noth
         "{out}"
     );
     assert!(!run_dir.exists());
+}
+
+/// The fleet's one prompt cache through the gateway: two workers on the real llama-server
+/// given one folder (the same disk, as NFS would give two machines). A conversation's first
+/// turn is served and saved by one worker; that worker is stopped (a rolling restart), so the
+/// gateway sends the second turn to the other, which restores the first turn's prefix from
+/// the folder: `cached_tokens` covers it, and the reply is a cold serve's, token for token.
+#[test]
+fn a_conversation_moved_to_another_worker_is_restored_from_the_fleets_folder() {
+    use onebit_tests::prompt_cache_chats::{MIN_TOKENS, UBATCH, system, text};
+    let _one = ONE_FLEET_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let model = installed_model("SmolLM2-135M-Instruct-Q4_1.gguf");
+    let server = installed_llama_server();
+    let folder = temp_dir("fleet-prompt-cache");
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        server.to_str().unwrap(),
+        "--ctx-size",
+        "2048",
+        "--alias",
+        "fleet",
+        "--prompt-cache-dir",
+        folder.to_str().unwrap(),
+        "--prompt-cache-min-tokens",
+        MIN_TOKENS,
+    ];
+    args.extend_from_slice(&DRAIN);
+    let mut workers = match workers(4, 2, &args, &[]) {
+        Ok(workers) => workers,
+        Err(e) => {
+            eprintln!(
+                "skipped: network namespaces cannot be made here ({e}); run as root with iproute2"
+            );
+            return;
+        }
+    };
+    workers.iter_mut().for_each(Worker::start);
+    let gateway = Gateway::start(&workers, &[]);
+    let chat = |messages: &Value| {
+        let body =
+            json!({"model": "fleet", "messages": messages, "temperature": 0, "max_tokens": 24});
+        let (status, reply) = post(&gateway.url("/v1/chat/completions"), &body.to_string());
+        assert_eq!(status, 200, "{reply}\n{}", gateway.log());
+        serde_json::from_str::<Value>(&reply).unwrap()
+    };
+    let first = json!([
+        {"role": "system", "content": system("ships")},
+        {"role": "user", "content": "What colour is item 7? Answer in one sentence."},
+    ]);
+    let reply1 = chat(&first);
+    let p1 = reply1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let saved = || {
+        std::fs::read_dir(&folder)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || saved() == 1),
+        "turn one saved: {:?}",
+        std::fs::read_dir(&folder).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+    );
+    let served: Vec<usize> = (0..2)
+        .filter(|&i| gateway.requests_to(&workers[i].base()) > 0)
+        .collect();
+    assert_eq!(served.len(), 1, "one worker served turn one: {served:?}");
+    let (a, b) = (served[0], 1 - served[0]);
+    workers[a].serve().signal(Signal::SIGTERM);
+    assert!(
+        workers[a]
+            .serve()
+            .wait_exit(Duration::from_secs(15))
+            .is_some(),
+        "worker A stops"
+    );
+    assert!(
+        wait_until(Duration::from_secs(15), || gateway.healthy() == 1),
+        "the gateway took worker A out: {}",
+        gateway.log()
+    );
+
+    let mut second = first.clone();
+    let list = second.as_array_mut().unwrap();
+    list.push(json!({"role": "assistant", "content": text(&reply1)}));
+    list.push(json!({"role": "user", "content": "And item 8?"}));
+    let warm = chat(&second);
+    let restored = p1 / UBATCH * UBATCH;
+    assert_eq!(
+        warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(restored),
+        "{warm}"
+    );
+    let said = format!("prompt cache: restored {restored} of the prompt's tokens");
+    assert!(
+        workers[b].serve().output().contains(&said),
+        "worker B restored it: {}",
+        workers[b].serve().output()
+    );
+    let cold = serve_cpu(&model, &["--ctx-size", "2048", "--no-prompt-cache"]);
+    let (status, cold_reply) = post(
+        &cold.url("/v1/chat/completions"),
+        &json!({"messages": second, "temperature": 0, "max_tokens": 24}).to_string(),
+    );
+    assert_eq!(status, 200, "{cold_reply}");
+    assert_eq!(
+        text(&warm),
+        text(&serde_json::from_str(&cold_reply).unwrap()),
+        "turn two on worker B, token for token"
+    );
+    let _ = std::fs::remove_dir_all(&folder);
 }
