@@ -510,7 +510,7 @@ impl PromptCache {
             },
         };
         runtime.spawn(async move {
-            cache.save(prepared.slot, prefill).await;
+            cache.save(prepared.slot, &prepared.tokens, prefill).await;
             if cache.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
                 cache.settled.notify_waiters();
             }
@@ -539,7 +539,7 @@ impl PromptCache {
         }
     }
 
-    async fn save(&self, slot: usize, prefill: Prefill) {
+    async fn save(&self, slot: usize, prompt: &[i32], prefill: Prefill) {
         let exact = self.exact_after(prefill);
         if exact < self.setup.min_tokens {
             tracing::debug!(
@@ -566,10 +566,11 @@ impl PromptCache {
         }
         let store = self.store.clone();
         let min = self.setup.min_tokens;
+        let prompt = prompt.to_vec();
         let admitted = tokio::task::spawn_blocking(move || {
             let mut store = store.lock().ok()?;
             let store = store.as_mut()?;
-            Some((store.admit(&temp, min, exact), store.take_news()))
+            Some((store.admit(&temp, min, &prompt, exact), store.take_news()))
         })
         .await
         .ok()

@@ -404,8 +404,10 @@ impl Store {
     /// file, made 0600, its description written, both renamed into place (the description
     /// last: a state without one is never restored); entries that are a prefix of it (and no
     /// more exact) and the folder's least recently used states beyond the budget removed.
-    /// `exact`: how many of its tokens hold what a cold prefill computes; a state with fewer
-    /// than `min_tokens` of them could never be restored and is not kept. Its name is the
+    /// `exact`: how many tokens of `prompt`, the prompt whose prefill filled the slot, hold
+    /// what a cold prefill computes; of the state, only what it shares with that prompt is
+    /// vouched for (another request may have taken the slot before its save), and a state
+    /// with fewer than `min_tokens` such tokens could never be restored and is not kept. Its name is the
     /// identity's key and a hash of its tokens, CRC-32 and exact part: two serves saving the
     /// same state at once write the same bytes under the same names. An I/O error (a full,
     /// read-only or lost folder) is returned, the temporary file removed.
@@ -413,12 +415,13 @@ impl Store {
         &mut self,
         temp: &str,
         min_tokens: usize,
+        prompt: &[i32],
         exact: usize,
     ) -> std::io::Result<Admitted> {
         let temp_path = self.dir.join(temp);
         let result = self
             .refresh()
-            .and_then(|_| self.admit_file(&temp_path, min_tokens, exact));
+            .and_then(|_| self.admit_file(&temp_path, min_tokens, prompt, exact));
         let _ = std::fs::remove_file(&temp_path);
         result
     }
@@ -427,6 +430,7 @@ impl Store {
         &mut self,
         temp_path: &Path,
         min_tokens: usize,
+        prompt: &[i32],
         exact: usize,
     ) -> std::io::Result<Admitted> {
         let data = std::fs::read(temp_path)?;
@@ -439,7 +443,7 @@ impl Store {
         if tokens.len() < min_tokens {
             return Ok(Admitted::Dropped("shorter than --prompt-cache-min-tokens"));
         }
-        let exact = exact.min(tokens.len());
+        let exact = exact.min(common_prefix(&tokens, prompt));
         if exact < min_tokens {
             return Ok(Admitted::Dropped(
                 "fewer exact tokens than --prompt-cache-min-tokens",

@@ -84,7 +84,7 @@ fn a_saved_state_is_kept_0600_found_by_prefix_and_verified() {
     assert!(news.discarded.is_empty() && news.others.is_empty());
     let temp = saved(&d, 1, &[1, 2, 3, 4], 100);
     assert!(matches!(
-        store.admit(&temp, 2, usize::MAX).unwrap(),
+        store.admit(&temp, 2, &[1, 2, 3, 4], usize::MAX).unwrap(),
         Admitted::Kept { evicted: 0, .. }
     ));
     let names = files(&d);
@@ -110,22 +110,22 @@ fn short_held_and_oversized_states_are_not_kept() {
     let (mut store, _) = open(&d, 1000, identity(2048));
     let t = saved(&d, 1, &[1, 2], 10);
     assert_eq!(
-        store.admit(&t, 3, usize::MAX).unwrap(),
+        store.admit(&t, 3, &[1, 2], usize::MAX).unwrap(),
         Admitted::Dropped("shorter than --prompt-cache-min-tokens")
     );
     let t = saved(&d, 2, &[1, 2, 3], 10);
     assert!(matches!(
-        store.admit(&t, 3, usize::MAX).unwrap(),
+        store.admit(&t, 3, &[1, 2, 3], usize::MAX).unwrap(),
         Admitted::Kept { .. }
     ));
     let t = saved(&d, 3, &[1, 2, 3], 10);
     assert_eq!(
-        store.admit(&t, 3, usize::MAX).unwrap(),
+        store.admit(&t, 3, &[1, 2, 3], usize::MAX).unwrap(),
         Admitted::Dropped("already held")
     );
     let t = saved(&d, 4, &[5, 6, 7], 2000);
     assert_eq!(
-        store.admit(&t, 3, usize::MAX).unwrap(),
+        store.admit(&t, 3, &[5, 6, 7], usize::MAX).unwrap(),
         Admitted::Dropped("larger than the whole budget")
     );
     assert_eq!(files(&d).len(), 2, "no temporary file is left");
@@ -138,7 +138,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
     let (mut store, _) = open(&d, 750, identity(2048));
     for (seq, first) in [(1, 10), (2, 20), (3, 30)] {
         let t = saved(&d, seq, &[first, 1, 2], 200);
-        store.admit(&t, 1, usize::MAX).unwrap();
+        store.admit(&t, 1, &[first, 1, 2], usize::MAX).unwrap();
         std::thread::sleep(Duration::from_millis(20));
     }
     // Used: 10 is now the most recent; a fourth evicts 20, the least recently used.
@@ -146,7 +146,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
     store.touch(&ten);
     let t = saved(&d, 4, &[40, 1, 2], 200);
     assert!(matches!(
-        store.admit(&t, 1, usize::MAX).unwrap(),
+        store.admit(&t, 1, &[40, 1, 2], usize::MAX).unwrap(),
         Admitted::Kept { evicted: 1, .. }
     ));
     assert!(store.total_bytes() <= 750);
@@ -161,7 +161,7 @@ fn the_budget_evicts_the_least_recently_used_and_a_longer_state_replaces_its_pre
     let (mut store, _) = open(&d, 10_000, identity(2048));
     let t = saved(&d, 5, &[10, 1, 2, 3, 4], 200);
     assert!(matches!(
-        store.admit(&t, 1, usize::MAX).unwrap(),
+        store.admit(&t, 1, &[10, 1, 2, 3, 4], usize::MAX).unwrap(),
         Admitted::Kept { evicted: 1, .. }
     ));
     assert_eq!(store.count(), 2);
@@ -174,7 +174,7 @@ fn foreign_states_are_never_used_nor_removed_and_bad_ones_are_discarded_with_a_r
     let (mut store, _) = open(&d, 1 << 20, identity(2048));
     for seq in 1..=3 {
         let t = saved(&d, seq, &[seq as i32, 1, 2], 100);
-        store.admit(&t, 1, usize::MAX).unwrap();
+        store.admit(&t, 1, &[seq as i32, 1, 2], usize::MAX).unwrap();
     }
     // Another ctx: every state is another identity's, not used, left in place; its reason
     // said once.
@@ -188,7 +188,7 @@ fn foreign_states_are_never_used_nor_removed_and_bad_ones_are_discarded_with_a_r
     assert_eq!(files(&d).len(), 6);
     // Its own state beside them; neither sees the other's, and a look again says nothing new.
     let t = saved(&d, 9, &[1, 1, 2], 100);
-    other.admit(&t, 1, usize::MAX).unwrap();
+    other.admit(&t, 1, &[1, 1, 2], usize::MAX).unwrap();
     assert_eq!(other.count(), 1);
     store.refresh().unwrap();
     assert_eq!(store.count(), 3);
@@ -224,7 +224,7 @@ fn foreign_states_are_never_used_nor_removed_and_bad_ones_are_discarded_with_a_r
     let (mut store, _) = open(&d, 1 << 20, identity(2048));
     for seq in 1..=2 {
         let t = saved(&d, seq, &[seq as i32, 1, 2], 100);
-        store.admit(&t, 1, usize::MAX).unwrap();
+        store.admit(&t, 1, &[seq as i32, 1, 2], usize::MAX).unwrap();
     }
     let state = |first: i32| {
         let (e, _) = store.best(&[first, 1, 2]).unwrap();
@@ -310,6 +310,27 @@ fn the_token_list_is_read_packed_or_plain() {
     assert_eq!(state_tokens(b"GGUFxxxxxxxxxxxx"), None);
 }
 
+/// A slot another request took between a reply's end and its save holds that request's
+/// tokens: only what they share with the prompt that was prefilled is vouched for.
+#[test]
+fn a_saved_slot_that_holds_another_prompt_is_exact_only_where_they_agree() {
+    let d = dir("taken");
+    let (mut store, _) = open(&d, 1 << 20, identity(2048));
+    let t = saved(&d, 1, &[9, 8, 7, 6, 5, 4], 10);
+    assert_eq!(
+        store.admit(&t, 3, &[1, 2, 3, 4, 5, 6], 6).unwrap(),
+        Admitted::Dropped("fewer exact tokens than --prompt-cache-min-tokens")
+    );
+    let t = saved(&d, 2, &[1, 2, 3, 7, 7, 7], 10);
+    assert!(matches!(
+        store.admit(&t, 3, &[1, 2, 3, 4, 5, 6], 6).unwrap(),
+        Admitted::Kept { .. }
+    ));
+    let (entry, _) = store.best(&[1, 2, 3, 7, 7, 7]).unwrap();
+    assert_eq!(entry.exact, 3);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 #[test]
 fn a_state_is_chosen_and_kept_by_its_exact_part() {
     let d = dir("exact");
@@ -317,20 +338,20 @@ fn a_state_is_chosen_and_kept_by_its_exact_part() {
     // Too few exact tokens to be restored at all: not kept.
     let t = saved(&d, 1, &[1, 2, 3, 4, 5, 6], 10);
     assert_eq!(
-        store.admit(&t, 3, 2).unwrap(),
+        store.admit(&t, 3, &[1, 2, 3, 4, 5, 6], 2).unwrap(),
         Admitted::Dropped("fewer exact tokens than --prompt-cache-min-tokens")
     );
     // Exact through 4 of its 6 tokens.
     let t = saved(&d, 2, &[1, 2, 3, 4, 5, 6], 10);
     assert!(matches!(
-        store.admit(&t, 3, 4).unwrap(),
+        store.admit(&t, 3, &[1, 2, 3, 4, 5, 6], 4).unwrap(),
         Admitted::Kept { .. }
     ));
     // A longer state of the same conversation, but exact through only 3: it does not replace
     // the more exact one, and a prompt both share is given the more exact.
     let t = saved(&d, 3, &[1, 2, 3, 4, 5, 6, 7, 8], 10);
     assert!(matches!(
-        store.admit(&t, 3, 3).unwrap(),
+        store.admit(&t, 3, &[1, 2, 3, 4, 5, 6, 7, 8], 3).unwrap(),
         Admitted::Kept { evicted: 0, .. }
     ));
     assert_eq!(store.count(), 2);
@@ -339,7 +360,7 @@ fn a_state_is_chosen_and_kept_by_its_exact_part() {
     // The same tokens again, no more exact: already held; more exact: it replaces the entry.
     let t = saved(&d, 4, &[1, 2, 3, 4, 5, 6], 10);
     assert_eq!(
-        store.admit(&t, 3, 4).unwrap(),
+        store.admit(&t, 3, &[1, 2, 3, 4, 5, 6], 4).unwrap(),
         Admitted::Dropped("already held")
     );
     assert!(store.holds(&[1, 2, 3, 4, 5, 6], 4));
@@ -366,7 +387,7 @@ fn another_serves_state_is_seen_at_the_next_look_and_its_eviction_too() {
     let (mut a, _) = open(&d, 1 << 20, identity(2048));
     let (mut b, _) = open(&d, 1 << 20, identity(2048));
     let t = saved(&d, 1, &[1, 2, 3, 4], 100);
-    a.admit(&t, 2, usize::MAX).unwrap();
+    a.admit(&t, 2, &[1, 2, 3, 4], usize::MAX).unwrap();
     assert!(b.best(&[1, 2, 3]).is_none(), "not yet looked");
     assert!(b.refresh().unwrap(), "the folder changed: listed");
     let (entry, n) = b.best(&[1, 2, 3, 9]).unwrap();
@@ -379,7 +400,7 @@ fn another_serves_state_is_seen_at_the_next_look_and_its_eviction_too() {
     // A longer state of the same conversation, saved by b, replaces a's; a sees it go.
     let t = saved(&d, 2, &[1, 2, 3, 4, 5], 100);
     assert!(matches!(
-        b.admit(&t, 2, usize::MAX).unwrap(),
+        b.admit(&t, 2, &[1, 2, 3, 4, 5], usize::MAX).unwrap(),
         Admitted::Kept { evicted: 1, .. }
     ));
     a.refresh().unwrap();
@@ -397,15 +418,15 @@ fn the_budget_is_the_folders_whoever_made_the_states() {
     let (mut a, _) = open(&d, 500, identity(2048));
     let (mut b, _) = open(&d, 500, identity(4096));
     let t = saved(&d, 1, &[10, 1, 2], 200);
-    a.admit(&t, 1, usize::MAX).unwrap();
+    a.admit(&t, 1, &[10, 1, 2], usize::MAX).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     let t = saved(&d, 2, &[20, 1, 2], 200);
-    a.admit(&t, 1, usize::MAX).unwrap();
+    a.admit(&t, 1, &[20, 1, 2], usize::MAX).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     // Another identity's save evicts a's least recently used.
     let t = saved(&d, 3, &[30, 1, 2], 200);
     assert!(matches!(
-        b.admit(&t, 1, usize::MAX).unwrap(),
+        b.admit(&t, 1, &[30, 1, 2], usize::MAX).unwrap(),
         Admitted::Kept { evicted: 1, .. }
     ));
     assert_eq!(b.folder_bytes(), 480);
@@ -423,7 +444,7 @@ fn a_restore_reads_a_private_copy_and_the_state_itself_is_never_written() {
     let (mut store, _) = open(&d, 1 << 20, identity(2048));
     let tokens: Vec<i32> = (100..120).collect();
     let t = saved(&d, 1, &tokens, 64);
-    store.admit(&t, 2, usize::MAX).unwrap();
+    store.admit(&t, 2, &tokens, usize::MAX).unwrap();
     let (entry, _) = store.best(&tokens).unwrap();
     let original = std::fs::read(d.join(Store::file_name(&entry))).unwrap();
     let temp = Store::restore_temp_name(1);
@@ -456,7 +477,7 @@ fn a_folder_that_cannot_be_read_is_an_error_until_it_is_back() {
     let d = dir("lost");
     let (mut store, _) = open(&d, 1 << 20, identity(2048));
     let t = saved(&d, 1, &[1, 2, 3], 10);
-    store.admit(&t, 1, usize::MAX).unwrap();
+    store.admit(&t, 1, &[1, 2, 3], usize::MAX).unwrap();
     // Replaced by a file (as root, modes stop nothing: a removed folder or a file in its
     // place is what fails for every user).
     let aside = d.with_extension("aside");
@@ -464,7 +485,7 @@ fn a_folder_that_cannot_be_read_is_an_error_until_it_is_back() {
     std::fs::write(&d, b"not a folder").unwrap();
     assert!(store.refresh().is_err());
     let t = Store::temp_name(2);
-    assert!(store.admit(&t, 1, usize::MAX).is_err());
+    assert!(store.admit(&t, 1, &[], usize::MAX).is_err());
     std::fs::remove_file(&d).unwrap();
     assert!(store.refresh().is_err(), "removed");
     std::fs::rename(&aside, &d).unwrap();
@@ -483,7 +504,7 @@ fn what_a_look_at_the_folder_costs() {
     for seq in 0..200 {
         let tokens: Vec<i32> = (0..2000).map(|i| i + seq as i32 * 7).collect();
         let t = saved(&d, seq, &tokens, 64);
-        a.admit(&t, 1, usize::MAX).unwrap();
+        a.admit(&t, 1, &tokens, usize::MAX).unwrap();
     }
     let (mut b, _) = open(&d, 1 << 30, identity(2048));
     assert_eq!(b.count(), 200);
@@ -508,7 +529,7 @@ fn what_a_look_at_the_folder_costs() {
     for round in 0..rounds {
         let tokens: Vec<i32> = (0..2000).map(|i| i + 10_000 + round).collect();
         let t = saved(&d, 1000 + round as u64, &tokens, 64);
-        a.admit(&t, 1, usize::MAX).unwrap();
+        a.admit(&t, 1, &tokens, usize::MAX).unwrap();
         stamp_back(&d, Duration::from_secs(20 + round as u64));
         let began = std::time::Instant::now();
         assert!(b.refresh().unwrap());
@@ -520,7 +541,7 @@ fn what_a_look_at_the_folder_costs() {
     let tokens: Vec<i32> = (0..2000).map(|i| i + 50_000).collect();
     let t = Store::temp_name(5000);
     std::fs::write(d.join(&t), state_data(&tokens, &vec![3u8; 32 << 20])).unwrap();
-    a.admit(&t, 1, 1000).unwrap();
+    a.admit(&t, 1, &tokens, 1000).unwrap();
     let (big, _) = a.best(&tokens).unwrap();
     let temp = Store::restore_temp_name(5000);
     let began = std::time::Instant::now();
@@ -627,7 +648,7 @@ fn serve_of_the_folder(dir: &Path, me: usize) {
         std::fs::write(dir.join(&temp), state_data(&tokens, &kv_of(&tokens))).unwrap();
         let admitted = {
             let mut store = store.lock().unwrap();
-            let admitted = store.admit(&temp, 8, usize::MAX).unwrap();
+            let admitted = store.admit(&temp, 8, &tokens, usize::MAX).unwrap();
             let news = store.take_news();
             assert!(news.discarded.is_empty(), "serve {me}: {news:?}");
             admitted
