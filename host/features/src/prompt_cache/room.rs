@@ -16,20 +16,16 @@ use super::{PromptCache, SlotNow};
 /// `--cache-idle-slots` (its default, the last of it and `--no-cache-idle-slots` wins) with a
 /// RAM cache (`--cache-ram`, not 0) and one KV for the slots.
 pub(super) fn idle_slots_emptied(argv: &[String]) -> bool {
-    let mut asked = true;
-    let mut ram = true;
-    for (i, arg) in argv.iter().enumerate() {
-        match arg.as_str() {
-            "--cache-idle-slots" => asked = true,
-            "--no-cache-idle-slots" => asked = false,
-            "-cram" | "--cache-ram" => ram = argv.get(i + 1).is_none_or(|v| v != "0"),
-            _ => {
-                if let Some(v) = arg.strip_prefix("--cache-ram=") {
-                    ram = v != "0";
-                }
-            }
-        }
-    }
+    let asked = argv
+        .iter()
+        .rev()
+        .find_map(|a| match a.as_str() {
+            "--cache-idle-slots" => Some(true),
+            "--no-cache-idle-slots" => Some(false),
+            _ => None,
+        })
+        .unwrap_or(true);
+    let ram = super::start::flag_value(argv, &["-cram", "--cache-ram"]) != Some(0);
     asked && ram && super::identity::kv_unified(argv)
 }
 
@@ -89,7 +85,8 @@ mod tests {
     use super::super::{PromptCache, Setup, Slot, SlotNow};
     use super::idle_slots_emptied;
 
-    /// A cache of four slots in a KV of 2,048 cells, its backend (never called) at a closed port.
+    /// A cache of four slots in a KV of 2,048 cells, its backend at a closed port (an erase
+    /// fails).
     fn cache(argv: &[&str]) -> PromptCache {
         let setup = Setup {
             dir: "/nonexistent".into(),

@@ -114,7 +114,7 @@ pub fn setup(args: &ServeArgs, plan: &mut Plan) -> Result<Option<Setup>, Fatal> 
 }
 
 /// The last value of a numeric flag on a command line (`-ub 256`, `--ubatch-size=256`).
-fn flag_value(argv: &[String], names: &[&str]) -> Option<usize> {
+pub(super) fn flag_value(argv: &[String], names: &[&str]) -> Option<usize> {
     let mut value = None;
     for (i, arg) in argv.iter().enumerate() {
         for name in names {
