@@ -33,6 +33,23 @@ pub fn rules(topic: &str, n: usize) -> String {
         .join(" ")
 }
 
+/// A conversation's first turn: the long system prompt of `topic` and one question.
+pub fn first_turn(topic: &str) -> Value {
+    json!([
+        {"role": "system", "content": system(topic)},
+        {"role": "user", "content": "What colour is item 7? Answer in one sentence."},
+    ])
+}
+
+/// The turn after `turn`: its messages, the `reply` it had, and `question`.
+pub fn next_turn(turn: &Value, reply: &Value, question: &str) -> Value {
+    let mut next = turn.clone();
+    let list = next.as_array_mut().expect("a turn is a list of messages");
+    list.push(json!({"role": "assistant", "content": text(reply)}));
+    list.push(json!({"role": "user", "content": question}));
+    next
+}
+
 pub fn text(reply: &Value) -> String {
     reply["choices"][0]["message"]["content"]
         .as_str()

@@ -228,6 +228,19 @@ fn workers(tag: u32, n: u32, args: &[&str], env: &[(&str, &str)]) -> Result<Vec<
         .collect()
 }
 
+/// `n` workers of `args` (not started yet), or None (said) where namespaces cannot be made.
+fn fleet(tag: u32, n: u32, args: &[&str], env: &[(&str, &str)]) -> Option<Vec<Worker>> {
+    match workers(tag, n, args, env) {
+        Ok(workers) => Some(workers),
+        Err(e) => {
+            eprintln!(
+                "skipped: network namespaces cannot be made here ({e}); run as root with iproute2"
+            );
+            None
+        }
+    }
+}
+
 /// The fake backend's fleet: `n` workers (not started yet), or None (said) where namespaces
 /// cannot be made.
 fn fake_fleet(tag: u32, n: u32, extra: &[&str], env: &[(&str, &str)]) -> Option<Vec<Worker>> {
@@ -244,15 +257,7 @@ fn fake_fleet(tag: u32, n: u32, extra: &[&str], env: &[(&str, &str)]) -> Option<
         "fleet",
     ];
     args.extend_from_slice(extra);
-    match workers(tag, n, &args, env) {
-        Ok(workers) => Some(workers),
-        Err(e) => {
-            eprintln!(
-                "skipped: network namespaces cannot be made here ({e}); run as root with iproute2"
-            );
-            None
-        }
-    }
+    fleet(tag, n, &args, env)
 }
 
 /// One request of the load: its id, when it started and ended, and whether it was answered
@@ -358,14 +363,8 @@ fn chats_streams_and_messages_reach_real_workers_through_the_gateway_which_reads
         "--alias",
         "fleet",
     ];
-    let mut workers = match workers(0, 2, &args, &[]) {
-        Ok(workers) => workers,
-        Err(e) => {
-            eprintln!(
-                "skipped: network namespaces cannot be made here ({e}); run as root with iproute2"
-            );
-            return;
-        }
+    let Some(mut workers) = fleet(0, 2, &args, &[]) else {
+        return;
     };
     workers.iter_mut().for_each(Worker::start);
     let gateway = Gateway::start(&workers, &[]);
@@ -689,7 +688,7 @@ fn a_worker_killed_outright_costs_at_most_its_requests_in_flight_and_leaves_noth
 /// the folder: `cached_tokens` covers it, and the reply is a cold serve's, token for token.
 #[test]
 fn a_conversation_moved_to_another_worker_is_restored_from_the_fleets_folder() {
-    use onebit_tests::prompt_cache_chats::{MIN_TOKENS, UBATCH, system, text};
+    use onebit_tests::prompt_cache_chats::{MIN_TOKENS, UBATCH, first_turn, next_turn, text};
     let _one = ONE_FLEET_AT_A_TIME
         .lock()
         .unwrap_or_else(|p| p.into_inner());
@@ -713,14 +712,8 @@ fn a_conversation_moved_to_another_worker_is_restored_from_the_fleets_folder() {
         MIN_TOKENS,
     ];
     args.extend_from_slice(&DRAIN);
-    let mut workers = match workers(4, 2, &args, &[]) {
-        Ok(workers) => workers,
-        Err(e) => {
-            eprintln!(
-                "skipped: network namespaces cannot be made here ({e}); run as root with iproute2"
-            );
-            return;
-        }
+    let Some(mut workers) = fleet(4, 2, &args, &[]) else {
+        return;
     };
     workers.iter_mut().for_each(Worker::start);
     let gateway = Gateway::start(&workers, &[]);
@@ -731,10 +724,7 @@ fn a_conversation_moved_to_another_worker_is_restored_from_the_fleets_folder() {
         assert_eq!(status, 200, "{reply}\n{}", gateway.log());
         serde_json::from_str::<Value>(&reply).unwrap()
     };
-    let first = json!([
-        {"role": "system", "content": system("ships")},
-        {"role": "user", "content": "What colour is item 7? Answer in one sentence."},
-    ]);
+    let first = first_turn("ships");
     let reply1 = chat(&first);
     let p1 = reply1["usage"]["prompt_tokens"].as_u64().unwrap();
     let saved = || {
@@ -770,10 +760,7 @@ fn a_conversation_moved_to_another_worker_is_restored_from_the_fleets_folder() {
         gateway.log()
     );
 
-    let mut second = first.clone();
-    let list = second.as_array_mut().unwrap();
-    list.push(json!({"role": "assistant", "content": text(&reply1)}));
-    list.push(json!({"role": "user", "content": "And item 8?"}));
+    let second = next_turn(&first, &reply1, "And item 8?");
     let warm = chat(&second);
     let restored = p1 / UBATCH * UBATCH;
     assert_eq!(

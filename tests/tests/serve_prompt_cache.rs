@@ -17,10 +17,7 @@ use serde_json::{Value, json};
 
 fn chat_body(topic: &str, stream: bool) -> Value {
     json!({
-        "messages": [
-            {"role": "system", "content": system(topic)},
-            {"role": "user", "content": "What colour is item 7? Answer in one sentence."}
-        ],
+        "messages": first_turn(topic),
         "temperature": 0,
         "max_tokens": 24,
         "stream": stream,
@@ -230,10 +227,7 @@ fn a_restore_stops_at_the_first_turns_last_whole_micro_batch() {
     let reply1 = chat_of(&serve, &first);
     let generated = reply1["usage"]["completion_tokens"].as_u64().unwrap();
     assert!(generated > 8, "the reply crosses the boundary: {reply1}");
-    let mut second = first.clone();
-    let second_list = second.as_array_mut().unwrap();
-    second_list.push(json!({"role": "assistant", "content": text(&reply1)}));
-    second_list.push(json!({"role": "user", "content": "And item 8?"}));
+    let second = next_turn(&first, &reply1, "And item 8?");
     // The second turn in the same serve: llama-server reuses its memory of the first.
     let reused = chat_of(&serve, &second);
     assert!(
@@ -313,19 +307,6 @@ fn a_long_prompt_after_a_short_chat_on_its_slot_is_prefilled_whole_and_saved() {
 #[test]
 fn two_conversations_taking_turns_each_find_their_first_turn() {
     let _turn = one_at_a_time();
-    let first = |topic: &str| {
-        json!([
-            {"role": "system", "content": system(topic)},
-            {"role": "user", "content": "What colour is item 7? Answer in one sentence."},
-        ])
-    };
-    let next = |turn: &Value, reply: &Value, question: &str| {
-        let mut turn = turn.clone();
-        let list = turn.as_array_mut().unwrap();
-        list.push(json!({"role": "assistant", "content": text(reply)}));
-        list.push(json!({"role": "user", "content": question}));
-        turn
-    };
     // A turn whose prompt begins with the first turn's: its reply, having found at least the
     // first turn's whole micro-batches, from the folder or not.
     let found = |serve: &Serve, turn: &Value, first_turn: &Value, from_disk: bool| {
@@ -355,7 +336,7 @@ fn two_conversations_taking_turns_each_find_their_first_turn() {
         let serve = serve_with(&dir, extra);
         let mut turns = Vec::new();
         for topic in ["ships", "rivers"] {
-            let turn = first(topic);
+            let turn = first_turn(topic);
             let reply = chat_of(&serve, &turn);
             turns.push((turn, reply));
         }
@@ -367,7 +348,7 @@ fn two_conversations_taking_turns_each_find_their_first_turn() {
                 // conversation's cells was seen to differ from the cold one (with 4, 6, 12
                 // and 16 it did not).
                 let question = format!("{} And item 8?", rules("questions", 10));
-                let second = next(turn, reply, &question);
+                let second = next_turn(turn, reply, &question);
                 let warm = found(&serve, &second, reply, from_disk);
                 (second, warm)
             })
@@ -403,7 +384,7 @@ fn two_conversations_taking_turns_each_find_their_first_turn() {
             let from_folder = turns
                 .iter()
                 .filter(|(turn, reply)| {
-                    let again = chat_of(&serve, &next(turn, reply, "And item 9?"));
+                    let again = chat_of(&serve, &next_turn(turn, reply, "And item 9?"));
                     let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
                         .as_u64()
                         .unwrap_or(0);

@@ -13,14 +13,6 @@ use std::time::Duration;
 
 use onebit_tests::prompt_cache_chats::*;
 use onebit_tests::*;
-use serde_json::{Value, json};
-
-fn first_turn(topic: &str) -> Value {
-    json!([
-        {"role": "system", "content": system(topic)},
-        {"role": "user", "content": "What colour is item 7? Answer in one sentence."},
-    ])
-}
 
 fn model() -> PathBuf {
     installed_model("SmolLM2-135M-Instruct-Q4_1.gguf")
@@ -85,10 +77,7 @@ fn a_conversation_saved_by_one_serve_is_restored_by_another_and_answers_as_a_col
         a.output()
     );
     // Turn two on B: the state A saved is restored, up to its last whole micro-batch.
-    let mut second = first.clone();
-    let list = second.as_array_mut().unwrap();
-    list.push(json!({"role": "assistant", "content": text(&reply1)}));
-    list.push(json!({"role": "user", "content": "And item 8?"}));
+    let second = next_turn(&first, &reply1, "And item 8?");
     let warm = chat_of(&b, &second);
     let restored = p1 / UBATCH * UBATCH;
     assert_eq!(warm["timings"]["cache"]["source"], "disk", "{warm}");
