@@ -12,17 +12,24 @@
 //!
 //! A process started here gets `PR_SET_PDEATHSIG` (SIGKILL), so a `kill -9` of its starter
 //! kills it too; a program started here that starts its own children starts them here as well,
-//! so the guard reaches the whole tree.
+//! so the guard reaches the whole tree. What a started program forks by other means (a vendor's
+//! closed engine and its own helpers) has no parent-death signal, but stays in the program's
+//! process group, so the stop sequence reaches it, and so does the keeper when the starter dies
+//! without a stop: a process of this crate's (`keeper`), started with the first [`spawn`], that
+//! SIGKILLs every group started here once the starter is gone, `kill -9` included. A process
+//! that leaves its group (`setsid`, `setpgid`) escapes both; nothing here can follow it.
 //!
 //! The stop does not wait out the grace for a process that hung in its own SIGTERM handler
 //! (`hung_handler`): it can never exit by itself, so it is SIGKILLed once seen so.
 //!
 //! `unsafe` (denied in the workspace) is allowed in one private module, `sys`: the pre-exec
-//! hook (setpgid, prctl) that runs in the forked child, and kill(2) of a process group.
+//! hook (setpgid, prctl, the group told to the keeper) that runs in the forked child, kill(2)
+//! of a process group, and the keeper's forks and system calls.
 
 #![deny(missing_docs)]
 
 mod hung_handler;
+mod keeper;
 mod sys;
 
 use std::io;
@@ -102,11 +109,12 @@ fn spawn_retrying_busy(command: &mut Command) -> io::Result<Child> {
 }
 
 /// Start `command` under the guard (parent-death signal, own process group, the check for a
-/// starter that died while it was being started). Blocks for the fork only; callable from any
-/// thread. The command's stdin, stdout and stderr are as the caller set them; piped ones are
-/// in [`Process::stdout`] and [`Process::stderr`].
+/// starter that died while it was being started, the group told to the keeper). Blocks for the
+/// fork only (and, on the first call, for the keeper's start); callable from any thread. The
+/// command's stdin, stdout and stderr are as the caller set them; piped ones are in
+/// [`Process::stdout`] and [`Process::stderr`]. Fails, saying so, when the keeper cannot start.
 pub fn spawn(mut command: Command) -> io::Result<Process> {
-    sys::die_with_starter(&mut command);
+    sys::die_with_starter(&mut command, keeper::socket()?);
     let gone = || io::Error::other("the spawner thread is gone");
     let (reply, answer) = mpsc::channel();
     spawner()
@@ -308,5 +316,62 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert!(!alive(grandchild), "the group's sleep outlived the stop");
+    }
+
+    /// The variable that makes this test binary, run again, the starter below.
+    const STARTER: &str = "ONEBIT_PROCESS_TEST_STARTER";
+
+    #[test]
+    // The test's own starter is a plain child: it is what gets `kill -9`.
+    #[allow(clippy::disallowed_methods)]
+    fn a_kill_9_of_the_starter_kills_what_its_processes_forked() {
+        let mut starter = Command::new(std::env::current_exe().unwrap());
+        starter
+            .args(["--exact", "tests::starter", "--ignored", "--nocapture"])
+            .env(STARTER, "1")
+            .stdout(std::process::Stdio::piped());
+        let mut starter = starter.spawn().unwrap();
+        let mut lines =
+            std::io::BufRead::lines(std::io::BufReader::new(starter.stdout.take().unwrap()));
+        let forked: u32 = lines
+            .find_map(|l| l.ok()?.strip_prefix("forked ")?.trim().parse().ok())
+            .expect("the starter says what its process forked");
+        assert!(alive(forked));
+        starter.kill().unwrap();
+        starter.wait().unwrap();
+        let gone = Instant::now() + Duration::from_secs(5);
+        while alive(forked) && Instant::now() < gone {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let survived = alive(forked);
+        if survived {
+            sys::kill_group(forked, libc::SIGKILL);
+        }
+        assert!(
+            !survived,
+            "a process forked (not spawned here) by a started process outlived kill -9 of the starter"
+        );
+    }
+
+    /// Run by the test above as a process of its own: starts a shell that forks a sleep that
+    /// ignores SIGTERM (no parent-death signal: the shell forked it), says the sleep's pid, and
+    /// waits to be killed.
+    #[test]
+    #[ignore = "a helper: run by a_kill_9_of_the_starter_kills_what_its_processes_forked"]
+    fn starter() {
+        if std::env::var_os(STARTER).is_none() {
+            return;
+        }
+        let mut command = sh("trap '' TERM; sleep 60 & echo $!; wait");
+        command.stdout(std::process::Stdio::piped());
+        let mut p = spawn(command).unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(p.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        println!("forked {}", line.trim());
+        std::thread::sleep(Duration::from_secs(60));
     }
 }
