@@ -15,6 +15,7 @@ use onebit_plugin_api::{Action, BodyKind, ReplyShape, Rule};
 use serde::Deserialize;
 
 use crate::App;
+use crate::attribution::{self, Place};
 use onebit_command::error::ApiError;
 use onebit_features::laya::Routed;
 /// Which engine carries a request: also the label of `onebit_requests_total`.
@@ -79,8 +80,12 @@ pub struct RelayPlan {
     pub streamed: bool,
     /// `--precise`: the body goes with `cache_prompt` false.
     pub precise: bool,
-    /// An Anthropic Messages body that may begin its system prompt with Claude Code's
-    /// attribution line goes without it (`relay::attribution`; off with `--keep-attribution`).
+    /// Where Claude Code's attribution line would be in the body, by the API the path speaks
+    /// (`relay::attribution::Place`; None: a request that cannot carry it).
+    pub attribution: Option<Place>,
+    /// A body that may begin its system prompt (Messages' `system`, a chat's first system
+    /// message, Responses' `instructions`) with the line goes without it
+    /// (`relay::attribution`; off with `--keep-attribution`).
     pub drop_attribution: bool,
     /// A whole JSON reply gets the served name in `model`.
     pub name_reply: bool,
@@ -172,6 +177,7 @@ impl RelayPlan {
             reply: rule.reply,
             streamed: false,
             precise: false,
+            attribution: Place::of(path, rule.reply),
             drop_attribution: false,
             name_reply: false,
             rename_stream: false,
@@ -189,8 +195,9 @@ impl RelayPlan {
 
     /// The plan once the body and its `stream` flag are known (false and empty without a JSON
     /// body). A body shorter than the cache's minimum in bytes holds fewer tokens than that,
-    /// so the cache is not asked (and the fast engine may carry it). An Anthropic Messages
-    /// body that may hold Claude Code's attribution line is the general engine's, to drop it.
+    /// so the cache is not asked (and the fast engine may carry it). A body that may hold
+    /// Claude Code's attribution line where its API puts a system prompt is the general
+    /// engine's, to drop it.
     pub fn with_body(mut self, app: &App, streamed: bool, body: &[u8]) -> RelayPlan {
         self.streamed = streamed;
         self.prompt_cache = self.cacheable
@@ -198,9 +205,8 @@ impl RelayPlan {
                 .prompt_cache
                 .as_ref()
                 .is_some_and(|cache| body.len() >= cache.min_tokens());
-        self.drop_attribution = !app.settings.keep_attribution
-            && self.reply == ReplyShape::Anthropic
-            && crate::attribution::may_hold(body);
+        self.drop_attribution =
+            attribution::to_drop(self.attribution, app.settings.keep_attribution, body);
         self.settle(
             app.settings.precise,
             app.settings.rename_in_streams,
@@ -289,10 +295,9 @@ impl RelayPlan {
         } else {
             body
         };
-        let body = if plan.drop_attribution {
-            crate::attribution::without_attribution(body)
-        } else {
-            body
+        let body = match plan.attribution {
+            Some(place) if plan.drop_attribution => attribution::without_attribution(body, place),
+            _ => body,
         };
         (plan, body)
     }
@@ -575,6 +580,7 @@ mod tests {
             reply: ReplyShape::OpenAi,
             streamed,
             precise: false,
+            attribution: None,
             drop_attribution: false,
             name_reply: false,
             rename_stream: false,
@@ -823,11 +829,18 @@ mod tests {
 
     #[test]
     fn dropping_the_attribution_line_is_the_general_engines() {
-        // A streamed Messages request whose body may hold the line: general, to drop it.
+        // A streamed Messages request, or chat completion, whose body may hold the line:
+        // general, to drop it.
         let mut messages = plan(Target::Backend(0), true, true);
         messages.reply = ReplyShape::Anthropic;
+        messages.attribution = Some(Place::System);
         messages.drop_attribution = true;
         let p = messages.clone().settle(false, false, true);
+        assert_eq!((p.engine, p.drop_attribution), (Engine::General, true));
+        let mut chat = plan(Target::Backend(0), true, true);
+        chat.attribution = Some(Place::FirstSystemMessage);
+        chat.drop_attribution = true;
+        let p = chat.settle(false, false, true);
         assert_eq!((p.engine, p.drop_attribution), (Engine::General, true));
         // Not a generation, or not JSON: nothing to drop; fast.
         let mut counted = messages.clone();
