@@ -17,6 +17,7 @@ mod gguf_tool;
 mod notify;
 mod packages;
 mod plugin_check;
+mod ports;
 mod prepare;
 mod routes;
 mod serve;
@@ -65,7 +66,9 @@ fn run() -> i32 {
             ..
         }) => packages::run(action),
         cli::Command::Plugins(args) => {
-            let dirs = routes::search_dirs(&args.plugin_dir);
+            let mut asked = args.plugin_dir.clone();
+            asked.extend(args.prefix.as_ref().map(|p| p.join(routes::PREFIX_PLUGINS)));
+            let dirs = routes::search_dirs(&asked);
             let found = routes::discover(&dirs);
             print!(
                 "{}",

@@ -8,7 +8,8 @@ use onebit_plugin_api::ABI_VERSION;
 use onebit_plugin_api::loader;
 use onebit_route_package::install::{self, Install};
 use onebit_route_package::keys::{SecretKey, Signed, TrustStore};
-use onebit_route_package::make::{self, Carry, Meta};
+use onebit_route_package::make::{self, Carry, CarryVariant, Meta};
+use onebit_route_package::platform::Machine;
 use onebit_route_package::{PackageError, archive};
 
 use onebit_command::cli::{PackageArgs, PluginAction};
@@ -22,20 +23,31 @@ pub fn run(action: PluginAction) -> i32 {
             package,
             prefix,
             allow_unsigned,
-        } => install_package(&package, prefix.as_deref(), allow_unsigned),
+            new_signer,
+        } => install_package(&package, prefix.as_deref(), allow_unsigned, new_signer),
         PluginAction::Remove { name, prefix } => plugins_dir(prefix.as_deref()).and_then(|dir| {
             let version = install::remove(&dir, &name)?;
             println!("removed {name} {version} from {}", dir.display());
             Ok(())
         }),
         PluginAction::Trust { key } => trust(&key),
+        PluginAction::Distrust { key } => distrust(&key),
         PluginAction::Keygen { name, comment } => keygen(&name, &comment),
         PluginAction::Package(args) => package(&args),
         PluginAction::Check {
             file,
             model,
             route_opt,
-        } => return crate::plugin_check::run(&file, model.as_deref(), &route_opt),
+            real_backends,
+            ready_s,
+        } => {
+            let asked = crate::plugin_check::Asked {
+                route_opt: &route_opt,
+                real_backends,
+                ready: std::time::Duration::from_secs(ready_s),
+            };
+            return crate::plugin_check::run(&file, model.as_deref(), &asked);
+        }
     };
     match outcome {
         Ok(()) => exit::OK,
@@ -49,7 +61,7 @@ pub fn run(action: PluginAction) -> i32 {
 /// `PREFIX/lib/1bit/plugins`, or the user's route folder.
 fn plugins_dir(prefix: Option<&Path>) -> Result<PathBuf, PackageError> {
     match prefix {
-        Some(prefix) => Ok(prefix.join("lib/1bit/plugins")),
+        Some(prefix) => Ok(prefix.join(crate::routes::PREFIX_PLUGINS)),
         None => crate::routes::user_dir().ok_or_else(|| {
             PackageError::new(
                 "HOME is not set, so there is no user route folder; pass --prefix DIR",
@@ -59,7 +71,7 @@ fn plugins_dir(prefix: Option<&Path>) -> Result<PathBuf, PackageError> {
 }
 
 /// The name and ABI a route library says of itself, through the same loader serve uses.
-fn probe_route(file: &Path) -> Result<(String, String), String> {
+pub(crate) fn probe_route(file: &Path) -> Result<(String, String), String> {
     loader::load(file)
         .map(|route| (route.info.name, route.abi_version))
         .map_err(|e| e.to_string())
@@ -69,6 +81,7 @@ fn install_package(
     source: &Path,
     prefix: Option<&Path>,
     allow_unsigned: bool,
+    new_signer: bool,
 ) -> Result<(), PackageError> {
     if !source.exists() {
         return Err(PackageError::new(format!(
@@ -82,6 +95,8 @@ fn install_package(
         plugins_dir: plugins_dir(prefix)?,
         trust: &trust,
         allow_unsigned,
+        new_signer,
+        machine: Machine::this(),
         host_abi,
         probe_route: &probe_route,
     };
@@ -109,9 +124,45 @@ fn install_package(
 fn user_trust() -> Result<TrustStore, PackageError> {
     TrustStore::users().ok_or_else(|| {
         PackageError::new(
-            "neither XDG_CONFIG_HOME nor HOME is set, so there are no trusted keys; set HOME",
+            "none of ONEBIT_TRUST_DIR, XDG_CONFIG_HOME and HOME is set, so there are no trusted keys; set HOME or ONEBIT_TRUST_DIR",
         )
     })
+}
+
+/// `1bit plugins distrust KEY`: the key leaves the trust store; the packages it signed that
+/// serve would find now are named, each stopping at serve's next start.
+fn distrust(key: &str) -> Result<(), PackageError> {
+    let store = user_trust()?;
+    let removed = store.distrust(key)?;
+    let fingerprint = removed.fingerprint();
+    println!(
+        "distrusted key {fingerprint}{} (removed from {})",
+        if removed.comment.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", removed.comment)
+        },
+        store.dir.display()
+    );
+    let dirs = crate::routes::search_dirs(&[]);
+    for dir in &dirs {
+        for package in install::installed(dir) {
+            let Ok((m, bytes)) = onebit_route_package::Manifest::read(&package) else {
+                continue;
+            };
+            let signer = onebit_route_package::keys::signature_of(&package, &bytes);
+            if signer.is_ok_and(|s| s == Signed::By(fingerprint.clone())) {
+                println!(
+                    "package {} {} ({}) was signed by it: it no longer loads; `1bit plugins remove {}`, or install a version signed by a key you trust",
+                    m.name,
+                    m.version,
+                    package.display(),
+                    m.name
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 fn trust(key: &Path) -> Result<(), PackageError> {
@@ -153,6 +204,11 @@ fn package(args: &PackageArgs) -> Result<(), PackageError> {
         .iter()
         .map(|c| Carry::parse(c).map_err(PackageError::new))
         .collect::<Result<Vec<_>, _>>()?;
+    let variants = args
+        .variant
+        .iter()
+        .map(|v| CarryVariant::parse(v).map_err(PackageError::new))
+        .collect::<Result<Vec<_>, _>>()?;
     let key = args.sign.as_deref().map(SecretKey::read).transpose()?;
     let meta = Meta {
         name: route.info.name.clone(),
@@ -161,8 +217,9 @@ fn package(args: &PackageArgs) -> Result<(), PackageError> {
         vendor: args.vendor.clone(),
         summary: args.summary.clone().unwrap_or(route.info.summary),
         license: args.license.clone(),
+        cpu_features: args.cpu_features.clone(),
     };
-    let dir = make::folder(&args.route, &carry, &meta, &args.out)?;
+    let dir = make::folder(&args.route, &carry, &variants, &meta, &args.out)?;
     if let Some(key) = key {
         let manifest = dir.join(onebit_route_package::MANIFEST_FILE);
         let bytes =

@@ -4,8 +4,9 @@ use std::path::{Path, PathBuf};
 
 use onebit_plugin_api::loader::{self, LoadedRoute};
 use onebit_plugin_api::{ABI_VERSION, Claim, PackageFacts, PackageFile, PlanRequest};
-use onebit_route_package::keys::Signed;
-use onebit_route_package::{Checked, MANIFEST_FILE};
+use onebit_route_package::keys::{Signed, TrustStore};
+use onebit_route_package::platform::Machine;
+use onebit_route_package::{Checked, MANIFEST_FILE, owners};
 
 use onebit_command::error::Fatal;
 
@@ -34,6 +35,10 @@ pub struct Unusable {
     /// Why, in one line.
     pub line: String,
 }
+
+/// Where a prefix's packages are: `PREFIX/lib/1bit/plugins` (`1bit plugins install --prefix`,
+/// `cargo xtask install --prefix`).
+pub const PREFIX_PLUGINS: &str = "lib/1bit/plugins";
 
 /// The user's route folder, where `1bit plugins install` puts packages without `--prefix`:
 /// `$HOME/.local/lib/1bit/plugins` (the layout `cargo xtask install` makes under `~/.local`).
@@ -68,6 +73,7 @@ pub fn search_dirs(plugin_dirs: &[PathBuf]) -> Vec<PathBuf> {
 /// manifest before its library is opened. A route name found twice keeps its first (an
 /// earlier directory overrides a later one); the later one is reported as shadowed.
 pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
+    let trust = TrustStore::users();
     let mut found: Vec<Found> = Vec::new();
     let mut seen_files = std::collections::HashSet::new();
     for dir in dirs {
@@ -85,7 +91,7 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
                 continue;
             }
             let (package_name, mut outcome) = if is_package(&file) {
-                load_package(&file)
+                load_package(&file, trust.as_ref())
             } else {
                 // A loose file's name promises its route's name, for `--device NAME`'s line.
                 let promised = name_in_file(&file).map(str::to_string);
@@ -97,10 +103,20 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
                     .iter()
                     .find(|f| matches!(&f.outcome, Ok(r) if &r.info.name == name))
                 {
+                    let kind = |f: &Path, r: Option<&LoadedRoute>| match r
+                        .and_then(|r| r.package.as_ref())
+                    {
+                        Some(p) => {
+                            format!("the package {} {} in {}", p.name, p.version, f.display())
+                        }
+                        None if is_package(f) => format!("the package in {}", f.display()),
+                        None => format!("the route file {}", f.display()),
+                    };
+                    let used = kind(&first.file, first.outcome.as_ref().ok());
+                    let unused = kind(&file, outcome.as_ref().ok());
                     outcome = Err(format!(
-                        "{}: shadowed: route {name} is already provided by {}, found earlier in the search order; remove one, or pass --plugin-dir to put this one first",
+                        "{}: shadowed: route {name} is {used}, not {unused}, because its folder comes first in the search order; remove one, or pass --plugin-dir to put the other first",
                         file.display(),
-                        first.file.display()
                     ));
                 }
             }
@@ -124,12 +140,24 @@ fn is_package(path: &Path) -> bool {
 }
 
 /// Check the package folder `dir` and load its route: its name (when the manifest could be
-/// read) and the route with its package facts, or the line saying why not.
-fn load_package(dir: &Path) -> (Option<String>, Result<LoadedRoute, String>) {
+/// read) and the route with its package facts, or the line saying why not. In order, before
+/// its library is opened: its files against its manifest (sha256, mode), this machine against
+/// its platform, its signer against the trust store as it is now (`owners::judge`).
+fn load_package(
+    dir: &Path,
+    trust: Option<&TrustStore>,
+) -> (Option<String>, Result<LoadedRoute, String>) {
     // The installed version's own folder, not the link an install swaps: what the route is
     // told stays the version checked here.
     let real = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    let checked = match onebit_route_package::check(&real) {
+    let plugins_dir = dir.parent().unwrap_or(Path::new("."));
+    let machine = Machine::this();
+    let checked = onebit_route_package::check(&real).and_then(|checked| {
+        checked.runs_on(&machine)?;
+        owners::judge(&checked, plugins_dir, trust)?;
+        Ok(checked)
+    });
+    let checked = match checked {
         Ok(checked) => checked,
         Err(e) => {
             let name = onebit_route_package::Manifest::read(dir)
@@ -149,14 +177,15 @@ fn load_package(dir: &Path) -> (Option<String>, Result<LoadedRoute, String>) {
                     route.info.name
                 ));
             }
-            route.package = Some(package_facts(&checked));
+            route.package = Some(package_facts(&checked, &machine));
             Ok(route)
         });
     (Some(name), outcome)
 }
 
-/// What a route is told of its package (ABI 1.8).
-fn package_facts(checked: &Checked) -> PackageFacts {
+/// What a route is told of its package (ABI 1.8): each carried file's path is the variant this
+/// CPU runs best (said in one line when there is a choice).
+fn package_facts(checked: &Checked, machine: &Machine) -> PackageFacts {
     let dir = std::path::absolute(&checked.dir).unwrap_or_else(|_| checked.dir.clone());
     let m = &checked.manifest;
     PackageFacts {
@@ -168,11 +197,30 @@ fn package_facts(checked: &Checked) -> PackageFacts {
         files: m
             .files
             .iter()
-            .map(|f| PackageFile {
-                path: dir.join(&f.path).to_string_lossy().into_owned(),
-                name: f.path.clone(),
-                version: f.version.clone(),
-                sha256: f.sha256.clone(),
+            .map(|f| {
+                let chosen = machine.best_variant(f);
+                let sha256 = f
+                    .every_file()
+                    .find(|(path, _, _)| *path == chosen)
+                    .map_or(f.sha256.clone(), |(_, sha, _)| sha.to_string());
+                if !f.variants.is_empty() {
+                    tracing::info!(
+                        "1bit serve: package {} {}: {} is {chosen}, the build for this CPU of {}",
+                        m.name,
+                        m.version,
+                        f.path,
+                        std::iter::once(f.path.as_str())
+                            .chain(f.variants.iter().map(|v| v.path.as_str()))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                }
+                PackageFile {
+                    path: dir.join(chosen).to_string_lossy().into_owned(),
+                    name: f.path.clone(),
+                    version: f.version.clone(),
+                    sha256,
+                }
             })
             .collect(),
         signed_by: match &checked.signed {

@@ -1,6 +1,8 @@
 //! A package folder as one `.tar.gz`, and back: packing is deterministic (the same folder
-//! gives the same bytes); unpacking takes regular files and folders alone, inside the target.
+//! gives the same bytes; a file's mode is 0755 when it is executable, else 0644); unpacking
+//! takes regular files and folders alone, inside the target, and keeps the executable bit.
 
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 use flate2::Compression;
@@ -118,7 +120,19 @@ pub fn unpack(archive: &Path, into: &Path) -> Result<PathBuf, PackageError> {
             std::fs::create_dir_all(parent)
                 .map_err(|e| PackageError::io("creating", parent, &e))?;
         }
-        let mut out = std::fs::File::create(&target)
+        // The executable bit survives (a program the route runs); nothing else of the mode
+        // does: a package's files are the installing user's, 0755 or 0644.
+        let executable = entry.header().mode().is_ok_and(|m| m & 0o111 != 0);
+        let mut out = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(if executable { 0o755 } else { 0o644 })
+            .open(&target)
+            .map_err(|e| PackageError::io("creating", &target, &e))?;
+        // `mode` is masked by the umask; the bit a manifest records must not be.
+        let mode = if executable { 0o755 } else { 0o644 };
+        out.set_permissions(std::fs::Permissions::from_mode(mode))
             .map_err(|e| PackageError::io("creating", &target, &e))?;
         std::io::copy(&mut entry, &mut out).map_err(|e| damaged(e.to_string()))?;
         out.sync_all()
@@ -170,6 +184,13 @@ mod tests {
         let unpacked = unpack(&archive, &into).unwrap();
         assert_eq!(unpacked, into.join("acme-1.2.0"));
         crate::check(&unpacked).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(
+            mode(&unpacked.join("acme-engine")),
+            0o755,
+            "a program stays executable"
+        );
+        assert_eq!(mode(&unpacked.join("libacme_kernels.so.1")), 0o644);
         std::fs::remove_dir_all(&root).unwrap();
     }
 

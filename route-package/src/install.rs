@@ -17,6 +17,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::keys::{Signed, TrustStore};
+use crate::owners::Owner;
+use crate::platform::Machine;
 use crate::{Checked, PackageError, archive, check};
 
 /// The hidden folder of a route folder that holds the packages' files.
@@ -34,6 +36,11 @@ pub struct Install<'a> {
     pub trust: &'a TrustStore,
     /// `--allow-unsigned`: install a package that is unsigned or signed by an untrusted key.
     pub allow_unsigned: bool,
+    /// `--new-signer`: install a package signed by another key than the one the installed
+    /// route name belongs to ([`crate::owners`]).
+    pub new_signer: bool,
+    /// The machine the package must run on ([`Machine::this`], or another in tests).
+    pub machine: Machine,
     /// This host's plugin ABI.
     pub host_abi: semver::Version,
     /// How the route library's own name and ABI are read.
@@ -81,6 +88,9 @@ impl Install<'_> {
         let label = format!("package {} {}", manifest.name, manifest.version);
         self.check_abi(&label, &manifest.abi)?;
         self.check_signature(&label, &checked.signed)?;
+        let owner = self.owner_after(&label, &checked)?;
+        // Before the route library is opened: a package for another CPU would crash here.
+        checked.runs_on(&self.machine)?;
         let (route_name, route_abi) = (self.probe_route)(&checked.route_file()).map_err(|why| {
             PackageError::new(format!("{label}: its route library does not load: {why}"))
         })?;
@@ -118,6 +128,7 @@ impl Install<'_> {
         if let Some(old) = old_target {
             let _ = std::fs::remove_dir_all(self.plugins_dir.join(old));
         }
+        owner.write(&self.plugins_dir)?;
         Ok(Installed {
             package: Checked {
                 dir: link.clone(),
@@ -156,6 +167,37 @@ impl Install<'_> {
                 "{label} is not signed; install only what you trust to run inside serve: pass --allow-unsigned to install it anyway"
             ))),
         }
+    }
+
+    /// The owner record the install leaves: the signer, when the user trusts it, owns the
+    /// name; otherwise (`--allow-unsigned`) this very manifest is allowed. Refuses a package
+    /// signed by another key than the one the installed name belongs to, unless `new_signer`.
+    fn owner_after(&self, label: &str, checked: &Checked) -> Result<Owner, PackageError> {
+        let name = &checked.manifest.name;
+        let key = match &checked.signed {
+            Signed::By(key) if self.trust.find(key).is_some() => Some(key.clone()),
+            _ => None,
+        };
+        let owning = Owner::read(&self.plugins_dir, name).and_then(|o| o.key);
+        if let Some(owning) = owning
+            && key.as_ref() != Some(&owning)
+            && !self.new_signer
+        {
+            let signer = match &checked.signed {
+                Signed::By(k) => format!("is signed by key {k}"),
+                Signed::Unsigned => "is not signed".to_string(),
+            };
+            return Err(PackageError::new(format!(
+                "{label} {signer}, but route {name} belongs to key {owning}, which signed the installed version; pass --new-signer if its vendor changed keys"
+            )));
+        }
+        Ok(Owner {
+            name: name.clone(),
+            allowed_manifest: key
+                .is_none()
+                .then(|| crate::sha256_bytes(&checked.manifest_bytes)),
+            key,
+        })
     }
 
     /// The version installed at `link`, when there is one; refuses a downgrade and a folder
@@ -218,6 +260,7 @@ pub fn remove(plugins_dir: &Path, name: &str) -> Result<String, PackageError> {
         .unwrap_or_else(|_| "?".to_string());
     let target = std::fs::read_link(&link).map_err(|e| PackageError::io("reading", &link, &e))?;
     std::fs::remove_file(&link).map_err(|e| PackageError::io("removing", &link, &e))?;
+    Owner::remove(plugins_dir, name);
     sync_dir(plugins_dir);
     let _ = std::fs::remove_dir_all(plugins_dir.join(target));
     Ok(version)
@@ -241,7 +284,11 @@ pub fn installed(plugins_dir: &Path) -> Vec<PathBuf> {
 fn copy_package(package: &Checked, into: &Path) -> Result<(), PackageError> {
     let m = &package.manifest;
     let mut names: Vec<&str> = vec![crate::MANIFEST_FILE, m.route.path.as_str()];
-    names.extend(m.files.iter().map(|f| f.path.as_str()));
+    names.extend(
+        m.files
+            .iter()
+            .flat_map(|f| f.every_file().map(|(path, _, _)| path)),
+    );
     if package.dir.join(crate::SIGNATURE_FILE).is_file() {
         names.push(crate::SIGNATURE_FILE);
     }

@@ -17,6 +17,8 @@ fn installer<'a>(root: &Path, trust: &'a TrustStore, probe: &'a ProbeRoute) -> I
         plugins_dir: root.join("prefix/lib/1bit/plugins"),
         trust,
         allow_unsigned: false,
+        new_signer: false,
+        machine: crate::platform::Machine::this(),
         host_abi: semver::Version::new(1, 8, 0),
         probe_route: probe,
     }
@@ -203,5 +205,153 @@ fn an_install_killed_half_way_leaves_leftovers_the_next_install_removes() {
             .join(format!(".1bit-link-{dead}-0"))
             .exists()
     );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// `sample_package` at `version`, signed by `key`.
+fn signed_sample(root: &Path, version: &str, key: &SecretKey) -> PathBuf {
+    let dir = sample_package(root, version);
+    key.sign_package(
+        &dir,
+        &std::fs::read(dir.join(crate::MANIFEST_FILE)).unwrap(),
+    )
+    .unwrap();
+    dir
+}
+
+/// Judge the installed package `acme` as serve does at a start.
+fn judged(install: &Install, trust: &TrustStore) -> Result<crate::owners::Trusted, String> {
+    let link = install.plugins_dir.join("acme");
+    let checked = check(&link.canonicalize().unwrap()).map_err(|e| e.to_string())?;
+    crate::owners::judge(&checked, &install.plugins_dir, Some(trust)).map_err(|e| e.to_string())
+}
+
+#[test]
+fn a_route_name_belongs_to_the_key_that_installed_it_and_trust_is_judged_at_every_start() {
+    use crate::owners::Trusted;
+    let root = scratch("owners");
+    let trust = TrustStore {
+        dir: root.join("trusted"),
+    };
+    let (vendor, other) = (
+        SecretKey::generate().unwrap(),
+        SecretKey::generate().unwrap(),
+    );
+    for (key, name) in [(&vendor, "vendor"), (&other, "other")] {
+        let (_, public) = key.write_pair(&root.join(name), name).unwrap();
+        trust.trust(&public).unwrap();
+    }
+    let mut install = installer(&root, &trust, &acme_probe);
+    install
+        .run(&signed_sample(&root.join("v1"), "1.2.0", &vendor))
+        .unwrap();
+    let vendor_fp = vendor.public("").fingerprint();
+    assert_eq!(
+        judged(&install, &trust),
+        Ok(Trusted::SignedBy(vendor_fp.clone()))
+    );
+
+    // An upgrade signed by another key, even a trusted one, is refused; --new-signer allows it.
+    let by_other = signed_sample(&root.join("v2"), "1.3.0", &other);
+    let why = install.run(&by_other).unwrap_err().to_string();
+    assert!(
+        why.contains("but route acme belongs to key ")
+            && why.contains(&vendor_fp)
+            && why.contains("--new-signer"),
+        "{why}"
+    );
+    assert_eq!(installed_route(&install), "route 1.2.0");
+    // A package swapped in by hand under the owned name is refused at the start too.
+    let hand = install.plugins_dir.join("acme-by-hand");
+    std::fs::create_dir_all(&hand).unwrap();
+    for entry in std::fs::read_dir(&by_other).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, hand.join(path.file_name().unwrap())).unwrap();
+    }
+    let why = crate::owners::judge(&check(&hand).unwrap(), &install.plugins_dir, Some(&trust))
+        .unwrap_err()
+        .to_string();
+    assert!(why.contains("but route acme belongs to key"), "{why}");
+    std::fs::remove_dir_all(&hand).unwrap();
+    install.new_signer = true;
+    install.run(&by_other).unwrap();
+    assert_eq!(
+        judged(&install, &trust),
+        Ok(Trusted::SignedBy(other.public("").fingerprint()))
+    );
+
+    // Distrust: the installed package stops loading at the next start, in one line.
+    trust
+        .distrust(&other.public("").fingerprint())
+        .expect("the key was trusted");
+    let why = judged(&install, &trust).unwrap_err();
+    assert!(
+        why.contains("which is not trusted now") && why.contains("`1bit plugins trust"),
+        "{why}"
+    );
+    let why = trust
+        .distrust("ed25519:0000000000000000")
+        .unwrap_err()
+        .to_string();
+    assert!(why.contains("is not trusted in"), "{why}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn an_unsigned_package_loads_only_as_installed_with_allow_unsigned() {
+    use crate::owners::Trusted;
+    let root = scratch("allowed");
+    let trust = TrustStore {
+        dir: root.join("trusted"),
+    };
+    let mut install = installer(&root, &trust, &acme_probe);
+    install.allow_unsigned = true;
+    install
+        .run(&sample_package(&root.join("v1"), "1.2.0"))
+        .unwrap();
+    assert_eq!(judged(&install, &trust), Ok(Trusted::AllowedUnsigned));
+    // Another unsigned package copied by hand over the installed one is not what was allowed.
+    let installed_dir = install.plugins_dir.join("acme").canonicalize().unwrap();
+    let manifest = installed_dir.join(crate::MANIFEST_FILE);
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(&manifest, text.replace("Acme's NPU", "Acme's NPU, changed")).unwrap();
+    let why = judged(&install, &trust).unwrap_err();
+    assert!(
+        why.contains("is not signed, and was not installed with --allow-unsigned"),
+        "{why}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_package_for_a_cpu_this_machine_lacks_is_refused_before_its_library_opens() {
+    let root = scratch("platform");
+    let trust = TrustStore {
+        dir: root.join("trusted"),
+    };
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static OPENED: AtomicBool = AtomicBool::new(false);
+    let probe = |p: &Path| {
+        OPENED.store(true, Ordering::Relaxed);
+        acme_probe(p)
+    };
+    let mut install = installer(&root, &trust, &probe);
+    install.allow_unsigned = true;
+    install.machine.cpu_features.clear();
+    let dir = sample_package(&root.join("v1"), "1.2.0");
+    let manifest_path = dir.join(crate::MANIFEST_FILE);
+    let mut manifest = crate::Manifest::parse(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    manifest.platform.as_mut().unwrap().cpu_features = vec!["avx512f".into()];
+    std::fs::write(&manifest_path, manifest.to_bytes()).unwrap();
+    let why = install.run(&dir).unwrap_err().to_string();
+    assert!(
+        why.contains("cannot run here: it needs the CPU feature avx512f, which this CPU lacks"),
+        "{why}"
+    );
+    assert!(
+        !OPENED.load(Ordering::Relaxed),
+        "the route library was never opened"
+    );
+    assert!(installed(&install.plugins_dir).is_empty());
     std::fs::remove_dir_all(&root).unwrap();
 }

@@ -210,9 +210,18 @@ pub struct TrustStore {
 }
 
 impl TrustStore {
-    /// The user's: `$XDG_CONFIG_HOME/1bit/trusted-keys`, else `$HOME/.config/1bit/trusted-keys`.
+    /// The variable that sets the trust store's folder (tests, system-wide installs).
+    pub const DIR_VAR: &str = "ONEBIT_TRUST_DIR";
+
+    /// The user's: `$ONEBIT_TRUST_DIR`, else `$XDG_CONFIG_HOME/1bit/trusted-keys`, else
+    /// `$HOME/.config/1bit/trusted-keys`. None without any of the three.
     pub fn users() -> Option<TrustStore> {
         let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+        if let Some(dir) = env(TrustStore::DIR_VAR) {
+            return Some(TrustStore {
+                dir: PathBuf::from(dir),
+            });
+        }
         let config = env("XDG_CONFIG_HOME")
             .map(PathBuf::from)
             .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".config")))?;
@@ -242,6 +251,38 @@ impl TrustStore {
         self.keys()
             .into_iter()
             .find(|k| k.fingerprint() == fingerprint)
+    }
+
+    /// Stop trusting a key, named by its fingerprint (`ed25519:...`) or by its `.pub` file:
+    /// removes every file of the store holding it. Returns the key; an error when the store
+    /// does not hold it (the line lists the keys it holds).
+    pub fn distrust(&self, key: &str) -> Result<PublicKey, PackageError> {
+        let fingerprint = if key.starts_with("ed25519:") {
+            key.to_string()
+        } else {
+            PublicKey::read(Path::new(key))?.fingerprint()
+        };
+        let mut removed = None;
+        for path in std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+        {
+            if let Ok(k) = PublicKey::read(&path)
+                && k.fingerprint() == fingerprint
+            {
+                std::fs::remove_file(&path).map_err(|e| PackageError::io("removing", &path, &e))?;
+                removed = Some(k);
+            }
+        }
+        removed.ok_or_else(|| {
+            let held: Vec<String> = self.keys().iter().map(PublicKey::fingerprint).collect();
+            PackageError::new(format!(
+                "key {fingerprint} is not trusted in {} (trusted: {}); `1bit plugins trusted` lists them",
+                self.dir.display(),
+                if held.is_empty() { "none".to_string() } else { held.join(", ") }
+            ))
+        })
     }
 
     /// Trust the public key in `file`: copies it in as `FINGERPRINT.pub`. Returns the key.

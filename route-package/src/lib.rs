@@ -5,7 +5,8 @@
 //! a manifest, [`MANIFEST_FILE`], that names every file with its sha256; optionally a
 //! signature of the manifest by the vendor's ed25519 key, [`SIGNATURE_FILE`]. This crate
 //! makes packages ([`make`]), checks them ([`check`]), signs and verifies them ([`keys`]),
-//! and installs and removes them atomically ([`install`]). It never loads a library: the
+//! judges where they run ([`platform`]) and whom they belong to ([`owners`]), and installs
+//! and removes them atomically ([`install`]). It never loads a library: the
 //! host does that, after [`check`] passed.
 //!
 //! Every error is one line saying what is wrong and what to do ([`PackageError`]).
@@ -18,13 +19,15 @@ pub mod install;
 pub mod keys;
 pub mod make;
 pub mod manifest;
+pub mod owners;
+pub mod platform;
 
 mod error;
 mod hex;
 
 pub use check::{Checked, check};
 pub use error::PackageError;
-pub use manifest::{CarriedFile, Manifest, RouteFile};
+pub use manifest::{CarriedFile, Manifest, Platform, RouteFile, Variant};
 
 /// The manifest's file name inside a package folder.
 pub const MANIFEST_FILE: &str = "1bit-package.json";
@@ -32,6 +35,12 @@ pub const MANIFEST_FILE: &str = "1bit-package.json";
 pub const SIGNATURE_FILE: &str = "1bit-package.sig";
 /// The manifest format this crate writes and reads.
 pub const FORMAT: u32 = 1;
+
+/// The sha256 of `bytes`, lowercase hex.
+pub fn sha256_bytes(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(&sha2::Sha256::digest(bytes))
+}
 
 /// The sha256 of a file, lowercase hex, read in 1 MiB pieces. Blocks on the disk.
 pub fn sha256_of(path: &std::path::Path) -> std::io::Result<String> {

@@ -3,7 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::manifest::{self, CarriedFile, RouteFile};
+use crate::manifest::{self, CarriedFile, Platform, RouteFile, Variant};
+use crate::platform;
 use crate::{FORMAT, Manifest, PackageError, sha256_of};
 
 /// Who the route is, for the manifest (the host reads `name`, `abi` and `summary` from the
@@ -22,6 +23,9 @@ pub struct Meta {
     pub summary: String,
     /// Its license.
     pub license: String,
+    /// The CPU features every file of the package needs (`--cpu-features`): recorded in the
+    /// manifest's platform with the architecture and glibc read from the files themselves.
+    pub cpu_features: Vec<String>,
 }
 
 /// One file to carry, with its version.
@@ -48,12 +52,56 @@ impl Carry {
     }
 }
 
+/// A build of a carried file for CPUs with more features (`--variant FILE=OF:FEATURE,...`).
+#[derive(Clone, Debug)]
+pub struct CarryVariant {
+    /// The build.
+    pub file: PathBuf,
+    /// The carried file's name in the package it is a variant of.
+    pub of: String,
+    /// The CPU features it needs (`/proc/cpuinfo` names).
+    pub cpu_features: Vec<String>,
+}
+
+impl CarryVariant {
+    /// `FILE=OF:FEATURE,FEATURE`, as `--variant` takes it.
+    pub fn parse(text: &str) -> Result<CarryVariant, String> {
+        let usage = || {
+            format!(
+                "--variant {text}: give the build, the carried file it is a variant of and the CPU features it needs as FILE=OF:FEATURE,FEATURE (build-avx2/zeta-engine=zeta-engine:avx2,fma)"
+            )
+        };
+        let (file, rest) = text.rsplit_once('=').ok_or_else(usage)?;
+        let (of, features) = rest.split_once(':').ok_or_else(usage)?;
+        let cpu_features: Vec<String> = features
+            .split(',')
+            .map(|f| f.trim().to_string())
+            .filter(|f| !f.is_empty())
+            .collect();
+        if file.is_empty() || of.is_empty() || cpu_features.is_empty() {
+            return Err(usage());
+        }
+        Ok(CarryVariant {
+            file: PathBuf::from(file),
+            of: of.to_string(),
+            cpu_features,
+        })
+    }
+
+    /// Its name in the package: `OF.FEATURE-FEATURE` (`zeta-engine.avx2-fma`).
+    fn name(&self) -> String {
+        format!("{}.{}", self.of, self.cpu_features.join("-"))
+    }
+}
+
 /// Write the package folder `OUT/NAME-VERSION/` (replacing an earlier one of that name):
-/// the route library as `libonebit_route_NAME.so`, each carried file under its own name, and
-/// the manifest. Returns the folder.
+/// the route library as `libonebit_route_NAME.so`, each carried file under its own name (its
+/// executable bit recorded), each variant as `OF.FEATURES`, and the manifest, whose platform
+/// is the files' architecture and glibc and `meta.cpu_features`. Returns the folder.
 pub fn folder(
     route: &Path,
     carry: &[Carry],
+    variants: &[CarryVariant],
     meta: &Meta,
     out: &Path,
 ) -> Result<PathBuf, PackageError> {
@@ -81,6 +129,22 @@ pub fn folder(
         }
         files.push((name, c));
     }
+    for v in variants {
+        if !files.iter().any(|(n, _)| *n == v.of) {
+            return Err(PackageError::new(format!(
+                "--variant {}: {} is not a carried file; carry it with --carry {}=VERSION first",
+                v.file.display(),
+                v.of,
+                v.of
+            )));
+        }
+        if !v.file.is_file() {
+            return Err(PackageError::new(format!(
+                "--variant {}: no such file; build it first, or fix the path",
+                v.file.display()
+            )));
+        }
+    }
     let sha = |p: &Path| sha256_of(p).map_err(|e| PackageError::io("reading", p, &e));
     let manifest = Manifest {
         format: FORMAT,
@@ -97,13 +161,35 @@ pub fn folder(
         files: files
             .iter()
             .map(|(name, c)| {
+                let variants = variants
+                    .iter()
+                    .filter(|v| v.of == *name)
+                    .map(|v| {
+                        Ok(Variant {
+                            path: v.name(),
+                            sha256: sha(&v.file)?,
+                            executable: Some(is_executable(&v.file)),
+                            cpu_features: v.cpu_features.clone(),
+                        })
+                    })
+                    .collect::<Result<_, PackageError>>()?;
                 Ok(CarriedFile {
                     path: name.clone(),
                     version: c.version.clone(),
                     sha256: sha(&c.file)?,
+                    executable: Some(is_executable(&c.file)),
+                    variants,
                 })
             })
             .collect::<Result<_, PackageError>>()?,
+        platform: Some(platform_of(
+            route,
+            carry
+                .iter()
+                .map(|c| c.file.as_path())
+                .chain(variants.iter().map(|v| v.file.as_path())),
+            &meta.cpu_features,
+        )),
     };
     manifest
         .validate()
@@ -123,10 +209,39 @@ pub fn folder(
     for (name, c) in &files {
         copy(&c.file, name)?;
     }
+    for v in variants {
+        copy(&v.file, &v.name())?;
+    }
     let path = dir.join(crate::MANIFEST_FILE);
     std::fs::write(&path, manifest.to_bytes())
         .map_err(|e| PackageError::io("writing", &path, &e))?;
     Ok(dir)
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o111 != 0)
+}
+
+/// The platform the files need: the route library's architecture (this build's when it is not
+/// ELF), the newest glibc any file names, and the CPU features the vendor gave.
+fn platform_of<'a>(
+    route: &'a Path,
+    carried: impl Iterator<Item = &'a Path>,
+    cpu_features: &[String],
+) -> Platform {
+    let glibc = std::iter::once(route)
+        .chain(carried)
+        .filter_map(|p| std::fs::read(p).ok())
+        .filter_map(|bytes| platform::newest_glibc_named(&bytes))
+        .max();
+    Platform {
+        arch: platform::elf_arch(route)
+            .unwrap_or(std::env::consts::ARCH)
+            .to_string(),
+        cpu_features: cpu_features.to_vec(),
+        glibc: glibc.map(|(major, minor)| format!("{major}.{minor}")),
+    }
 }
 
 #[cfg(test)]
@@ -156,25 +271,34 @@ mod tests {
             vendor: "v".into(),
             summary: "s".into(),
             license: "MIT".into(),
+            cpu_features: Vec::new(),
         };
         let carry = |f: &str| Carry {
             file: root.join(f),
             version: "1".into(),
         };
         let route = root.join("libonebit_route_acme.so");
-        let why = folder(&route, &[carry("nope.so")], &meta, &root)
+        let why = folder(&route, &[carry("nope.so")], &[], &meta, &root)
             .unwrap_err()
             .to_string();
         assert!(why.contains("no such file"), "{why}");
-        let why = folder(&route, &[carry("libk.so"), carry("libk.so")], &meta, &root)
-            .unwrap_err()
-            .to_string();
+        let why = folder(
+            &route,
+            &[carry("libk.so"), carry("libk.so")],
+            &[],
+            &meta,
+            &root,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(why.contains("carry each file once"), "{why}");
         let bad = Meta {
             version: "one".into(),
             ..meta
         };
-        let why = folder(&route, &[], &bad, &root).unwrap_err().to_string();
+        let why = folder(&route, &[], &[], &bad, &root)
+            .unwrap_err()
+            .to_string();
         assert!(why.contains("is not semver"), "{why}");
         std::fs::remove_dir_all(&root).unwrap();
     }

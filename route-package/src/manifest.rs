@@ -29,6 +29,26 @@ pub struct Manifest {
     /// The files the route carries (its kernels, say), each with its own version.
     #[serde(default)]
     pub files: Vec<CarriedFile>,
+    /// Where the package runs: the architecture, the CPU features and the glibc its files
+    /// need. Absent (packages made before it was recorded): judged by nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<Platform>,
+}
+
+/// What a machine must have to run a package's files (checked at install and at every start,
+/// before any of them is opened; `platform.rs`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Platform {
+    /// The CPU architecture, as Rust names it (`x86_64`, `aarch64`).
+    pub arch: String,
+    /// CPU features every file needs, as the kernel names them in `/proc/cpuinfo` (`avx2`,
+    /// `avx512f`, `amx_tile`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cpu_features: Vec<String>,
+    /// The oldest glibc that runs the files (`2.36`): the newest `GLIBC_` symbol version any
+    /// of them names. None: no file names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub glibc: Option<String>,
 }
 
 /// The route library of a package.
@@ -49,6 +69,39 @@ pub struct CarriedFile {
     pub version: String,
     /// Its sha256, lowercase hex.
     pub sha256: String,
+    /// Whether it is executable (a program the route runs): its mode is checked like its
+    /// sha256. None in packages made before modes were recorded: not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executable: Option<bool>,
+    /// Builds of the same file for more capable CPUs: the host uses the one whose
+    /// `cpu_features` this CPU has, the most of them winning, else the file itself.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub variants: Vec<Variant>,
+}
+
+/// One build of a carried file for a CPU level ([`CarriedFile::variants`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Variant {
+    /// Its path in the package (`zeta-engine.avx2`).
+    pub path: String,
+    /// Its sha256, lowercase hex.
+    pub sha256: String,
+    /// Whether it is executable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executable: Option<bool>,
+    /// The CPU features it needs beyond the package's own (`/proc/cpuinfo` names); at least one.
+    pub cpu_features: Vec<String>,
+}
+
+impl CarriedFile {
+    /// The file itself and each variant: path, sha256, executable.
+    pub fn every_file(&self) -> impl Iterator<Item = (&str, &str, Option<bool>)> {
+        std::iter::once((self.path.as_str(), self.sha256.as_str(), self.executable)).chain(
+            self.variants
+                .iter()
+                .map(|v| (v.path.as_str(), v.sha256.as_str(), v.executable)),
+        )
+    }
 }
 
 impl Manifest {
@@ -122,15 +175,17 @@ impl Manifest {
         let mut seen = std::collections::HashSet::new();
         seen.insert(self.route.path.as_str());
         for file in &self.files {
-            check_relative(&file.path)?;
-            if [MANIFEST_FILE, SIGNATURE_FILE].contains(&file.path.as_str()) {
-                return Err(format!(
-                    "{} is the package's own file, not a carried one",
-                    file.path
-                ));
-            }
-            if !seen.insert(file.path.as_str()) {
-                return Err(format!("{} is named twice", file.path));
+            for (path, sha256, _) in file.every_file() {
+                check_relative(path)?;
+                if [MANIFEST_FILE, SIGNATURE_FILE].contains(&path) {
+                    return Err(format!(
+                        "{path} is the package's own file, not a carried one"
+                    ));
+                }
+                if !seen.insert(path) {
+                    return Err(format!("{path} is named twice"));
+                }
+                check_sha256(path, sha256)?;
             }
             if file.version.trim().is_empty() {
                 return Err(format!(
@@ -138,7 +193,34 @@ impl Manifest {
                     file.path
                 ));
             }
-            check_sha256(&file.path, &file.sha256)?;
+            for variant in &file.variants {
+                if variant.cpu_features.is_empty() {
+                    return Err(format!(
+                        "variant {} of {} names no CPU feature; a variant is for a CPU with more features than the file itself needs",
+                        variant.path, file.path
+                    ));
+                }
+                variant
+                    .cpu_features
+                    .iter()
+                    .try_for_each(|f| check_feature(f))?;
+            }
+        }
+        if let Some(platform) = &self.platform {
+            if platform.arch.trim().is_empty() {
+                return Err("its platform names no arch; as x86_64".to_string());
+            }
+            platform
+                .cpu_features
+                .iter()
+                .try_for_each(|f| check_feature(f))?;
+            if let Some(glibc) = &platform.glibc
+                && crate::platform::glibc_version(glibc).is_none()
+            {
+                return Err(format!(
+                    "its platform's glibc {glibc:?} is not a version, as 2.36"
+                ));
+            }
         }
         Ok(())
     }
@@ -173,6 +255,22 @@ pub fn check_relative(path: &str) -> Result<(), String> {
     } else {
         Err(format!(
             "{path:?} is not a plain relative path inside the package (no leading /, no .., no .)"
+        ))
+    }
+}
+
+/// A CPU feature as `/proc/cpuinfo` names it: 1 to 32 of `a-z`, `0-9` and `_`.
+fn check_feature(name: &str) -> Result<(), String> {
+    let good = !name.is_empty()
+        && name.len() <= 32
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if good {
+        Ok(())
+    } else {
+        Err(format!(
+            "CPU feature {name:?} is not a name as /proc/cpuinfo gives it (avx2, avx512f)"
         ))
     }
 }
@@ -212,7 +310,19 @@ mod tests {
                 path: "libacme_kernels.so.1".into(),
                 version: "1.0.3".into(),
                 sha256: "b".repeat(64),
+                executable: Some(true),
+                variants: vec![Variant {
+                    path: "libacme_kernels.so.1.avx2".into(),
+                    sha256: "c".repeat(64),
+                    executable: Some(true),
+                    cpu_features: vec!["avx2".into()],
+                }],
             }],
+            platform: Some(Platform {
+                arch: "x86_64".into(),
+                cpu_features: vec!["sse4_2".into()],
+                glibc: Some("2.36".into()),
+            }),
         }
     }
 
@@ -254,6 +364,26 @@ mod tests {
                 "named twice",
             ),
             (|m| m.files[0].version.clear(), "has no version"),
+            (
+                |m| m.files[0].variants[0].path = "libacme_kernels.so.1".into(),
+                "named twice",
+            ),
+            (
+                |m| m.files[0].variants[0].cpu_features.clear(),
+                "names no CPU feature",
+            ),
+            (
+                |m| m.files[0].variants[0].cpu_features = vec!["AVX2".into()],
+                "CPU feature \"AVX2\"",
+            ),
+            (
+                |m| m.platform.as_mut().unwrap().glibc = Some("new".into()),
+                "glibc \"new\" is not a version",
+            ),
+            (
+                |m| m.platform.as_mut().unwrap().arch.clear(),
+                "names no arch",
+            ),
         ];
         for (breaks, says) in cases {
             let mut m = sample();

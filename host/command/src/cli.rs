@@ -102,17 +102,31 @@ pub struct PluginArgs {
     /// Also look for route files in DIR (before the plugins folder beside the binary).
     #[arg(long, value_name = "DIR")]
     pub plugin_dir: Vec<PathBuf>,
+    /// Also list the packages installed with `1bit plugins install --prefix DIR` (first).
+    #[arg(long, value_name = "DIR")]
+    pub prefix: Option<PathBuf>,
     #[command(subcommand)]
     pub action: Option<PluginAction>,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum PluginAction {
-    /// Load one route library and exercise it as serve would (info, claim, plan, and for a
-    /// route that answers in process: start, health, answers, a slow reader, a client that
-    /// leaves, bad input, a panic); one line per check, exit 1 on a failure.
+    /// Check a route library, a package folder or a package archive as serve would use it;
+    /// one line per check, exit 1 on a failure.
+    ///
+    /// A package is checked as install checks it (the archive whole, the manifest, every
+    /// file's sha256 and executable bit, the platform against this machine, the signature),
+    /// installed into a scratch folder, and its route loaded from there as serve loads it.
+    /// Then every route: info, claim and plan on the model. A route that answers in process:
+    /// start, health, a whole and a streamed answer, a slow reader, a client that leaves, bad
+    /// input, a panic contained, metrics. A route that runs its own engine programs: each
+    /// program a file of the package (or an absolute system path) and executable, then serve
+    /// itself runs the route with the fake backend standing in for each program (or, with
+    /// --real-backends, the programs themselves), relays a whole and a streamed chat, reads
+    /// /health and /metrics, and stops leaving no process.
+    #[command(verbatim_doc_comment)]
     Check {
-        /// The route library (`libonebit_route_NAME.so`).
+        /// The route library (`libonebit_route_NAME.so`), a package folder, or a `.tar.gz`.
         file: PathBuf,
         /// The model to claim and plan (default: a fixture file that is not a GGUF).
         #[arg(short = 'm', long, value_name = "MODEL")]
@@ -121,6 +135,14 @@ pub enum PluginAction {
         /// --route-opt` passes it; the route refuses a key it does not know.
         #[arg(long, value_name = "KEY=VALUE")]
         route_opt: Vec<String>,
+        /// Run the plan's real engine programs instead of the fake backend: each must start,
+        /// bind its port, answer health, relay a whole and a streamed chat, give its metrics,
+        /// and leave no process (its own children included) after the stop.
+        #[arg(long)]
+        real_backends: bool,
+        /// Seconds serve has to say ready (its backends healthy) before the check fails.
+        #[arg(long, value_name = "SECS", default_value_t = 60)]
+        ready_s: u64,
     },
     /// Check a route package (folder or .tar.gz: manifest, checksums, signature, ABI, the
     /// route's own name) and install it atomically into the user's route folder; a newer
@@ -134,6 +156,10 @@ pub enum PluginAction {
         /// Install a package that is unsigned, or signed by a key you have not trusted.
         #[arg(long)]
         allow_unsigned: bool,
+        /// Install a package signed by another key than the one that signed the installed
+        /// version (the route's name belongs to that key until you say so).
+        #[arg(long)]
+        new_signer: bool,
     },
     /// Remove an installed package by its route's name.
     Remove {
@@ -143,10 +169,17 @@ pub enum PluginAction {
         #[arg(long, value_name = "DIR")]
         prefix: Option<PathBuf>,
     },
-    /// Trust a vendor's public key: packages it signed install without --allow-unsigned.
+    /// Trust a vendor's public key: packages it signed install and load without
+    /// --allow-unsigned. The trust store is `$ONEBIT_TRUST_DIR`, else
+    /// `$XDG_CONFIG_HOME/1bit/trusted-keys`, else `~/.config/1bit/trusted-keys`.
     Trust {
         /// The vendor's `.pub` file.
         key: PathBuf,
+    },
+    /// Stop trusting a key: every package it signed stops loading at serve's next start.
+    Distrust {
+        /// The key's fingerprint (`ed25519:...`, as `1bit plugins` shows it) or its `.pub` file.
+        key: String,
     },
     /// Make a signing key pair for your packages: NAME.key (secret) and NAME.pub (give it to
     /// your users).
@@ -179,9 +212,20 @@ pub struct PackageArgs {
     /// One line on what the route runs (default: the route's own summary).
     #[arg(long)]
     pub summary: Option<String>,
-    /// A file the route carries, with its version: FILE=VERSION; repeatable.
+    /// A file the route carries, with its version: FILE=VERSION; repeatable. Its executable
+    /// bit is recorded (a program the route runs keeps it through install).
     #[arg(long, value_name = "FILE=VERSION")]
     pub carry: Vec<String>,
+    /// A build of a carried file for CPUs with more features: FILE=OF:FEATURE,FEATURE (OF the
+    /// carried file's name, the features as /proc/cpuinfo names them); repeatable. serve uses
+    /// the variant needing the most features this CPU has, else OF itself.
+    #[arg(long, value_name = "FILE=OF:FEATURES")]
+    pub variant: Vec<String>,
+    /// The CPU features every file of the package needs (comma-separated, as /proc/cpuinfo
+    /// names them: avx2,fma); recorded with the architecture and glibc read from the files.
+    /// A package this machine cannot run is refused at install and at start.
+    #[arg(long, value_name = "FEATURES", value_delimiter = ',')]
+    pub cpu_features: Vec<String>,
     /// Sign the manifest with this secret key (`1bit plugins keygen`).
     #[arg(long, value_name = "KEYFILE")]
     pub sign: Option<PathBuf>,

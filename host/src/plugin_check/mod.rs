@@ -23,12 +23,23 @@ use onebit_command::cli::ServeArgs;
 use onebit_command::{error, model};
 
 mod package;
+mod programs;
 mod through_serve;
 
 /// How long one answer may take before the check calls it hung.
 const ANSWER_LIMIT: Duration = Duration::from_secs(120);
 /// The slow reader's pause per send.
 const SLOW_SEND: Duration = Duration::from_millis(30);
+
+/// What the check was asked besides the file and the model.
+pub struct Asked<'a> {
+    /// `--route-opt KEY=VALUE`, as given.
+    pub route_opt: &'a [String],
+    /// `--real-backends`: the plan's own programs instead of the fake backend.
+    pub real_backends: bool,
+    /// `--ready-s`: how long serve has to say ready.
+    pub ready: Duration,
+}
 
 /// The request body every answer check sends: shaped for both OpenAI paths (a completion
 /// reads `prompt`, a chat `messages`), small and greedy.
@@ -73,7 +84,8 @@ impl Report {
 /// Returns serve's exit status: 0 when every check passed (a plan that answers nothing in
 /// process is checked as far as its plan), 1 when one failed, 2 when the plan refused the
 /// model, so that nothing beyond it was checked, or when an option is not KEY=VALUE.
-pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 {
+pub fn run(file: &Path, model_path: Option<&Path>, asked_for: &Asked) -> i32 {
+    let route_opt = asked_for.route_opt;
     // Parsed by serve's own parser, so a value without `=` gets serve's refusal.
     let asked = ServeArgs {
         route_opt: route_opt.to_vec(),
@@ -91,7 +103,7 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
             error::exit::BACKEND
         };
     };
-    let (route, plugin_dir) = (&opened.route, &opened.plugin_dir);
+    let route = &opened.route;
     report.ok(
         "load",
         format!("{} (ABI {})", route.file.display(), route.abi_version),
@@ -151,15 +163,7 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
     );
     let in_process = plan.rules.iter().find(|r| r.action == Action::InProcess);
     let Some(rule) = in_process else {
-        let subject = through_serve::Subject {
-            route,
-            plugin_dir,
-            model: &model_path,
-            route_opt,
-            plan: &plan,
-        };
-        through_serve::check(&subject, &mut report);
-        return finish(&report);
+        return through_serve(&opened, &model_path, &plan, asked_for, report);
     };
     if !route.can_respond() {
         report.fail(
@@ -188,6 +192,33 @@ pub fn run(file: &Path, model_path: Option<&Path>, route_opt: &[String]) -> i32 
         Ok(text) => report.ok("metrics", format!("{} lines", text.lines().count())),
         Err(e) => report.fail("metrics", e),
     }
+    finish(&report)
+}
+
+/// A plan that runs child processes: its programs checked, then serve run with the route.
+fn through_serve(
+    opened: &package::Opened,
+    model_path: &Path,
+    plan: &onebit_plugin_api::Plan,
+    asked_for: &Asked,
+    mut report: Report,
+) -> i32 {
+    let programs_ok = programs::check(plan, opened.route.package.as_ref(), &mut report);
+    if asked_for.real_backends && !programs_ok {
+        report.skip("serve", "a program the plan runs cannot be started (above)");
+        return finish(&report);
+    }
+    let subject = through_serve::Subject {
+        route: &opened.route,
+        plugin_dir: &opened.plugin_dir,
+        model: model_path,
+        route_opt: asked_for.route_opt,
+        plan,
+        real_backends: asked_for.real_backends,
+        ready: asked_for.ready,
+        trust_dir: opened.trust_dir(),
+    };
+    through_serve::check(&subject, &mut report);
     finish(&report)
 }
 

@@ -1,8 +1,10 @@
 //! A route whose plan runs child processes, checked through serve itself: `1bit serve` with
 //! the route, each backend run as the fake backend with the plan's own arguments
-//! (`--backend-standin`), a whole and a streamed chat relayed by serve's own relay, and what
-//! the backend was started with, what `/health` and `/metrics` said. So a plugin author tests
-//! such a route on any machine, without its engine.
+//! (`--backend-standin`), or with `--real-backends` as the plan's own programs; a whole and a
+//! streamed chat relayed by serve's own relay, what each backend was started with, what
+//! `/health` and `/metrics` said, and after the stop, that no process serve started is left
+//! (the engines' own children included). So a plugin author tests such a route on any
+//! machine without its engine, and on the engine's machine with it.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -16,8 +18,8 @@ use onebit_process::Process;
 
 use super::Report;
 
-/// How long serve may take to say ready with the fake backend.
-const READY_LIMIT: Duration = Duration::from_secs(60);
+/// How long the processes serve started have to be gone after it exited.
+const GONE_LIMIT: Duration = Duration::from_secs(5);
 /// How long one relayed request may take.
 const REQUEST_LIMIT: Duration = Duration::from_secs(30);
 
@@ -47,6 +49,12 @@ pub struct Subject<'a> {
     pub route_opt: &'a [String],
     /// The plan the check got from the route.
     pub plan: &'a Plan,
+    /// `--real-backends`: the plan's programs run, not the fake backend.
+    pub real_backends: bool,
+    /// How long serve has to say ready.
+    pub ready: Duration,
+    /// The trust store serve is run with (a package's check: an empty one).
+    pub trust_dir: Option<PathBuf>,
 }
 
 /// Run the checks; each outcome goes to `report`.
@@ -72,17 +80,22 @@ pub fn check(subject: &Subject, report: &mut Report) {
             ),
         );
     }
-    let Some(fake) = fake_backend() else {
-        report.skip(
-            "answers",
-            "the plan runs child processes: install the fake backend (`cargo xtask install` puts 1bit-fake-backend beside 1bit) or set ONEBIT_FAKE_BACKEND to relay chats through serve to it",
-        );
-        return;
+    let fake = if subject.real_backends {
+        None
+    } else {
+        let Some(fake) = fake_backend() else {
+            report.skip(
+                "answers",
+                "the plan runs child processes: install the fake backend (`cargo xtask install` puts 1bit-fake-backend beside 1bit) or set ONEBIT_FAKE_BACKEND to relay chats through serve to it; or pass --real-backends to run the plan's own programs",
+            );
+            return;
+        };
+        Some(fake)
     };
     let work =
         std::env::temp_dir().join(format!("1bit-plugins-check-serve-{}", std::process::id()));
     let _ = std::fs::create_dir_all(&work);
-    let outcome = run_serve(subject, &fake, &work, report);
+    let outcome = run_serve(subject, fake.as_deref(), &work, report);
     if let Err(line) = outcome {
         report.fail("serve", line);
     }
@@ -91,7 +104,7 @@ pub fn check(subject: &Subject, report: &mut Report) {
 
 fn run_serve(
     subject: &Subject,
-    fake: &Path,
+    fake: Option<&Path>,
     work: &Path,
     report: &mut Report,
 ) -> Result<(), String> {
@@ -115,8 +128,10 @@ fn run_serve(
         ])
         .arg("--plugin-dir")
         .arg(subject.plugin_dir)
-        .arg("--backend-standin")
-        .arg(fake)
+        .args(
+            fake.iter()
+                .flat_map(|f| [std::ffi::OsStr::new("--backend-standin"), f.as_os_str()]),
+        )
         .args(
             subject
                 .route_opt
@@ -127,23 +142,154 @@ fn run_serve(
         // serve's state (metrics counters, the prompt cache) stays in the check's own folder.
         .env("ONEBIT_STATE_DIR", work.join("state"))
         .stdin(Stdio::null());
+    if let Some(trust) = &subject.trust_dir {
+        command.env(onebit_route_package::keys::TrustStore::DIR_VAR, trust);
+    }
     let out = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
     let err = out.try_clone().map_err(|e| e.to_string())?;
     command.stdout(out).stderr(err);
     let serve = onebit_process::spawn(command).map_err(|e| format!("serve did not start: {e}"))?;
-    let outcome = exercise(&serve, port, &record, subject, report);
+    let mut started = Vec::new();
+    let outcome = exercise(&serve, port, &record, subject, &mut started, report);
+    let stopping = Instant::now();
     let stopped = serve.stop(Duration::from_secs(10));
+    let took = stopping.elapsed();
     match (&outcome, serve.wait_timeout(Duration::ZERO)) {
-        (Ok(()), Some(Ok(status))) if status.success() => {
-            report.ok("stop", "serve stopped cleanly on SIGTERM")
-        }
+        (Ok(()), Some(Ok(status))) if status.success() => report.ok(
+            "stop",
+            format!(
+                "serve stopped cleanly on SIGTERM in {:.2} s",
+                took.as_secs_f64()
+            ),
+        ),
         (Ok(()), status) => report.fail(
             "stop",
             format!("serve did not stop cleanly: {status:?} ({stopped:?})"),
         ),
         (Err(_), _) => {}
     }
+    if outcome.is_ok() {
+        // Seen again at the stop: what the engines started while they served.
+        started.extend(descendants(serve.pid()));
+        left_behind(&started, report);
+    }
     outcome.map_err(|why| format!("{why}; serve's last lines: {}", tail(&log)))
+}
+
+/// After serve exited: every process it started (and they started) must be gone within
+/// [`GONE_LIMIT`]; one line for the first left.
+fn left_behind(started: &[(u32, String)], report: &mut Report) {
+    let deadline = Instant::now() + GONE_LIMIT;
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                stat.rsplit_once(')')
+                    .map(|(_, rest)| rest.trim().to_string())
+            })
+            .is_some_and(|rest| !rest.starts_with('Z'))
+    };
+    loop {
+        let left: Vec<&(u32, String)> = started.iter().filter(|(pid, _)| alive(*pid)).collect();
+        match left.first() {
+            None => {
+                report.ok(
+                    "nothing left",
+                    format!("the {} processes serve started are gone", started.len()),
+                );
+                return;
+            }
+            Some((pid, cmd)) if Instant::now() >= deadline => {
+                report.fail(
+                    "nothing left",
+                    format!(
+                        "process {pid} ({cmd}) outlived serve by {} s; an engine's children must stay in its process group (no setsid), so serve's stop reaches them",
+                        GONE_LIMIT.as_secs()
+                    ),
+                );
+                return;
+            }
+            Some(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// Every process below `root` now (its children, theirs, ...): pid and command line.
+fn descendants(root: u32) -> Vec<(u32, String)> {
+    let mut parent_of = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parent_of.push((pid, ppid));
+        }
+    }
+    let mut found = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(parent) = frontier.pop() {
+        for &(pid, _) in parent_of.iter().filter(|(_, ppid)| *ppid == parent) {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|b| {
+                    String::from_utf8_lossy(&b)
+                        .split('\0')
+                        .filter(|a| !a.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_default();
+            found.push((pid, cmd));
+            frontier.push(pid);
+        }
+    }
+    found
+}
+
+/// Wait until serve's `/health` says 200, within `subject.ready`; the error names the engines
+/// and serve's last answer.
+fn wait_ready(serve: &Process, port: u16, subject: &Subject) -> Result<(), String> {
+    let started = Instant::now();
+    let mut last_health = String::new();
+    loop {
+        if serve.has_exited() {
+            return Err("serve exited before it was ready".to_string());
+        }
+        match http(port, "GET", "/health", None) {
+            Ok((200, _)) => return Ok(()),
+            Ok((status, body)) => last_health = format!("{status} {}", body.trim()),
+            Err(_) => {}
+        }
+        if started.elapsed() > subject.ready {
+            let engines: Vec<&str> = subject
+                .plan
+                .backends
+                .iter()
+                .map(|b| b.engine.as_str())
+                .collect();
+            return Err(format!(
+                "{} never answered its health route with 200 within {} s (serve's /health: {}); pass --ready-s for an engine that loads longer",
+                engines.join(" and "),
+                subject.ready.as_secs(),
+                if last_health.is_empty() {
+                    "no answer"
+                } else {
+                    &last_health
+                }
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 fn exercise(
@@ -151,32 +297,29 @@ fn exercise(
     port: u16,
     record: &Path,
     subject: &Subject,
+    started_processes: &mut Vec<(u32, String)>,
     report: &mut Report,
 ) -> Result<(), String> {
     let started = Instant::now();
-    loop {
-        if serve.has_exited() {
-            return Err("serve exited before it was ready".to_string());
-        }
-        if matches!(http(port, "GET", "/health", None), Ok((200, _))) {
-            break;
-        }
-        if started.elapsed() > READY_LIMIT {
-            return Err(format!(
-                "serve was not ready within {} s",
-                READY_LIMIT.as_secs()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_ready(serve, port, subject)?;
     report.ok(
         "serve",
         format!(
-            "ready on the fake backend in {:.1} s",
+            "ready on {} in {:.2} s",
+            if subject.real_backends {
+                "the plan's own programs"
+            } else {
+                "the fake backend"
+            },
             started.elapsed().as_secs_f64()
         ),
     );
-    recorded_start(record, subject.plan, report);
+    *started_processes = descendants(serve.pid());
+    if subject.real_backends {
+        real_start(started_processes, subject.plan, report);
+    } else {
+        recorded_start(record, subject.plan, report);
+    }
     let chat = |stream: bool| {
         serde_json::json!({
             "messages": [{"role": "user", "content": "Say hello."}],
@@ -184,13 +327,16 @@ fn exercise(
         })
         .to_string()
     };
+    let asked = Instant::now();
     match http(port, "POST", "/v1/chat/completions", Some(&chat(false))) {
         Ok((200, body)) => match serde_json::from_str::<serde_json::Value>(&body) {
             Ok(v) if v["choices"][0]["message"].is_object() => report.ok(
                 "relayed chat",
                 format!(
-                    "200, model {}, {:?}",
-                    v["model"], v["choices"][0]["message"]["content"]
+                    "200 in {:.1} ms, model {}, {:?}",
+                    asked.elapsed().as_secs_f64() * 1000.0,
+                    v["model"],
+                    v["choices"][0]["message"]["content"]
                 ),
             ),
             _ => report.fail(
@@ -201,13 +347,17 @@ fn exercise(
         Ok((status, body)) => report.fail("relayed chat", format!("{status}: {body:.200}")),
         Err(e) => report.fail("relayed chat", e),
     }
+    let asked = Instant::now();
     match http(port, "POST", "/v1/chat/completions", Some(&chat(true))) {
         Ok((200, body)) => {
             let events = body.lines().filter(|l| l.starts_with("data: ")).count();
             if body.trim_end().ends_with("data: [DONE]") {
                 report.ok(
                     "relayed stream",
-                    format!("200, {events} events ending in data: [DONE]"),
+                    format!(
+                        "200 in {:.1} ms, {events} events ending in data: [DONE]",
+                        asked.elapsed().as_secs_f64() * 1000.0
+                    ),
                 );
             } else {
                 report.fail(
@@ -226,16 +376,88 @@ fn exercise(
     }
     match http(port, "GET", "/metrics", None) {
         Ok((200, body)) => {
-            let series = body
+            let samples: Vec<&str> = body
                 .lines()
                 .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-                .count();
-            report.ok("metrics", format!("200, {series} samples"));
+                .collect();
+            // serve's own series are onebit_*; the rest came from the engines' metrics routes.
+            let engines = samples.iter().filter(|l| !l.starts_with("onebit_")).count();
+            let declared = subject
+                .plan
+                .backends
+                .iter()
+                .any(|b| b.metrics_path.is_some());
+            if subject.real_backends && declared && engines == 0 {
+                report.fail(
+                    "metrics",
+                    "the plan names a metrics route, but serve's /metrics holds none of the engine's samples",
+                );
+            } else {
+                report.ok(
+                    "metrics",
+                    format!(
+                        "200, {} samples, {engines} of them the engines'",
+                        samples.len()
+                    ),
+                );
+            }
         }
         Ok((status, body)) => report.fail("metrics", format!("{status} {body:.200}")),
         Err(e) => report.fail("metrics", e),
     }
     Ok(())
+}
+
+/// What the plan's own programs were started with, read from `/proc`: each backend's argv
+/// and the plan's variables in its environment.
+fn real_start(processes: &[(u32, String)], plan: &Plan, report: &mut Report) {
+    for (i, backend) in plan.backends.iter().enumerate() {
+        let program = backend.argv.first().map(String::as_str).unwrap_or_default();
+        let Some((pid, cmd)) = processes
+            .iter()
+            .find(|(_, cmd)| cmd.split(' ').next() == Some(program))
+        else {
+            report.fail(
+                &format!("backend {i} start"),
+                format!("no process of serve's runs {program}"),
+            );
+            continue;
+        };
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let environ = String::from_utf8_lossy(&environ);
+        let set: Vec<&str> = environ.split('\0').collect();
+        let wanted: Vec<String> = backend
+            .env
+            .iter()
+            .chain(&backend.env_combined)
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let missing: Vec<&String> = wanted
+            .iter()
+            .filter(|kv| {
+                let key = kv.split('=').next().unwrap_or_default();
+                !set.iter().any(|s| s.starts_with(&format!("{key}=")))
+            })
+            .collect();
+        if missing.is_empty() {
+            report.ok(
+                &format!("backend {i} start"),
+                format!(
+                    "pid {pid}: {cmd} (env: {})",
+                    if wanted.is_empty() {
+                        "none added".to_string()
+                    } else {
+                        wanted.join(" ")
+                    }
+                ),
+            );
+        } else {
+            report.fail(
+                &format!("backend {i} start"),
+                format!("pid {pid}: its environment lacks {missing:?}"),
+            );
+        }
+    }
 }
 
 /// What the fake backend recorded of its start: the plan's variables must be in its
