@@ -75,6 +75,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(path) = &cfg.fork_child
+        && let Err(e) = fork_child(path)
+    {
+        log!("fake-backend: FAKE_FORK_CHILD={}: {e}", path.display());
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -297,6 +303,25 @@ pub fn exit_now(plan: ExitPlan) -> ! {
         std::process::exit(128 + sig as i32);
     }
     std::process::exit(plan.code)
+}
+
+/// `FAKE_FORK_CHILD`: start a child the way a closed engine starts its own helpers (a plain
+/// fork and exec, no parent-death signal, in the fake's process group) that ignores SIGTERM, and
+/// write its pid to `path` (written whole, then renamed into place, so a reader never sees half).
+/// The child is never waited for: it outlives the fake unless its group is killed.
+fn fork_child(path: &std::path::Path) -> std::io::Result<()> {
+    let child = std::process::Command::new("/bin/sh")
+        .args(["-c", "trap '' TERM; exec sleep 3600"])
+        .stdin(std::process::Stdio::null())
+        .spawn()?;
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, format!("{}\n", child.id()))?;
+    std::fs::rename(&partial, path)?;
+    log!(
+        "fake-backend: forked a child of its own (pid {}) that ignores SIGTERM",
+        child.id()
+    );
+    Ok(())
 }
 
 /// `FAKE_RECORD_START`: write how this process was started (its argv and whole environment) as

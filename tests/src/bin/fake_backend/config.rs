@@ -84,6 +84,10 @@ pub struct Config {
     /// `FAKE_SLOTS`: generations run at once; the others wait their turn, as llama-server's
     /// deferred tasks (0: no limit).
     pub slots: usize,
+    /// `FAKE_FORK_CHILD`: a file; at start the fake forks a child of its own that ignores
+    /// SIGTERM (as an engine's helper it starts itself, with no parent-death signal) and writes
+    /// its pid there.
+    pub fork_child: Option<PathBuf>,
 }
 
 /// Parses llama-server's argument list and the environment (`env` looks a variable up).
@@ -217,6 +221,9 @@ pub fn parse(
         close_after_stream: millis(&env, "FAKE_CLOSE_AFTER_STREAM_MS")?,
         tool_call: millis(&env, "FAKE_TOOL_MS")?.unwrap_or(Duration::ZERO),
         slots: number(&env, "FAKE_SLOTS")?.unwrap_or(0),
+        fork_child: env("FAKE_FORK_CHILD")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from),
     })))
 }
 
