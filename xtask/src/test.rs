@@ -34,7 +34,7 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         "clippy found problems: fix the warnings above, then rerun",
     )?;
     addon::check(ws)?;
-    check_vendor_example(ws)?;
+    check_vendor_examples(ws)?;
     let installed = setup::run(ws)?;
     // Builds the `1bit` binary, the fake backend and every route cdylib, which the tests look for.
     cargo_step(
@@ -58,19 +58,21 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     let mut totals = Totals::default();
     let mut failed_tests = Vec::new();
     let status = pass_through(&mut test, &mut totals, &mut failed_tests)?;
-    // The example vendor route (outside the workspace) runs its own tests, the last of which
-    // packages, checks and installs it with the `1bit` just built.
-    let mut example = process::cargo();
-    example
-        .current_dir(ws.root.join(VENDOR_EXAMPLE))
-        .args(["test", "--no-fail-fast"])
-        .env("ONEBIT_BIN", ws.root.join("target/debug/1bit"));
-    let example_status = pass_through(&mut example, &mut totals, &mut failed_tests)?;
-    let status = if status.success() {
-        example_status
-    } else {
-        status
-    };
+    // The example vendor routes (outside the workspace) run their own tests, the last of each
+    // packages and installs the example with the `1bit` just built (the engine example serves
+    // it too).
+    let mut status = status;
+    for dir in VENDOR_EXAMPLES {
+        let mut example = process::cargo();
+        example
+            .current_dir(ws.root.join(dir))
+            .args(["test", "--no-fail-fast"])
+            .env("ONEBIT_BIN", ws.root.join("target/debug/1bit"));
+        let example_status = pass_through(&mut example, &mut totals, &mut failed_tests)?;
+        if status.success() {
+            status = example_status;
+        }
+    }
     println!();
     println!(
         "==> regression check: cargo xtask bench hop --quick (fails when serve's added keep-alive p50 exceeds 2 × nginx's)"
@@ -137,8 +139,9 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
     })
 }
 
-/// The example vendor route's folder: a crate of its own, checked and tested here too.
-const VENDOR_EXAMPLE: &str = "examples/vendor-route";
+/// The example vendor routes' folders, each a crate of its own, checked and tested here too:
+/// closed kernels answered in process (acme), and a closed engine program (zeta).
+const VENDOR_EXAMPLES: [&str; 2] = ["examples/vendor-route", "examples/vendor-engine-route"];
 
 /// Run `cargo test` as `command`, its report passed through, its `test result:` lines added
 /// to `totals` (so the run ends with one total rather than the last crate's, often empty,
@@ -167,23 +170,26 @@ fn pass_through(
         .map_err(|e| Failure(format!("cannot wait for cargo test: {e}")))
 }
 
-/// fmt and clippy for the example vendor route, as for the workspace.
-fn check_vendor_example(ws: &Workspace) -> Result<(), Failure> {
-    let dir = ws.root.join(VENDOR_EXAMPLE);
-    for (args, todo) in [
-        (
-            &["fmt", "--", "--check"][..],
-            "the example vendor route's formatting differs: run `cargo fmt` in examples/vendor-route",
-        ),
-        (
-            &["clippy", "--all-targets", "--", "-D", "warnings"][..],
-            "clippy found problems in examples/vendor-route: fix them, then rerun",
-        ),
-    ] {
-        let mut cargo = process::cargo();
-        cargo.current_dir(&dir).args(args);
-        println!("==> (examples/vendor-route) cargo {}", args.join(" "));
-        process::run(&mut cargo, todo)?;
+/// fmt and clippy for each example vendor route, as for the workspace.
+fn check_vendor_examples(ws: &Workspace) -> Result<(), Failure> {
+    for example in VENDOR_EXAMPLES {
+        for (args, todo) in [
+            (
+                &["fmt", "--", "--check"][..],
+                format!(
+                    "the example vendor route's formatting differs: run `cargo fmt` in {example}"
+                ),
+            ),
+            (
+                &["clippy", "--all-targets", "--", "-D", "warnings"][..],
+                format!("clippy found problems in {example}: fix them, then rerun"),
+            ),
+        ] {
+            let mut cargo = process::cargo();
+            cargo.current_dir(ws.root.join(example)).args(args);
+            println!("==> ({example}) cargo {}", args.join(" "));
+            process::run(&mut cargo, &todo)?;
+        }
     }
     Ok(())
 }
