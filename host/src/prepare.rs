@@ -3,12 +3,12 @@
 //! reading files and reserving ports; `serve.rs` runs what this decides.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener as StdListener;
 use std::path::{Path, PathBuf};
 
 use onebit_plugin_api::loader::LoadedRoute;
 use onebit_plugin_api::{Plan, PlanOutcome, PlanRequest, Purpose, RouteOption, ServeOptions};
 
+use crate::ports::{self, HeldPorts};
 use crate::routes;
 use laya::start::RoutePlan;
 use onebit_command::cli::ServeArgs;
@@ -21,9 +21,6 @@ use onebit_supervision::{admission, rpc, run_dir};
 /// What serve calls the served model in router mode, where llama-server names each model itself
 /// (systemd's status line, the backend's lines).
 pub const ROUTER_NAME: &str = "llama-server's router";
-
-/// Ports Lemonade scans for its own servers; backends never take one.
-const LEMONADE_PORTS: std::ops::RangeInclusive<u16> = 8001..=9000;
 
 /// What `prepare` settled: exit now with a status (`--mem-check`, `--print-backend`), or serve.
 pub enum Prepared {
@@ -51,6 +48,8 @@ pub struct ServePlan {
     pub counters: onebit_metrics::Counters,
     /// The backends' loopback ports, held until they are about to start.
     pub held_ports: HeldPorts,
+    /// What the route planned with, for [`replan`].
+    pub request: PlanRequest,
     /// `--rpc`'s workers, watched while serve runs (empty without the flag).
     pub rpc_workers: rpc::watch::Workers,
 }
@@ -89,7 +88,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
     let ports = if printing {
         vec![args.port]
     } else {
-        reserve_ports(&held_ports, 4)?
+        ports::reserve(&held_ports, 4, args.port)?
     };
     let run_dir = run_dir::for_this_serve(&std::env::temp_dir());
     let request = PlanRequest {
@@ -130,7 +129,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         Some(policy) => {
             let auto = (route.clone(), plan);
             let (first, more) = laya::start::plans(&policy, &loaded, &request, auto, |n| {
-                reserve_ports(&held_ports, n)
+                ports::reserve(&held_ports, n, args.port)
             })?;
             (first.0, first.1, Some((policy, more)))
         }
@@ -181,6 +180,7 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         prompt_cache,
         counters,
         held_ports,
+        request,
         rpc_workers: rpc::watch::Workers::watching(&workers),
     })))
 }
@@ -205,30 +205,63 @@ fn finish_plans(
 ) -> Result<(), Fatal> {
     let more = laya.iter_mut().flat_map(|(_, more)| more.iter_mut());
     for each in std::iter::once(plan).chain(more.map(|(_, p)| p)) {
-        admission::llama_kv::size(each, args.model());
-        admission::passed_kv::count(each, args.model(), &args.backend_args);
-        llama_server_cli::pass_to_backend(each, &args.backend_args)?;
-        llama_server_cli::refuse_self(each)?;
-        let env = |name: &str| std::env::var(name).ok();
-        llama_server_cli::align_rules(
-            each,
-            &args.backend_args,
-            llama_server_cli::aip_predict_route(&env).as_deref(),
-        );
-        // The user's CORS policy reaches the llama-server too, so what it relays carries the
-        // same headers as serve's own answers.
-        if let Some(cors) = onebit_features::guard::cors::Cors::from_args(args) {
-            for backend in &mut each.backends {
-                if backend.engine == llama_server_cli::LLAMA_SERVER {
-                    backend.argv.extend(cors.backend_args());
-                }
-            }
-        }
-        if let Some(standin) = &args.backend_standin {
-            stand_in(each, standin);
-        }
+        finish_plan(args, each)?;
     }
     Ok(())
+}
+
+/// One plan finished as [`finish_plans`] says.
+fn finish_plan(args: &ServeArgs, each: &mut Plan) -> Result<(), Fatal> {
+    admission::llama_kv::size(each, args.model());
+    admission::passed_kv::count(each, args.model(), &args.backend_args);
+    llama_server_cli::pass_to_backend(each, &args.backend_args)?;
+    llama_server_cli::refuse_self(each)?;
+    let env = |name: &str| std::env::var(name).ok();
+    llama_server_cli::align_rules(
+        each,
+        &args.backend_args,
+        llama_server_cli::aip_predict_route(&env).as_deref(),
+    );
+    // The user's CORS policy reaches the llama-server too, so what it relays carries the
+    // same headers as serve's own answers.
+    if let Some(cors) = onebit_features::guard::cors::Cors::from_args(args) {
+        for backend in &mut each.backends {
+            if backend.engine == llama_server_cli::LLAMA_SERVER {
+                backend.argv.extend(cors.backend_args());
+            }
+        }
+    }
+    if let Some(standin) = &args.backend_standin {
+        stand_in(each, standin);
+    }
+    Ok(())
+}
+
+/// `route`'s plan made again with `ports` instead of those it was given, and finished as the
+/// first was: called by serve's start when a backend lost its port before it bound it (another
+/// program took it), so the route itself writes the new port wherever its plan names one. For
+/// the main plan (`main`), the prompt cache's arguments are added again and its setup returned.
+/// The plan's notes were said with the first plan and are not said again. Blocks (the route
+/// plans, files are read): call it on a blocking thread.
+pub fn replan(
+    args: &ServeArgs,
+    request: &PlanRequest,
+    route: &LoadedRoute,
+    ports: Vec<u16>,
+    main: bool,
+) -> Result<(Plan, Option<prompt_cache::Setup>), Fatal> {
+    let asked = PlanRequest {
+        ports,
+        ..request.clone()
+    };
+    let mut plan = planned(route, &asked)?;
+    finish_plan(args, &mut plan)?;
+    let setup = if main {
+        prompt_cache::start::setup(args, &mut plan)?
+    } else {
+        None
+    };
+    Ok((plan, setup))
 }
 
 /// The device asked for: router mode runs on the cpu route alone.
@@ -542,75 +575,4 @@ fn print_backend(args: &ServeArgs, plan: &Plan) -> Result<i32, Fatal> {
     });
     println!("{line}");
     Ok(exit::OK)
-}
-
-/// The listening sockets that hold the reserved ports until the backends are about to start;
-/// dropping it (or [`HeldPorts::release`]) lets go.
-#[derive(Default)]
-pub struct HeldPorts(std::sync::Mutex<Vec<StdListener>>);
-
-impl HeldPorts {
-    /// Let go of the reserved ports: called right before the backends start, so the window in
-    /// which another program could take one is the time a spawn takes.
-    pub fn release(self) {
-        drop(self);
-    }
-}
-
-/// Reserve `n` free loopback ports outside Lemonade's range. The kernel picks each, and serve
-/// keeps listening on them (in `into`, until it lets go) so that nothing else on the machine is
-/// handed one of them while the plan is made and checked.
-fn reserve_ports(into: &HeldPorts, n: usize) -> Result<Vec<u16>, Fatal> {
-    let mut held = Vec::new();
-    let mut ports = Vec::new();
-    for _ in 0..(n * 8) {
-        if ports.len() == n {
-            break;
-        }
-        let listener = StdListener::bind("127.0.0.1:0")
-            .map_err(|e| Fatal::backend(format!("cannot reserve a loopback port: {e}")))?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| Fatal::backend(format!("cannot reserve a loopback port: {e}")))?
-            .port();
-        if !LEMONADE_PORTS.contains(&port) {
-            ports.push(port);
-        }
-        held.push(listener);
-    }
-    if ports.len() < n {
-        return Err(Fatal::backend(
-            "cannot reserve loopback ports outside 8001-9000",
-        ));
-    }
-    into.0
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .extend(held);
-    Ok(ports)
-}
-
-#[cfg(test)]
-mod port_tests {
-    use super::*;
-
-    #[test]
-    fn reserved_ports_stay_taken_until_released() {
-        let held = HeldPorts::default();
-        let ports = reserve_ports(&held, 2).unwrap();
-        for &port in &ports {
-            assert!(!LEMONADE_PORTS.contains(&port));
-            assert!(
-                StdListener::bind(("127.0.0.1", port)).is_err(),
-                "port {port} was free before the release"
-            );
-        }
-        held.release();
-        for &port in &ports {
-            assert!(
-                StdListener::bind(("127.0.0.1", port)).is_ok(),
-                "port {port} is free after the release"
-            );
-        }
-    }
 }

@@ -6,11 +6,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use onebit_plugin_api::{Plan, Started};
-use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::mpsc::unbounded_channel;
 
 use crate::notify;
-use crate::prepare::{HeldPorts, Prepared, ServePlan, prepare};
+use crate::prepare::{Prepared, ServePlan, prepare};
 use onebit_command::cli::ServeArgs;
 use onebit_command::error::Fatal;
 use onebit_features::guard::Guard;
@@ -26,11 +24,12 @@ use onebit_supervision::backends::health::{
 };
 use onebit_supervision::backends::idle_before_stop;
 use onebit_supervision::backends::route_calls::{RouteCalls, install_host_services};
-use onebit_supervision::backends::supervisor::{self, Backend, Event};
+use onebit_supervision::backends::supervisor::{self, Backend};
 use onebit_supervision::backends::watchdog::{self, Watchdog};
 use onebit_supervision::run_dir;
 
 mod shutdown;
+mod start;
 use shutdown::{Ended, Loading, fail, impostor, port_taken, stop};
 
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
@@ -103,9 +102,10 @@ async fn serve_plan(p: ServePlan) -> i32 {
         pm,
         laya,
         api_key,
-        prompt_cache,
+        mut prompt_cache,
         counters,
         held_ports,
+        request,
         rpc_workers,
     } = p;
     let traffic = Traffic::new(onebit_relay::busy_poll::parse_budget(
@@ -115,26 +115,31 @@ async fn serve_plan(p: ServePlan) -> i32 {
         Some((policy, more)) => (Some(policy), more),
         None => (None, Vec::new()),
     };
-    let placed: Vec<RoutePlan> = std::iter::once((route.clone(), plan.clone()))
-        .chain(more)
-        .collect();
-    let all_backends: Vec<&onebit_plugin_api::BackendSpec> =
-        placed.iter().flat_map(|(_, p)| &p.backends).collect();
+    let mut placed: Vec<RoutePlan> = std::iter::once((route.clone(), plan)).chain(more).collect();
+    // serve's own port is bound before any backend starts, so no start can take it.
     let listeners = match bind_all(&args).await {
         Ok(listeners) => listeners,
         Err(fatal) => return say_fatal(&fatal),
     };
-    let addr = format!("{}:{}", display_host(first_host(&args.host)), args.port);
-    notify::loading(&served_name, &plan.device);
+    notify::loading(&served_name, &placed[0].1.device);
     let guard = Guard::for_bind(&args.host);
     if !guard.loopback_bind && api_key.is_none() {
-        tracing::warn!(
-            "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
-        );
+        warn_open(&args);
     }
-    if let Err(fatal) = make_run_dir(&run_dir).await {
-        return say_fatal(&fatal);
-    }
+    // The backends start before what serves requests is made, since a backend started again
+    // on another port (start.rs) changes the ports it holds.
+    let planned = start::Planned {
+        placed: &mut placed,
+        prompt_cache: &mut prompt_cache,
+        request: &request,
+    };
+    let (started, stops) = match start::backends(&args, planned, held_ports, &run_dir).await {
+        Ok(started) => started,
+        Err(code) => return code,
+    };
+    let plan = placed[0].1.clone();
+    let all_backends: Vec<&onebit_plugin_api::BackendSpec> =
+        placed.iter().flat_map(|(_, p)| &p.backends).collect();
     // serve's own calls (readiness, health, warm-ups, the watchdog's questions, the route's
     // host services, metrics) go on a client that never busy-polls; relayed requests do.
     let client = health::probe_client();
@@ -206,10 +211,18 @@ async fn serve_plan(p: ServePlan) -> i32 {
     if let Some(cache) = app.prompt_cache.clone() {
         drain.before_cut(move || cache.cutting());
     }
-    let code = supervise(&args, &placed, &app, &client, (&mut drain, held_ports)).await;
+    let code = supervise(&args, &placed, &app, &client, (&mut drain, started, stops)).await;
     drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     code
+}
+
+/// The line for a serve reachable from other machines without a key.
+fn warn_open(args: &ServeArgs) {
+    let addr = format!("{}:{}", display_host(first_host(&args.host)), args.port);
+    tracing::warn!(
+        "1bit serve: warning: {addr} is reachable from other machines and no --api-key is set: anyone who can reach this port can use the model; pass --api-key KEY (or ONEBIT_API_KEY, or --api-key-file)"
+    );
 }
 
 /// What `/metrics` reads besides the status: the state file, each backend's own series, the
@@ -304,41 +317,6 @@ async fn open_state(plan: &Plan, served_name: &str) -> Option<Arc<metrics::State
     }
 }
 
-/// Every plan's backends started in serve's order, each with its line; on a failure, those
-/// started are stopped and the exit status is returned.
-async fn spawn_backends(
-    args: &ServeArgs,
-    placed: &[RoutePlan],
-    devices: &[String],
-    events_tx: &tokio::sync::mpsc::UnboundedSender<Event>,
-) -> Result<Vec<Backend>, i32> {
-    let mut backends: Vec<Backend> = Vec::new();
-    let specs = placed
-        .iter()
-        .flat_map(|(route, plan)| plan.backends.iter().map(move |spec| (route, spec)));
-    for (index, (route, spec)) in specs.enumerate() {
-        tracing::info!(
-            "1bit serve: starting {} on the {} route (port {}): {}",
-            spec.engine,
-            devices[index],
-            spec.port,
-            spec.argv.join(" ")
-        );
-        match supervisor::spawn(index, spec, route, events_tx.clone()) {
-            Ok(b) => backends.push(b),
-            Err(e) => {
-                let program = spec.argv.first().map(String::as_str).unwrap_or("");
-                supervisor::stop_all(&backends, stop_grace(args)).await;
-                return Err(say_fatal(&Fatal::backend(format!(
-                    "could not start {} ({program}): {e}",
-                    spec.engine
-                ))));
-            }
-        }
-    }
-    Ok(backends)
-}
-
 /// The progress watchdog over every backend, unless `--watchdog 0` turns it off.
 fn arm_watchdog(args: &ServeArgs, device: &str, backends: &[Backend], app: &App) {
     let limit = watchdog::limit_secs(args.watchdog, args.env.watchdog_secs.as_deref());
@@ -409,7 +387,7 @@ async fn supervise(
     placed: &[RoutePlan],
     app: &Arc<App>,
     client: &ProbeClient,
-    (drain, held_ports): (&mut Drain, HeldPorts),
+    (drain, started, stops): (&mut Drain, start::Started, start::Stops),
 ) -> i32 {
     let plan = &placed[0].1;
     // Each backend's device, in serve's order, for what is said about it.
@@ -417,18 +395,15 @@ async fn supervise(
         .iter()
         .flat_map(|(_, p)| p.backends.iter().map(|_| p.device.clone()))
         .collect();
-    let (Ok(mut sigterm), Ok(mut sigint)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return say_fatal(&Fatal::backend("cannot install signal handlers"));
-    };
-    let (events_tx, mut events) = unbounded_channel();
-    held_ports.release();
-    let backends = match spawn_backends(args, placed, &devices, &events_tx).await {
-        Ok(backends) => backends,
-        Err(code) => return code,
-    };
+    let start::Stops {
+        term: mut sigterm,
+        int: mut sigint,
+    } = stops;
+    let start::Started {
+        backends,
+        events_tx,
+        mut events,
+    } = started;
     let grace = stop_grace(args);
     arm_watchdog(args, &plan.device, &backends, app);
 

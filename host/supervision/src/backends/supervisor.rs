@@ -17,6 +17,8 @@ use tokio::sync::mpsc::UnboundedSender;
 
 /// How many of a backend's last stderr lines serve keeps for its reports.
 const TAIL_LINES: usize = 40;
+/// How long an exit's report waits for the backend's last stderr lines.
+const LAST_LINES_WAIT: Duration = Duration::from_millis(200);
 
 /// Something that happened to a backend, for serve's main loop.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,11 +104,19 @@ pub fn spawn(
 
     let pid = child.pid();
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+    // Dropped by the stderr thread at the pipe's end, so an exit is reported with its last
+    // lines in the tail (why it failed: "couldn't bind", say).
+    let (stderr_open, stderr_closed) = std::sync::mpsc::channel::<()>();
     if let Some(stderr) = child.stderr.take() {
         let (tail, route, events) = (tail.clone(), route.clone(), events.clone());
         std::thread::Builder::new()
             .name(format!("backend-{index}-stderr"))
-            .spawn(move || pump_stderr(index, stderr, &tail, &route, &events))?;
+            .spawn(move || {
+                pump_stderr(index, stderr, &tail, &route, &events);
+                drop(stderr_open);
+            })?;
+    } else {
+        drop(stderr_open);
     }
     let process = Arc::new(child);
     {
@@ -121,6 +131,8 @@ pub fn spawn(
                     ),
                     Err(e) => (format!("could not be waited for ({e})"), None),
                 };
+                // A child the backend left behind may hold the pipe open: not waited for long.
+                let _ = stderr_closed.recv_timeout(LAST_LINES_WAIT);
                 let _ = events.send(Event::Exited { index, how, signal });
             })?;
     }
