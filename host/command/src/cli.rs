@@ -534,8 +534,9 @@ pub struct ServeArgs {
     /// Re-prefill the whole conversation on every request.
     #[arg(long)]
     pub precise: bool,
-    /// Send Claude Code's attribution line (`x-anthropic-billing-header: ...`, first in a
-    /// Messages request's system prompt) to the engine; by default it is dropped, since it
+    /// Send Claude Code's attribution line (`x-anthropic-billing-header: ...`, first in the
+    /// system prompt: a Messages request's `system`, a chat completion's first system message,
+    /// a Responses request's `instructions`) to the engine; by default it is dropped, since it
     /// changes every turn and the engine's cached prefix would end at it.
     #[arg(long)]
     pub keep_attribution: bool,
