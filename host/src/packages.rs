@@ -70,13 +70,6 @@ fn plugins_dir(prefix: Option<&Path>) -> Result<PathBuf, PackageError> {
     }
 }
 
-/// The name and ABI a route library says of itself, through the same loader serve uses.
-pub(crate) fn probe_route(file: &Path) -> Result<(String, String), String> {
-    loader::load(file)
-        .map(|route| (route.info.name, route.abi_version))
-        .map_err(|e| e.to_string())
-}
-
 fn install_package(
     source: &Path,
     prefix: Option<&Path>,
@@ -98,7 +91,7 @@ fn install_package(
         new_signer,
         machine: Machine::this(),
         host_abi,
-        probe_route: &probe_route,
+        probe_route: &crate::routes::probe_route,
     };
     let done = installer.run(source)?;
     let m = &done.package.manifest;

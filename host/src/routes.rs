@@ -230,6 +230,13 @@ fn package_facts(checked: &Checked, machine: &Machine) -> PackageFacts {
     }
 }
 
+/// The name and ABI a route library says of itself, through the same loader serve uses.
+pub fn probe_route(file: &Path) -> Result<(String, String), String> {
+    loader::load(file)
+        .map(|route| (route.info.name, route.abi_version))
+        .map_err(|e| e.to_string())
+}
+
 /// The loaded routes, and the packages that failed (each said in one line as it is skipped).
 pub fn loaded(found: Vec<Found>) -> (Vec<LoadedRoute>, Vec<Unusable>) {
     let mut routes = Vec::new();

@@ -28,6 +28,7 @@
 
 #![deny(missing_docs)]
 
+mod groups;
 mod hung_handler;
 mod keeper;
 mod sys;

@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
-use crate::keeper::{Groups, PRUNE_EVERY_MS};
+use crate::groups::{Groups, PRUNE_EVERY_MS};
 
 /// Make the child die with this process, even when it is SIGKILLed, lead its own process
 /// group (so a terminal's Ctrl-C reaches the starter alone, and a stop reaches what the child

@@ -215,7 +215,7 @@ impl Manifest {
                 .iter()
                 .try_for_each(|f| check_feature(f))?;
             if let Some(glibc) = &platform.glibc
-                && crate::platform::glibc_version(glibc).is_none()
+                && glibc_version(glibc).is_none()
             {
                 return Err(format!(
                     "its platform's glibc {glibc:?} is not a version, as 2.36"
@@ -257,6 +257,13 @@ pub fn check_relative(path: &str) -> Result<(), String> {
             "{path:?} is not a plain relative path inside the package (no leading /, no .., no .)"
         ))
     }
+}
+
+/// `2.36` as (2, 36).
+pub fn glibc_version(text: &str) -> Option<(u32, u32)> {
+    let (major, minor) = text.trim().split_once('.')?;
+    let minor = minor.split('.').next()?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
 }
 
 /// A CPU feature as `/proc/cpuinfo` names it: 1 to 32 of `a-z`, `0-9` and `_`.

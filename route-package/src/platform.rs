@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use crate::manifest::{CarriedFile, Platform};
+use crate::manifest::{CarriedFile, Platform, glibc_version};
 
 /// What this machine offers a package.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,13 +99,6 @@ fn cpu_features(cpuinfo: &str) -> BTreeSet<String> {
         })
         .map(|v| v.split_whitespace().map(str::to_string).collect())
         .unwrap_or_default()
-}
-
-/// `2.36` as (2, 36).
-pub fn glibc_version(text: &str) -> Option<(u32, u32)> {
-    let (major, minor) = text.trim().split_once('.')?;
-    let minor = minor.split('.').next()?;
-    Some((major.parse().ok()?, minor.parse().ok()?))
 }
 
 /// The newest `GLIBC_x.y` a file's bytes name (an ELF file's needed symbol versions are in its

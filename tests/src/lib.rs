@@ -12,6 +12,7 @@ mod processes;
 mod prometheus;
 pub mod prompt_cache_chats;
 pub mod route_fixture;
+pub mod route_packages;
 pub mod rpc_worker;
 pub mod vendor_route;
 

@@ -8,61 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use onebit_tests::{Serve, fake_backend, onebit, output_text, post, temp_dir, vendor_route};
+use onebit_tests::route_packages::{copy_dir, flip_a_byte, listed, package_acme, run, s};
+use onebit_tests::{Serve, fake_backend, onebit, output_text, post, temp_dir};
 
-/// `1bit ARGS` with HOME (the trust store, the user's route folder) in `home`: exit code
-/// and everything it printed.
-fn run(home: &Path, args: &[&str]) -> (i32, String) {
-    let out = Command::new(onebit())
-        .args(args)
-        .env("HOME", home)
-        .env_remove("XDG_CONFIG_HOME")
-        .env_remove("ONEBIT_PLUGIN_PATH")
-        .output()
-        .expect("1bit runs");
-    (out.status.code().unwrap_or(-1), output_text(&out))
-}
-
-fn s(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
-
-/// `1bit plugins package` of the built example at `version`, signed with `key` when given:
-/// the archive's path (the command's last line).
 fn package(home: &Path, out: &Path, version: &str, key: Option<&Path>) -> PathBuf {
-    let built = vendor_route::built();
-    let route = built.join("libonebit_route_acme.so");
-    let kernels = format!("{}=1.0.3", s(&built.join("libacme_kernels.so.1")));
-    let mut args = vec![
-        "plugins",
-        "package",
-        s(&route),
-        "--version",
-        version,
-        "--vendor",
-        "Acme NPU Inc.",
-        "--license",
-        "LicenseRef-Acme-Proprietary",
-        "--carry",
-        &kernels,
-        "--out",
-        s(out),
-    ];
-    if let Some(key) = key {
-        args.extend(["--sign", s(key)]);
-    }
-    let (code, text) = run(home, &args);
-    assert_eq!(code, 0, "{text}");
-    PathBuf::from(text.lines().last().expect("the archive's path").trim())
-}
-
-/// One line of `1bit plugins` for the route folder `dir`, for route `name`.
-fn listed(home: &Path, dir: &Path, name: &str) -> Option<String> {
-    let (code, text) = run(home, &["plugins", "--plugin-dir", s(dir)]);
-    assert_eq!(code, 0, "{text}");
-    text.lines()
-        .find(|l| l.starts_with(&format!("{name:<8} {}", dir.display())))
-        .map(str::to_string)
+    package_acme(home, out, version, key, &[])
 }
 
 fn serve(home: &Path, model: &Path, dir: &Path, device: &str) -> Serve {
@@ -291,23 +241,4 @@ fn a_vendor_route_is_packaged_signed_installed_served_checked_and_removed() {
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("no package acme is installed"), "{text}");
     std::fs::remove_dir_all(&work).unwrap();
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
-    }
-}
-
-/// Change one byte in the middle of `file`, written as a new file renamed over it (a serve
-/// that mapped the old one keeps its pages).
-fn flip_a_byte(file: &Path) {
-    let mut bytes = std::fs::read(file).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x01;
-    let fresh = file.with_extension("flipped");
-    std::fs::write(&fresh, &bytes).unwrap();
-    std::fs::rename(&fresh, file).unwrap();
 }

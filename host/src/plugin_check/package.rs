@@ -110,7 +110,7 @@ fn open_in(path: &Path, scratch: &Path, report: &mut Report) -> Option<(LoadedRo
         machine: Machine::this(),
         host_abi: semver::Version::parse(onebit_plugin_api::ABI_VERSION)
             .expect("the ABI version is semver"),
-        probe_route: &crate::packages::probe_route,
+        probe_route: &crate::routes::probe_route,
     };
     let installed = match installer.run(&dir) {
         Ok(installed) => installed,
