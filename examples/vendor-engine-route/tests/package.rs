@@ -38,8 +38,8 @@ struct Home {
 }
 
 impl Home {
-    fn new() -> Home {
-        let work = std::env::temp_dir().join(format!("zeta-package-{}", std::process::id()));
+    fn new(name: &str) -> Home {
+        let work = std::env::temp_dir().join(format!("zeta-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&work);
         std::fs::create_dir_all(work.join("home")).unwrap();
         Home { work }
@@ -81,6 +81,16 @@ struct Serve {
 
 impl Serve {
     fn start(home: &Home, model: &Path, plugins: &Path) -> Serve {
+        let serve = Serve::spawn(home, model, plugins, "zeta");
+        let ready = wait_until(Duration::from_secs(30), || {
+            request(serve.port, "GET", "/health", "").is_some_and(|(status, _)| status == 200)
+        });
+        assert!(ready, "serve never became healthy:\n{}", serve.output());
+        serve
+    }
+
+    /// `1bit serve --device DEVICE`, the cpu route's llama-server the fake backend beside 1bit.
+    fn spawn(home: &Home, model: &Path, plugins: &Path, device: &str) -> Serve {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
@@ -92,11 +102,13 @@ impl Serve {
                 "-m",
                 text(model),
                 "--device",
-                "zeta",
+                device,
                 "--plugin-dir",
             ])
             .arg(plugins)
             .args(["--port", &port.to_string()])
+            .arg("--llama-server")
+            .arg(onebit().with_file_name("fake-backend"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -123,16 +135,11 @@ impl Serve {
                 }
             });
         }
-        let serve = Serve {
+        Serve {
             child,
             port,
             output,
-        };
-        let ready = wait_until(Duration::from_secs(30), || {
-            request(serve.port, "GET", "/health", "").is_some_and(|(status, _)| status == 200)
-        });
-        assert!(ready, "serve never became healthy:\n{}", serve.output());
-        serve
+        }
     }
 
     fn output(&self) -> String {
@@ -307,31 +314,13 @@ fn all_gone(pids: &[u32], after: &str) {
     assert!(gone, "alive 5 s after {after}:\n{}", left.join("\n"));
 }
 
-const CHAT: &str = r#"{"messages":[{"role":"user","content":"the engine is a program"}]}"#;
-const STREAM: &str =
-    r#"{"stream":true,"messages":[{"role":"user","content":"the engine is a program"}]}"#;
-
-#[test]
-fn the_engine_ships_in_a_signed_package_and_serves_and_dies_with_serve() {
-    // The route library and the engine program, built by cargo into the same target folder.
-    let engine = PathBuf::from(env!("CARGO_BIN_EXE_zeta-engine"));
-    let built = engine.parent().expect("the target folder");
-    let route = built.join("libonebit_route_zeta.so");
+/// `1bit plugins package` of the built route carrying `engine` as `zeta-engine` 1.0.0, signed
+/// with `key` when given, into `dist`: the archive's path.
+fn package(home: &Home, engine: &Path, key: Option<&Path>, dist: &Path) -> PathBuf {
+    let route = engine.with_file_name("libonebit_route_zeta.so");
     assert!(route.is_file(), "cargo built {}", route.display());
-    let home = Home::new();
-    let work = &home.work;
-    std::fs::write(work.join("zeta0"), "the stand-in Zeta device").unwrap();
-    let model = work.join("model.gguf");
-    let (code, out, err) = home.run(&["gguf", "stub", text(&model), "--arch", "llama"]);
-    assert_eq!(code, 0, "{out}{err}");
-
-    // The vendor: a key, then a signed package carrying the engine.
-    let key = work.join("zeta");
-    let (code, out, err) = home.run(&["plugins", "keygen", text(&key), "--comment", "Zeta"]);
-    assert_eq!(code, 0, "{out}{err}");
-    let carry = format!("{}=1.0.0", text(&engine));
-    let dist = work.join("dist");
-    let (code, out, err) = home.run(&[
+    let carry = format!("{}=1.0.0", text(engine));
+    let mut args = vec![
         "plugins",
         "package",
         text(&route),
@@ -343,13 +332,56 @@ fn the_engine_ships_in_a_signed_package_and_serves_and_dies_with_serve() {
         "LicenseRef-Zeta-Proprietary",
         "--carry",
         &carry,
-        "--sign",
-        text(&work.join("zeta.key")),
         "--out",
-        text(&dist),
-    ]);
+        text(dist),
+    ];
+    if let Some(key) = key {
+        args.extend(["--sign", text(key)]);
+    }
+    let (code, out, err) = home.run(&args);
     assert_eq!(code, 0, "{out}{err}");
-    let archive = PathBuf::from(out.lines().last().expect("the archive's path").trim());
+    PathBuf::from(out.lines().last().expect("the archive's path").trim())
+}
+
+/// `--device zeta` refuses to start, exit 1, with one line holding `says`; `--device auto`
+/// falls back to the cpu route.
+fn refused_at_start(home: &Home, model: &Path, plugins: &Path, says: &str) {
+    let mut refused = Serve::spawn(home, model, plugins, "zeta");
+    assert_eq!(refused.wait_exit(Duration::from_secs(15)), Some(1));
+    let out = refused.output();
+    let line = out
+        .lines()
+        .find(|l| l.contains("--device zeta: package zeta 1.0.0"))
+        .unwrap_or_else(|| panic!("the refusal is said:\n{out}"));
+    assert!(line.contains(says), "{line}");
+    let fallback = Serve::spawn(home, model, plugins, "auto");
+    let chose_cpu = wait_until(Duration::from_secs(30), || {
+        fallback.output().contains("--device auto chose cpu")
+    });
+    assert!(chose_cpu, "{}", fallback.output());
+}
+
+const CHAT: &str = r#"{"messages":[{"role":"user","content":"the engine is a program"}]}"#;
+const STREAM: &str =
+    r#"{"stream":true,"messages":[{"role":"user","content":"the engine is a program"}]}"#;
+
+#[test]
+fn the_engine_ships_in_a_signed_package_and_serves_and_dies_with_serve() {
+    // The route library and the engine program, built by cargo into the same target folder.
+    let engine = PathBuf::from(env!("CARGO_BIN_EXE_zeta-engine"));
+    let home = Home::new("package");
+    let work = &home.work;
+    std::fs::write(work.join("zeta0"), "the stand-in Zeta device").unwrap();
+    let model = work.join("model.gguf");
+    let (code, out, err) = home.run(&["gguf", "stub", text(&model), "--arch", "llama"]);
+    assert_eq!(code, 0, "{out}{err}");
+
+    // The vendor: a key, then a signed package carrying the engine.
+    let key = work.join("zeta");
+    let (code, out, err) = home.run(&["plugins", "keygen", text(&key), "--comment", "Zeta"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let dist = work.join("dist");
+    let archive = package(&home, &engine, Some(&work.join("zeta.key")), &dist);
     assert_eq!(archive, dist.join("zeta-1.0.0.tar.gz"));
 
     // The user: trusts the key, installs; the engine is still a program.
@@ -438,5 +470,115 @@ fn the_engine_ships_in_a_signed_package_and_serves_and_dies_with_serve() {
     assert_eq!(serve.wait_exit(Duration::from_secs(5)), None);
     all_gone(&[engine_pid, monitor_pid], "kill -9 of serve");
 
+    // The installed engine's mode changed, then one byte of it: refused at start in one line
+    // naming the file and the repair, --device auto falls back to cpu; then put back, it serves.
+    let mode_of = |mode: u32| {
+        std::fs::set_permissions(&installed, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    mode_of(0o644);
+    refused_at_start(
+        &home,
+        &model,
+        &plugins,
+        "zeta-engine is not executable, but its manifest records it executable",
+    );
+    mode_of(0o755);
+    let original = std::fs::read(&installed).unwrap();
+    let mut changed = original.clone();
+    let middle = changed.len() / 2;
+    changed[middle] ^= 1;
+    std::fs::write(&installed, &changed).unwrap();
+    refused_at_start(
+        &home,
+        &model,
+        &plugins,
+        "zeta-engine's sha256 does not match its manifest",
+    );
+    std::fs::write(&installed, &original).unwrap();
+    drop(Serve::start(&home, &model, &plugins));
+
+    std::fs::remove_dir_all(work).unwrap();
+}
+
+#[test]
+fn plugins_check_runs_the_real_engine_and_names_a_bad_one_in_one_line() {
+    let engine = PathBuf::from(env!("CARGO_BIN_EXE_zeta-engine"));
+    let home = Home::new("check");
+    let work = &home.work;
+    std::fs::write(work.join("zeta0"), "the stand-in Zeta device").unwrap();
+    let model = work.join("model.gguf");
+    let (code, out, err) = home.run(&["gguf", "stub", text(&model), "--arch", "llama"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let archive = package(&home, &engine, None, &work.join("dist"));
+    let check = |archive: &Path, env: &[(&str, &str)]| {
+        let out = home
+            .command()
+            .args([
+                "plugins",
+                "check",
+                "--real-backends",
+                "--ready-s",
+                "5",
+                "-m",
+            ])
+            .arg(&model)
+            .arg(archive)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status.code(), text)
+    };
+
+    // The real engine: started from the package, healthy, relays, its metrics, nothing left.
+    let (code, report) = check(&archive, &[]);
+    assert_eq!(code, Some(0), "{report}");
+    for line in [
+        "ok   program 0: ",
+        "carried by package zeta 1.0.0 (zeta-engine 1.0.0), executable",
+        "ok   serve: ready on the plan's own programs in ",
+        "ok   backend 0 start: pid ",
+        "ok   relayed chat: 200 in ",
+        "ok   relayed stream: 200 in ",
+        "ok   stop: serve stopped cleanly on SIGTERM in ",
+        "ok   nothing left: the ",
+    ] {
+        assert!(report.contains(line), "{line:?} in:\n{report}");
+    }
+    let engines = report
+        .lines()
+        .find_map(|l| l.strip_prefix("ok   metrics: 200, "))
+        .and_then(|l| l.split(", ").nth(1))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse::<u32>().ok());
+    assert!(
+        engines.is_some_and(|n| n > 0),
+        "the engine's samples:\n{report}"
+    );
+
+    // The engine made non-executable in the package folder: one line naming it and the fix.
+    let folder = work.join("dist/zeta-1.0.0");
+    let engine_in_package = folder.join("zeta-engine");
+    std::fs::set_permissions(&engine_in_package, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, report) = check(&folder, &[]);
+    assert_eq!(code, Some(1), "{report}");
+    let failed: Vec<&str> = report.lines().filter(|l| l.starts_with("FAIL")).collect();
+    assert_eq!(failed.len(), 1, "{report}");
+    assert!(
+        failed[0].contains("zeta-engine is not executable, but its manifest records it executable")
+            && failed[0].contains("1bit plugins install"),
+        "{report}"
+    );
+    std::fs::set_permissions(&engine_in_package, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    // An engine that never answers health: the check says which, within --ready-s.
+    let (code, report) = check(&archive, &[("ZETA_LOAD_MS", "600000")]);
+    assert_eq!(code, Some(1), "{report}");
+    let failed: Vec<&str> = report.lines().filter(|l| l.starts_with("FAIL")).collect();
+    assert_eq!(failed.len(), 1, "{report}");
+    assert!(
+        failed[0].contains("zeta-engine never answered its health route with 200 within 5 s"),
+        "{report}"
+    );
     std::fs::remove_dir_all(work).unwrap();
 }
