@@ -144,9 +144,10 @@ pub enum PluginAction {
         #[arg(long, value_name = "SECS", default_value_t = 60)]
         ready_s: u64,
     },
-    /// Check a route package (folder or .tar.gz: manifest, checksums, signature, ABI, the
-    /// route's own name) and install it atomically into the user's route folder; a newer
-    /// version replaces an older one.
+    /// Check a route package (folder or .tar.gz: manifest, checksums and executable bits, the
+    /// platform, the signature and the key the route's name belongs to, ABI, the route's own
+    /// name) and install it atomically into the user's route folder; a newer version replaces
+    /// an older one.
     Install {
         /// The package: a folder, or a `.tar.gz` of one.
         package: PathBuf,
