@@ -81,8 +81,10 @@ pub fn prepare(args: &ServeArgs) -> Result<Prepared, Fatal> {
         model::served_name(args.model(), args.alias.as_deref())
     };
 
-    let (loaded, unusable) =
-        routes::loaded(routes::discover(&routes::search_dirs(&args.plugin_dir)));
+    let (loaded, unusable) = routes::loaded(
+        routes::discover(&routes::search_dirs(&args.plugin_dir)),
+        &args.device,
+    );
 
     let held_ports = HeldPorts::default();
     let ports = if printing {

@@ -237,19 +237,27 @@ pub fn probe_route(file: &Path) -> Result<(String, String), String> {
         .map_err(|e| e.to_string())
 }
 
-/// The loaded routes, and the packages that failed (each said in one line as it is skipped).
-pub fn loaded(found: Vec<Found>) -> (Vec<LoadedRoute>, Vec<Unusable>) {
+/// The loaded routes, and the packages that failed, each said in one line as it is skipped,
+/// but for a package of the route `device` names when no other route of that name loaded:
+/// `choose` refuses with that very line, which is said once.
+pub fn loaded(found: Vec<Found>, device: &str) -> (Vec<LoadedRoute>, Vec<Unusable>) {
     let mut routes = Vec::new();
-    let mut unusable = Vec::new();
+    let mut skipped = Vec::new();
     for f in found {
         match f.outcome {
             Ok(route) => routes.push(route),
-            Err(line) => {
-                tracing::info!("1bit serve: skipping a route: {line}");
-                if let Some(name) = f.package_name {
-                    unusable.push(Unusable { name, line });
-                }
-            }
+            Err(line) => skipped.push((f.package_name, line)),
+        }
+    }
+    let mut unusable = Vec::new();
+    for (name, line) in skipped {
+        let refused_later = name.as_deref() == Some(device)
+            && !routes.iter().any(|r: &LoadedRoute| r.info.name == device);
+        if !refused_later {
+            tracing::info!("1bit serve: skipping a route: {line}");
+        }
+        if let Some(name) = name {
+            unusable.push(Unusable { name, line });
         }
     }
     (routes, unusable)

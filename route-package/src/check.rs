@@ -67,20 +67,8 @@ pub fn check(dir: &Path) -> Result<Checked, PackageError> {
     .chain(manifest.files.iter().flat_map(|f| f.every_file()));
     for (path, sha256, executable) in files {
         let file = dir.join(path);
-        match std::fs::symlink_metadata(&file) {
-            Ok(meta) if meta.is_file() => {
-                use std::os::unix::fs::PermissionsExt;
-                let is = meta.permissions().mode() & 0o111 != 0;
-                if let Some(recorded) = executable
-                    && recorded != is
-                {
-                    return Err(named(format!(
-                        "{path} is {}executable, but its manifest records it {}executable (its mode changed after the package was made); reinstall the package with `1bit plugins install ARCHIVE`",
-                        if is { "" } else { "not " },
-                        if recorded { "" } else { "not " },
-                    )));
-                }
-            }
+        let meta = match std::fs::symlink_metadata(&file) {
+            Ok(meta) if meta.is_file() => meta,
             Ok(_) => {
                 return Err(named(format!(
                     "{path} is not a regular file; a package holds files alone"
@@ -91,11 +79,23 @@ pub fn check(dir: &Path) -> Result<Checked, PackageError> {
                     "its manifest names {path}, which is not in the package; get the whole package again"
                 )));
             }
-        }
+        };
+        // The content first: a changed file is said as changed, whatever its mode became.
         let actual = sha256_of(&file).map_err(|e| PackageError::io("reading", &file, &e))?;
         if actual != sha256 {
             return Err(named(format!(
-                "{path}'s sha256 does not match its manifest (the file changed after the package was made); reinstall the package with `1bit plugins install`"
+                "{path}'s sha256 does not match its manifest (the file changed after the package was made); reinstall the package with `1bit plugins install ARCHIVE`"
+            )));
+        }
+        use std::os::unix::fs::PermissionsExt;
+        let is = meta.permissions().mode() & 0o111 != 0;
+        if let Some(recorded) = executable
+            && recorded != is
+        {
+            return Err(named(format!(
+                "{path} is {}executable, but its manifest records it {}executable (its mode changed after the package was made); reinstall the package with `1bit plugins install ARCHIVE`",
+                if is { "" } else { "not " },
+                if recorded { "" } else { "not " },
             )));
         }
     }

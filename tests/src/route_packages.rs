@@ -90,14 +90,16 @@ pub fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// Change one byte in the middle of `file`, written as a new file renamed over it (a serve
-/// that mapped the old one keeps its pages).
+/// Change one byte in the middle of `file`, written as a new file of the same mode renamed over
+/// it (a serve that mapped the old one keeps its pages).
 pub fn flip_a_byte(file: &Path) {
     let mut bytes = std::fs::read(file).unwrap();
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x01;
     let fresh = file.with_extension("flipped");
     std::fs::write(&fresh, &bytes).unwrap();
+    let mode = std::fs::metadata(file).unwrap().permissions();
+    std::fs::set_permissions(&fresh, mode).unwrap();
     std::fs::rename(&fresh, file).unwrap();
 }
 

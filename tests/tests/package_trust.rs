@@ -45,6 +45,10 @@ fn refused_at_start(home: &Path, model: &Path, dir: &Path, says: &str) {
         .find(|l| l.contains("--device acme: package acme"))
         .unwrap_or_else(|| panic!("the refusal is said: {out}"));
     assert!(line.contains(says), "{line}");
+    assert!(
+        !out.contains("skipping a route: package acme"),
+        "the refusal is said once, not twice: {out}"
+    );
     let mut fallback = serve(home, model, dir, "auto");
     fallback.ready();
     let out = fallback.output();
