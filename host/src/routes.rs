@@ -24,6 +24,9 @@ pub struct Found {
     pub package_name: Option<String>,
     /// The route, or the one line saying why it was not loaded.
     pub outcome: Result<LoadedRoute, String>,
+    /// A package that loads because the user installed it with `--allow-unsigned` (no key
+    /// they trust signed it).
+    pub allowed_unsigned: bool,
 }
 
 /// A package whose files failed their check, or a route file that failed to load: it claims
@@ -90,12 +93,16 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
             if !seen_files.insert(canonical) {
                 continue;
             }
-            let (package_name, mut outcome) = if is_package(&file) {
+            let (package_name, mut outcome, allowed_unsigned) = if is_package(&file) {
                 load_package(&file, trust.as_ref())
             } else {
                 // A loose file's name promises its route's name, for `--device NAME`'s line.
                 let promised = name_in_file(&file).map(str::to_string);
-                (promised, loader::load(&file).map_err(|e| e.to_string()))
+                (
+                    promised,
+                    loader::load(&file).map_err(|e| e.to_string()),
+                    false,
+                )
             };
             if let Ok(route) = &outcome {
                 let name = &route.info.name;
@@ -124,6 +131,7 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<Found> {
                 file,
                 package_name,
                 outcome,
+                allowed_unsigned,
             });
         }
     }
@@ -146,7 +154,7 @@ fn is_package(path: &Path) -> bool {
 fn load_package(
     dir: &Path,
     trust: Option<&TrustStore>,
-) -> (Option<String>, Result<LoadedRoute, String>) {
+) -> (Option<String>, Result<LoadedRoute, String>, bool) {
     // The installed version's own folder, not the link an install swaps: what the route is
     // told stays the version checked here.
     let real = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
@@ -154,16 +162,16 @@ fn load_package(
     let machine = Machine::this();
     let checked = onebit_route_package::check(&real).and_then(|checked| {
         checked.runs_on(&machine)?;
-        owners::judge(&checked, plugins_dir, trust)?;
-        Ok(checked)
+        let trusted = owners::judge(&checked, plugins_dir, trust)?;
+        Ok((checked, trusted == owners::Trusted::AllowedUnsigned))
     });
-    let checked = match checked {
+    let (checked, allowed_unsigned) = match checked {
         Ok(checked) => checked,
         Err(e) => {
             let name = onebit_route_package::Manifest::read(dir)
                 .ok()
                 .map(|(m, _)| m.name);
-            return (name, Err(e.to_string()));
+            return (name, Err(e.to_string()), false);
         }
     };
     let name = checked.manifest.name.clone();
@@ -180,7 +188,7 @@ fn load_package(
             route.package = Some(package_facts(&checked, &machine));
             Ok(route)
         });
-    (Some(name), outcome)
+    (Some(name), outcome, allowed_unsigned)
 }
 
 /// What a route is told of its package (ABI 1.8): each carried file's path is the variant this
@@ -343,9 +351,13 @@ pub fn listing(found: &[Found], others: &[PathBuf]) -> String {
                         p.version,
                         p.vendor,
                         p.license,
-                        p.signed_by
-                            .as_ref()
-                            .map_or("unsigned".to_string(), |k| format!("signed by {k}"))
+                        match (&p.signed_by, f.allowed_unsigned) {
+                            (None, _) => "unsigned (installed with --allow-unsigned)".to_string(),
+                            (Some(k), true) => format!(
+                                "signed by {k}, not a key you trust (installed with --allow-unsigned)"
+                            ),
+                            (Some(k), false) => format!("signed by {k}"),
+                        }
                     )
                 });
                 out.push_str(&format!(

@@ -172,7 +172,7 @@ fn allowed_unsigned_packages_load_as_recorded_and_a_loose_file_that_shadows_one_
     assert_eq!(code, 0, "{text}");
     let line = listed(&home, &plugins, "acme").expect("listed");
     assert!(
-        line.contains("unsigned") && line.contains("loaded"),
+        line.contains("unsigned (installed with --allow-unsigned)") && line.contains("loaded"),
         "{line}"
     );
     serves_acme(&home, &model, &plugins);
