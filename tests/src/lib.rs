@@ -4,6 +4,7 @@
 //! assert on what a client sees.
 #![forbid(unsafe_code)]
 
+pub mod agent_sessions;
 mod fake_lemonade;
 pub mod inproc_addon;
 pub mod netns;
