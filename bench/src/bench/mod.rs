@@ -8,6 +8,7 @@
 //! `inproc` alone (an in-process route's memory and cancellation, `inproc.rs`); `stop` alone
 //! (SIGTERM to exit on every kind of route, idle and with a stream in flight, `stop.rs`);
 //! `prompt-cache` alone (a conversation's second request after a restart, `prompt_cache.rs`);
+//! `agents` alone (recorded coding-agent sessions, one and two interleaved, `agents.rs`);
 //! `fleet` alone (serves behind the pinned gateway: its added time, throughput at 1, 2 and 4
 //! workers, `fleet.rs`, which also starts the fleet `cargo xtask fleet` runs; conversations on
 //! the real llama-server, cache-aware with a shared prompt cache against round-robin,
@@ -16,6 +17,7 @@
 //! `hop --repeat N` measures the hop N times and judges the series (`series.rs`).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
 
+mod agents;
 mod arms;
 pub(crate) mod chart;
 mod client;
@@ -43,7 +45,7 @@ use report::Report;
 
 use crate::{Failure, Prepare, Workspace, process};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench hop --repeat N [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]`, `cargo xtask bench prompt-cache [--quick]` or `cargo xtask bench fleet [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench hop --repeat N [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]`, `cargo xtask bench prompt-cache [--quick]`, `cargo xtask bench agents [--quick]` or `cargo xtask bench fleet [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -163,6 +165,10 @@ pub fn run(ws: &Workspace, prep: &dyn Prepare, args: &[String]) -> Result<ExitCo
     if args.iter().any(|a| a == "inproc-llama") {
         // The inproc add-on against --device cpu and llama-server direct: its own table.
         return inproc_llama::run(ws, prep, args.iter().any(|a| a == "--quick"));
+    }
+    if args.iter().any(|a| a == "agents") {
+        // Recorded coding-agent sessions, serve against llama-server alone: its own table.
+        return agents::run(ws, args.iter().any(|a| a == "--quick"));
     }
     if args.iter().any(|a| a == "prompt-cache") {
         // The persistent prompt cache after a restart: its own table.
