@@ -197,10 +197,25 @@ fn package(args: &PackageArgs) -> Result<(), PackageError> {
         .iter()
         .map(|c| Carry::parse(c).map_err(PackageError::new))
         .collect::<Result<Vec<_>, _>>()?;
+    // `native`: this build machine's own CPU features, for a build made for this CPU alone.
+    let native = |features: Vec<String>| {
+        if features == ["native"] {
+            Machine::this().cpu_features.into_iter().collect()
+        } else {
+            features
+        }
+    };
     let variants = args
         .variant
         .iter()
-        .map(|v| CarryVariant::parse(v).map_err(PackageError::new))
+        .map(|v| {
+            CarryVariant::parse(v)
+                .map(|v| CarryVariant {
+                    cpu_features: native(v.cpu_features),
+                    ..v
+                })
+                .map_err(PackageError::new)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let key = args.sign.as_deref().map(SecretKey::read).transpose()?;
     let meta = Meta {
@@ -210,7 +225,7 @@ fn package(args: &PackageArgs) -> Result<(), PackageError> {
         vendor: args.vendor.clone(),
         summary: args.summary.clone().unwrap_or(route.info.summary),
         license: args.license.clone(),
-        cpu_features: args.cpu_features.clone(),
+        cpu_features: native(args.cpu_features.clone()),
     };
     let dir = make::folder(&args.route, &carry, &variants, &meta, &args.out)?;
     if let Some(key) = key {

@@ -88,9 +88,14 @@ impl CarryVariant {
         })
     }
 
-    /// Its name in the package: `OF.FEATURE-FEATURE` (`zeta-engine.avx2-fma`).
-    fn name(&self) -> String {
-        format!("{}.{}", self.of, self.cpu_features.join("-"))
+    /// Its name in the package: `OF.FEATURE-FEATURE` (`zeta-engine.avx2-fma`), or for more than
+    /// three features (a `native` build's) `OF.cpuN`, N its place among `variants`.
+    fn name(&self, place: usize) -> String {
+        if self.cpu_features.len() <= 3 {
+            format!("{}.{}", self.of, self.cpu_features.join("-"))
+        } else {
+            format!("{}.cpu{}", self.of, place + 1)
+        }
     }
 }
 
@@ -163,10 +168,11 @@ pub fn folder(
             .map(|(name, c)| {
                 let variants = variants
                     .iter()
-                    .filter(|v| v.of == *name)
-                    .map(|v| {
+                    .enumerate()
+                    .filter(|(_, v)| v.of == *name)
+                    .map(|(place, v)| {
                         Ok(Variant {
-                            path: v.name(),
+                            path: v.name(place),
                             sha256: sha(&v.file)?,
                             executable: Some(is_executable(&v.file)),
                             cpu_features: v.cpu_features.clone(),
@@ -209,8 +215,8 @@ pub fn folder(
     for (name, c) in &files {
         copy(&c.file, name)?;
     }
-    for v in variants {
-        copy(&v.file, &v.name())?;
+    for (place, v) in variants.iter().enumerate() {
+        copy(&v.file, &v.name(place))?;
     }
     let path = dir.join(crate::MANIFEST_FILE);
     std::fs::write(&path, manifest.to_bytes())

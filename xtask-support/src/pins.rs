@@ -54,6 +54,9 @@ pub struct LlamaCpp {
     pub targets: Vec<String>,
     /// The shared libraries the inproc add-on loads, built from the same source.
     pub shared: SharedLibs,
+    /// libggml-cpu built portable, for the inproc add-on's package (its native build rides
+    /// along as a variant).
+    pub portable_cpu: SharedLibs,
 }
 
 /// libllama and the libggml it needs as shared libraries, built in a second tree beside the
@@ -67,6 +70,10 @@ pub struct SharedLibs {
     pub cmake_flags: Vec<String>,
     /// The cmake targets to build (`llama`, which pulls in the ggml libraries).
     pub targets: Vec<String>,
+    /// The CPU features the build needs (`/proc/cpuinfo` names), when it is portable: what the
+    /// add-on's package records (`1bit plugins package --cpu-features`). Empty for a native one.
+    #[serde(default)]
+    pub cpu_features: Vec<String>,
 }
 
 /// A GGUF model assembled from the members of one or more wheels, in order.

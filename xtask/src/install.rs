@@ -155,7 +155,7 @@ pub fn run(ws: &Workspace, args: &[String]) -> Result<ExitCode, Failure> {
             &target.join("1bit"),
             &target.join(&file),
             version,
-            &[],
+            &crate::route_packages::Contents::default(),
             &ws.root.join("target/packages"),
             todo,
         )?;

@@ -10,14 +10,25 @@ use crate::{Failure, process};
 const VENDOR: &str = "1bit serve";
 const LICENSE: &str = "MIT";
 
+/// What a package holds besides its route library.
+#[derive(Default)]
+pub struct Contents<'a> {
+    /// `--carry FILE=VERSION`: each file and its version.
+    pub carry: &'a [(PathBuf, String)],
+    /// `--variant FILE=OF:FEATURES`: each build and `OF:FEATURES`.
+    pub variants: &'a [(PathBuf, String)],
+    /// `--cpu-features`: what every file needs.
+    pub cpu_features: &'a [String],
+}
+
 /// `ONEBIT plugins package LIBRARY --version VERSION --vendor "1bit serve" --license MIT
-/// --carry FILE=V... --out OUT`: the archive's path (the command's last line; its other lines
+/// --carry FILE=V... --variant FILE=OF:F,... [--cpu-features F,...] --out OUT`: the archive's path (the command's last line; its other lines
 /// are printed). `todo` is what the user does when it fails.
 pub fn package(
     onebit: &Path,
     library: &Path,
     version: &str,
-    carry: &[(PathBuf, String)],
+    contents: &Contents,
     out: &Path,
     todo: &str,
 ) -> Result<PathBuf, Failure> {
@@ -30,10 +41,20 @@ pub fn package(
         "--license",
         LICENSE,
     ]);
-    for (file, version) in carry {
+    for (file, version) in contents.carry {
         let mut pair = file.clone().into_os_string();
         pair.push(format!("={version}"));
         package.arg("--carry").arg(pair);
+    }
+    for (file, of_features) in contents.variants {
+        let mut pair = file.clone().into_os_string();
+        pair.push(format!("={of_features}"));
+        package.arg("--variant").arg(pair);
+    }
+    if !contents.cpu_features.is_empty() {
+        package
+            .arg("--cpu-features")
+            .arg(contents.cpu_features.join(","));
     }
     package.arg("--out").arg(out);
     let lines = run(&mut package, todo)?;

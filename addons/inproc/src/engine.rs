@@ -1,6 +1,6 @@
 //! The engine thread: loads llama.cpp and the model once, then runs every request's job.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock, mpsc};
 
@@ -71,7 +71,17 @@ fn engine_thread(
 ) {
     static LLAMA: OnceLock<Result<Llama, InprocError>> = OnceLock::new();
     let llama = match LLAMA
-        .get_or_init(|| Llama::load(Path::new(&state.lib_dir)))
+        .get_or_init(|| {
+            let files: Vec<PathBuf> = if state.lib_files.is_empty() {
+                crate::ffi::LIBRARIES
+                    .iter()
+                    .map(|name| Path::new(&state.lib_dir).join(name))
+                    .collect()
+            } else {
+                state.lib_files.iter().map(PathBuf::from).collect()
+            };
+            Llama::load(&files)
+        })
         .as_ref()
     {
         Ok(llama) => llama,

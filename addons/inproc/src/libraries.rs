@@ -110,7 +110,9 @@ fn carried(package: &PackageFacts) -> Result<Option<PathBuf>, InprocError> {
     );
     let version = pinned().version;
     for (name, file) in found {
-        let Some(file) = file.filter(|f| Path::new(&f.path) == dir.join(name)) else {
+        // The host names the build of each file for this CPU: the file itself, or one of its
+        // variants (`libggml-cpu.so.cpu1`), always inside the package's folder.
+        let Some(file) = file.filter(|f| Path::new(&f.path).starts_with(&dir)) else {
             return Err(InprocError::Engine(format!(
                 "the inproc route needs llama.cpp's shared libraries and {label} does not carry {name}; {REPACKAGE}"
             )));
@@ -123,6 +125,24 @@ fn carried(package: &PackageFacts) -> Result<Option<PathBuf>, InprocError> {
         }
     }
     Ok(Some(dir))
+}
+
+/// The files to load, in load order, for the libraries found in `dir` by [`libraries`]: a
+/// package's carried files as the host named them (for this CPU, the variant it picked), else
+/// `dir`'s. Pure.
+pub fn library_files(request: &PlanRequest, dir: &Path) -> Vec<PathBuf> {
+    ffi::LIBRARIES
+        .iter()
+        .map(|name| {
+            request
+                .package
+                .as_ref()
+                .and_then(|p| p.file(name))
+                .map(|f| PathBuf::from(&f.path))
+                .filter(|path| path.starts_with(dir))
+                .unwrap_or_else(|| dir.join(name))
+        })
+        .collect()
 }
 
 /// Checks that `dir` holds the pinned llama.cpp's libraries: every library file is there, and

@@ -36,6 +36,8 @@ const CLAIM_STRENGTH: u8 = 95;
 #[serde(default)]
 pub struct State {
     pub lib_dir: String,
+    /// The libraries to load, in order (a package's, the build for this CPU of each).
+    pub lib_files: Vec<String>,
     pub model: String,
     pub ctx: u32,
     pub threads: i32,
@@ -183,6 +185,10 @@ pub fn plan(request: &PlanRequest) -> Result<Plan, Refusal> {
     let state = State {
         slots,
         lib_dir: dir.display().to_string(),
+        lib_files: crate::libraries::library_files(request, &dir)
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect(),
         model: request.options.model.clone(),
         ctx,
         threads,

@@ -218,12 +218,14 @@ pub struct PackageArgs {
     #[arg(long, value_name = "FILE=VERSION")]
     pub carry: Vec<String>,
     /// A build of a carried file for CPUs with more features: FILE=OF:FEATURE,FEATURE (OF the
-    /// carried file's name, the features as /proc/cpuinfo names them); repeatable. serve uses
-    /// the variant needing the most features this CPU has, else OF itself.
+    /// carried file's name, the features as /proc/cpuinfo names them, or `native`: every
+    /// feature of this machine's CPU, for a `-march=native` build); repeatable. serve uses the
+    /// variant needing the most features this CPU has, else OF itself.
     #[arg(long, value_name = "FILE=OF:FEATURES")]
     pub variant: Vec<String>,
     /// The CPU features every file of the package needs (comma-separated, as /proc/cpuinfo
-    /// names them: avx2,fma); recorded with the architecture and glibc read from the files.
+    /// names them: avx2,fma; `native`: every feature of this machine's CPU); recorded with the
+    /// architecture and glibc read from the files.
     /// A package this machine cannot run is refused at install and at start.
     #[arg(long, value_name = "FEATURES", value_delimiter = ',')]
     pub cpu_features: Vec<String>,

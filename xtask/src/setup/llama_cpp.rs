@@ -235,8 +235,39 @@ pub fn ensure_shared(
     here: &BuildTarget,
     model: &Path,
 ) -> Result<PathBuf, Failure> {
-    let shared: &SharedLibs = &pins.shared;
-    let lib_dir = layout.lib_dir();
+    ensure_libraries(pins, &pins.shared, layout, here, Some(model))
+}
+
+/// Makes sure `<install_dir>/lib-portable/` holds libggml-cpu built portable (the inproc
+/// package's file for every CPU with the pinned features), in a build tree of its own; returns
+/// that folder. Proved by the inproc package's test, which serves on it.
+pub fn ensure_portable_cpu(
+    pins: &LlamaCpp,
+    layout: &Layout,
+    here: &BuildTarget,
+) -> Result<PathBuf, Failure> {
+    ensure_libraries(pins, &pins.portable_cpu, layout, here, None)
+}
+
+/// The shared libraries `which` names, built and installed in its `lib_dir` (stamped), the
+/// self-test run on them when `model` is given.
+fn ensure_libraries(
+    pins: &LlamaCpp,
+    which: &SharedLibs,
+    layout: &Layout,
+    here: &BuildTarget,
+    model: Option<&Path>,
+) -> Result<PathBuf, Failure> {
+    let shared = which;
+    let lib_dir = layout.install_dir.join(&shared.lib_dir);
+    let first = format!(
+        "lib{}.so",
+        shared
+            .targets
+            .first()
+            .map(String::as_str)
+            .unwrap_or("llama")
+    );
     let stamp_path = lib_dir.join("installed.json");
     let stamp = Stamp {
         sdist_sha256: pins.sdist_sha256.clone(),
@@ -245,11 +276,11 @@ pub fn ensure_shared(
         built_for: Some(here.clone()),
     };
     let verdict = judge(read_stamp(&stamp_path).as_ref(), &stamp);
-    if verdict == Verdict::Reuse && lib_dir.join("libllama.so").is_file() {
+    if verdict == Verdict::Reuse && lib_dir.join(&first).is_file() {
         return Ok(lib_dir);
     }
     let source = layout.source_dir();
-    let build = layout.shared_build_dir();
+    let build = layout.install_dir.join(&shared.build_dir);
     wait_for_running_build(&build);
     clear_if_foreign(&verdict, &build, &stamp_path)?;
     let tree = Tree {
@@ -257,8 +288,16 @@ pub fn ensure_shared(
         build: &build,
         flags: &shared.cmake_flags,
         targets: &shared.targets,
-        what: "llama.cpp's shared libraries",
-        log: "llama-cpp-shared",
+        what: if model.is_some() {
+            "llama.cpp's shared libraries"
+        } else {
+            "llama.cpp's portable kernels library"
+        },
+        log: if model.is_some() {
+            "llama-cpp-shared"
+        } else {
+            "llama-cpp-portable-cpu"
+        },
     };
     tree.configure_and_build(layout, "about 2 minutes on 2 cores")?;
     // llama.cpp puts shared libraries beside its programs, in bin/ of the build tree.
@@ -283,12 +322,9 @@ pub fn ensure_shared(
                 .is_some_and(|name| name.starts_with("lib") && name.contains(".so"))
         })
         .collect();
-    if !libraries.iter().any(|path| path.ends_with("libllama.so")) {
+    if !libraries.iter().any(|path| path.ends_with(&first)) {
         return Err(Failure::new(
-            format!(
-                "the build finished but {} has no libllama.so",
-                built.display()
-            ),
+            format!("the build finished but {} has no {first}", built.display()),
             "check the shared cmake_flags in third_party/pins.json (BUILD_SHARED_LIBS=ON)",
         ));
     }
@@ -298,9 +334,11 @@ pub fn ensure_shared(
         let name = library.file_name().expect("a listed file has a name");
         install_binary(library, &lib_dir.join(name))?;
     }
-    let llama_simple = layout.bin(LLAMA_SIMPLE);
-    install_binary(&built.join(LLAMA_SIMPLE), &llama_simple)?;
-    self_test::prove_shared_libs(&llama_simple, &lib_dir, model, &redo(layout))?;
+    if let Some(model) = model {
+        let llama_simple = layout.bin(LLAMA_SIMPLE);
+        install_binary(&built.join(LLAMA_SIMPLE), &llama_simple)?;
+        self_test::prove_shared_libs(&llama_simple, &lib_dir, model, &redo(layout))?;
+    }
     let json = serde_json::to_vec_pretty(&stamp).expect("the stamp serializes");
     write_atomically(&stamp_path, &json)?;
     println!(

@@ -97,6 +97,11 @@ pub fn run_for(ws: &Workspace, needs: Needs) -> Result<Installed, Failure> {
     if everything {
         let lib_dir = llama_cpp::ensure_shared(&ws.pins.llama_cpp, layout, &here, &default_model)?;
         println!("llama.cpp libraries: {}", lib_dir.display());
+        let portable = llama_cpp::ensure_portable_cpu(&ws.pins.llama_cpp, layout, &here)?;
+        println!(
+            "llama.cpp's portable kernels (the inproc package's): {}",
+            portable.display()
+        );
         installed.llama_lib_dir = Some(lib_dir);
     }
     let names: Vec<String> = installed

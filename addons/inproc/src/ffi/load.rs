@@ -3,7 +3,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::CStr;
-use std::path::Path;
+use std::path::PathBuf;
 
 use libloading::Library;
 
@@ -24,17 +24,19 @@ macro_rules! symbol {
 }
 
 impl Llama {
-    /// Load the four libraries from `dir` and resolve every function the route uses. Called by
-    /// the route's `start` on the host's thread; blocks for the loading (milliseconds).
-    /// An error is one line naming the missing file or symbol.
-    pub fn load(dir: &Path) -> Result<Llama, InprocError> {
+    /// Load the four libraries, `files` in [`LIBRARIES`]' order (a dependency before what
+    /// needs it, so a build of one under another file name, a package's variant, is the one its
+    /// dependants find by soname), and resolve every function the route uses. Called by the
+    /// route's `start` on the host's thread; blocks for the loading (milliseconds). An error is
+    /// one line naming the missing file or symbol.
+    pub fn load(files: &[PathBuf]) -> Result<Llama, InprocError> {
+        debug_assert_eq!(files.len(), LIBRARIES.len());
         let mut libraries = Vec::new();
-        for name in LIBRARIES {
-            let path = dir.join(name);
+        for path in files {
             // SAFETY: loading runs the library's initialisers; these are llama.cpp's own
             // libraries built by setup from the pinned source, whose initialisers only set up
             // ggml's tables.
-            let library = unsafe { Library::new(&path) }
+            let library = unsafe { Library::new(path) }
                 .map_err(|e| InprocError::Engine(format!("cannot load {}: {e}", path.display())))?;
             libraries.push(library);
         }
