@@ -222,12 +222,15 @@ impl ScriptedModel {
     }
 
     /// The requests seen so far (method, path, kept headers, body).
-    pub fn take(&self) -> Vec<(String, String, Vec<(String, String)>, String)> {
+    pub fn take(&self) -> Vec<SeenRequest> {
         std::mem::take(&mut self.seen.lock().unwrap())
     }
 }
 
-type Seen = Mutex<Vec<(String, String, Vec<(String, String)>, String)>>;
+/// A request the scripted model saw: method, path, the headers kept, the body's text.
+pub type SeenRequest = (String, String, Headers, String);
+type Headers = Vec<(String, String)>;
+type Seen = Mutex<Vec<SeenRequest>>;
 
 fn answer(mut client: TcpStream, script: &[Step], seen: &Seen) {
     let Some((method, path, headers, body)) = read_request(&mut client) else {
@@ -284,9 +287,7 @@ fn kept(headers: &[(String, String)]) -> Vec<(String, String)> {
 
 /// One HTTP/1.1 request: method, path, headers (lowercase names) and body (by Content-Length
 /// or chunked).
-fn read_request(
-    client: &mut TcpStream,
-) -> Option<(String, String, Vec<(String, String)>, Vec<u8>)> {
+fn read_request(client: &mut TcpStream) -> Option<(String, String, Headers, Vec<u8>)> {
     let mut reader = BufReader::new(client.try_clone().ok()?);
     let mut first = String::new();
     reader.read_line(&mut first).ok()?;
@@ -538,7 +539,7 @@ pub fn recorded(
     agent: &str,
     version: &str,
     session: &str,
-    seen: Vec<(String, String, Vec<(String, String)>, String)>,
+    seen: Vec<SeenRequest>,
 ) -> Vec<Recorded> {
     seen.into_iter()
         .enumerate()

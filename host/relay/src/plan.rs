@@ -18,6 +18,7 @@ use crate::App;
 use crate::attribution::{self, Place};
 use onebit_command::error::ApiError;
 use onebit_features::laya::Routed;
+use onebit_features::prompt_cache::sessions::{self, Api};
 /// Which engine carries a request: also the label of `onebit_requests_total`.
 pub use onebit_metrics::requests::Engine;
 use onebit_supervision::backends::health::Status;
@@ -99,6 +100,10 @@ pub struct RelayPlan {
     /// The cache prepares it (cacheable, and a body long enough to hold a prefix worth a
     /// state): the general engine asks `prompt_cache` before forwarding.
     pub prompt_cache: bool,
+    /// An agent's request whose session the cache keeps apart from the others'
+    /// (`prompt_cache::sessions`): a Messages or Responses request relayed to backend 0 by its
+    /// rule, serve keeping a cache (from the head), and a body that may name a session.
+    pub session: Option<Api>,
     /// Which engine can carry it.
     pub engine: Engine,
 }
@@ -159,6 +164,11 @@ impl RelayPlan {
             && body == BodyKind::Json
             && target == Target::Backend(0)
             && onebit_features::prompt_cache::takes(path);
+        // An agent's Messages or Responses request the cache may keep apart by its session.
+        let cacheable_api = app.prompt_cache.is_some()
+            && rule.inference
+            && body == BodyKind::Json
+            && target == Target::Backend(0);
         // --laya: an inference request goes to its conversation's device, read from its JSON.
         let device_choice = if app.laya.is_some()
             && rule.inference
@@ -184,6 +194,11 @@ impl RelayPlan {
             watched: false,
             cacheable,
             prompt_cache: false,
+            session: match Place::of(path, rule.reply) {
+                Some(Place::System) if cacheable_api => Some(Api::Messages),
+                Some(Place::Instructions) if cacheable_api => Some(Api::Responses),
+                _ => None,
+            },
             engine: Engine::General,
         }
         .settle(
@@ -207,6 +222,9 @@ impl RelayPlan {
                 .is_some_and(|cache| body.len() >= cache.min_tokens());
         self.drop_attribution =
             attribution::to_drop(self.attribution, app.settings.keep_attribution, body);
+        self.session = self
+            .session
+            .filter(|api| sessions::may_name_one(*api, body));
         self.settle(
             app.settings.precise,
             app.settings.rename_in_streams,
@@ -232,6 +250,7 @@ impl RelayPlan {
         self.rename_stream = generating && self.streamed && rename_in_streams;
         self.watched = relayed && self.generation;
         self.prompt_cache &= !self.precise;
+        self.session = self.session.filter(|_| generating && json && !self.precise);
         // A choice made from the body (--laya) is the general engine's to make and carry.
         let by_rule = self.device_choice == DeviceChoice::Rule;
         self.engine = match self.target {
@@ -242,7 +261,8 @@ impl RelayPlan {
                     && !self.drop_attribution
                     && !self.name_reply
                     && !self.rename_stream
-                    && !self.prompt_cache =>
+                    && !self.prompt_cache
+                    && self.session.is_none() =>
             {
                 Engine::Fast
             }
@@ -297,6 +317,10 @@ impl RelayPlan {
         };
         let body = match plan.attribution {
             Some(place) if plan.drop_attribution => attribution::without_attribution(body, place),
+            _ => body,
+        };
+        let body = match (&app.prompt_cache, plan.session) {
+            (Some(cache), Some(api)) => cache.keep_session(api, body).await,
             _ => body,
         };
         (plan, body)
@@ -582,6 +606,7 @@ mod tests {
             precise: false,
             attribution: None,
             drop_attribution: false,
+            session: None,
             name_reply: false,
             rename_stream: false,
             watched: false,

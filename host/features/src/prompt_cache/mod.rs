@@ -10,6 +10,7 @@
 //! calls its backend with serve's probe client, and renders its own series for `/metrics`.
 
 pub mod identity;
+pub mod sessions;
 pub mod start;
 pub mod store;
 
@@ -179,6 +180,8 @@ pub struct PromptCache {
     reachable: AtomicBool,
     /// A look at the folder is still under way past its time: none other is begun.
     stalled: Arc<AtomicBool>,
+    /// The agent sessions relayed (`sessions`).
+    sessions: Mutex<sessions::Sessions>,
 }
 
 impl PromptCache {
@@ -200,6 +203,7 @@ impl PromptCache {
             counts: Counts::default(),
             reachable: AtomicBool::new(true),
             stalled: Arc::new(AtomicBool::new(false)),
+            sessions: Mutex::new(sessions::Sessions::default()),
         }
     }
 
