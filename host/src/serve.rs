@@ -30,7 +30,7 @@ use onebit_supervision::run_dir;
 
 mod shutdown;
 mod start;
-use shutdown::{Ended, Loading, fail, impostor, port_taken, stop};
+use shutdown::{Ended, Loading, StopBound, fail, impostor, port_taken, stop, worker_lost};
 
 /// A client must send a request's headers within this long; `ONEBIT_HEADER_READ_TIMEOUT_S`
 /// changes it.
@@ -38,9 +38,13 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long past the drain window a stop waits for the prompt cache's saves under way.
 const SAVES_PAST_THE_WINDOW: Duration = Duration::from_millis(300);
 /// How long past the drain window a stop waits for the backends to let go of the requests it
-/// cut (llama-server looks once a second while it prefills): with the idle backend's own stop,
-/// serve still exits within the window and a second.
-const PAST_THE_WINDOW: Duration = Duration::from_millis(900);
+/// cut (llama-server looks once a second while it prefills, and half a second past the window
+/// when a hog shares its cores): what is left of the stop's bound (`StopBound`) is the idle
+/// backend's own stop, and a backend still running at the bound is killed.
+const PAST_THE_WINDOW: Duration = Duration::from_millis(500);
+
+/// How long the runtime's shutdown waits for blocking tasks still running.
+const RUNTIME_SHUTDOWN: Duration = Duration::from_millis(200);
 
 /// Run `1bit serve` and return its exit status.
 pub fn run(mut args: ServeArgs) -> i32 {
@@ -66,8 +70,14 @@ pub fn run(mut args: ServeArgs) -> i32 {
                     return say_fatal(&Fatal::backend(format!("cannot start the runtime: {e}")));
                 }
             };
-            let code = runtime.block_on(serve_plan(*prepared));
-            runtime.shutdown_timeout(Duration::from_millis(200));
+            let (code, bound) = runtime.block_on(serve_plan(*prepared));
+            // Blocking tasks still running (a route's busy `respond`, a stop sequence waiting on
+            // a backend stuck in the kernel) are not waited for past a signal's stop bound.
+            let wait = bound.map_or(RUNTIME_SHUTDOWN, |at| {
+                at.saturating_duration_since(tokio::time::Instant::now())
+                    .min(RUNTIME_SHUTDOWN)
+            });
+            runtime.shutdown_timeout(wait);
             code
         }
         Err(fatal) => say_fatal(&fatal),
@@ -92,7 +102,8 @@ fn stop_grace(args: &ServeArgs) -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-async fn serve_plan(p: ServePlan) -> i32 {
+/// Serve `p` until told to stop or a failure: the exit status, and a signal's stop bound.
+async fn serve_plan(p: ServePlan) -> (i32, Option<tokio::time::Instant>) {
     let ServePlan {
         args,
         route,
@@ -119,7 +130,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     // serve's own port is bound before any backend starts, so no start can take it.
     let listeners = match bind_all(&args).await {
         Ok(listeners) => listeners,
-        Err(fatal) => return say_fatal(&fatal),
+        Err(fatal) => return (say_fatal(&fatal), None),
     };
     notify::loading(&served_name, &placed[0].1.device);
     let guard = Guard::for_bind(&args.host);
@@ -135,7 +146,7 @@ async fn serve_plan(p: ServePlan) -> i32 {
     };
     let (started, stops) = match start::backends(&args, planned, held_ports, &run_dir).await {
         Ok(started) => started,
-        Err(code) => return code,
+        Err(code) => return (code, None),
     };
     let plan = placed[0].1.clone();
     let all_backends: Vec<&onebit_plugin_api::BackendSpec> =
@@ -211,10 +222,11 @@ async fn serve_plan(p: ServePlan) -> i32 {
     if let Some(cache) = app.prompt_cache.clone() {
         drain.before_cut(move || cache.cutting());
     }
-    let code = supervise(&args, &placed, &app, &client, (&mut drain, started, stops)).await;
+    let (code, bound) =
+        supervise(&args, &placed, &app, &client, (&mut drain, started, stops)).await;
     drain.finish().await;
     let _ = std::fs::remove_dir_all(&run_dir);
-    code
+    (code, bound)
 }
 
 /// The line for a serve reachable from other machines without a key.
@@ -381,14 +393,15 @@ async fn start_routes(
 }
 
 /// Start the backends of every plan, wait for them, serve until a signal or a failure, then
-/// stop them. `placed[0]` is the main plan (its rules are serve's).
+/// stop them. `placed[0]` is the main plan (its rules are serve's). The exit status, and the
+/// stop's bound when a signal stopped serve.
 async fn supervise(
     args: &ServeArgs,
     placed: &[RoutePlan],
     app: &Arc<App>,
     client: &ProbeClient,
     (drain, started, stops): (&mut Drain, start::Started, start::Stops),
-) -> i32 {
+) -> (i32, Option<tokio::time::Instant>) {
     let plan = &placed[0].1;
     // Each backend's device, in serve's order, for what is said about it.
     let devices: Vec<String> = placed
@@ -405,6 +418,7 @@ async fn supervise(
         mut events,
     } = started;
     let grace = stop_grace(args);
+    let window = Duration::from_secs_f64(args.drain_s);
     arm_watchdog(args, &plan.device, &backends, app);
 
     // Loading: wait until every backend answers its health route, or fails, or we are told
@@ -414,22 +428,26 @@ async fn supervise(
             wait_ready(client, b).await;
         }
     };
-    tokio::select! {
-        _ = ready => {}
+    let signal = tokio::select! {
+        _ = ready => None,
         event = events.recv() => {
-            return fail(event, Loading::Yes, &backends, app, &devices, grace).await;
+            return (fail(event, Loading::Yes, &backends, app, &devices, grace).await, None);
         }
-        _ = sigterm.recv() => return stop(&backends, grace, "SIGTERM").await,
-        _ = sigint.recv() => return stop(&backends, grace, "SIGINT").await,
+        _ = sigterm.recv() => Some("SIGTERM"),
+        _ = sigint.recv() => Some("SIGINT"),
+    };
+    if let Some(what) = signal {
+        let by = StopBound::from(tokio::time::Instant::now(), window);
+        return (stop(&backends, grace, what, by).await, Some(by.at));
     }
     // What answered must be the backend serve started, not a process holding its port.
     if let Some(line) = impostor(&backends) {
         supervisor::stop_all(&backends, grace).await;
-        return say_fatal(&Fatal::backend(line));
+        return (say_fatal(&Fatal::backend(line)), None);
     }
 
     if let Err(code) = start_routes(placed, &backends, client, grace).await {
-        return code;
+        return (code, None);
     }
     if let Some(cache) = &app.prompt_cache {
         cache.open().await;
@@ -474,36 +492,17 @@ async fn supervise(
         _ = sigterm.recv() => Ended::Signal("SIGTERM"),
         _ = sigint.recv() => Ended::Signal("SIGINT"),
         line = port_taken(&backends) => Ended::PortTaken(line),
+        _ = app.rpc_workers.lost() => Ended::WorkerLost,
     };
+    let mut bound = None;
     let code = match ended {
         Ended::Backend(event) => fail(event, Loading::No, &backends, app, &devices, grace).await,
         Ended::Signal(what) => {
-            let window = Duration::from_secs_f64(args.drain_s);
-            let stopping = tokio::time::Instant::now();
-            notify::draining(what, window);
-            let cut = drain.run(what).await;
-            // The states of the replies that ended in the window are saved before the backend
-            // stops; a save still running at its deadline is given up.
-            if let Some(cache) = &app.prompt_cache {
-                cache
-                    .settle(stopping + window + SAVES_PAST_THE_WINDOW)
-                    .await;
-            }
-            // A backend told to stop while it still serves a request serve closed waits on it
-            // (llama-server: 30 s); it is stopped once it let go of them (`idle_before_stop`), or at the
-            // stop's bound (the backend's own stop follows).
-            // Tool calls alone are ended by the stop itself, so it is not put off for them.
-            if cut == Cut::Served {
-                let ports: Vec<u16> = backends.iter().map(|b| b.spec.port).collect();
-                let held =
-                    idle_before_stop::until_let_go(&ports, stopping + window + PAST_THE_WINDOW)
-                        .await;
-                if held > 0 {
-                    tracing::debug!("{held} cut connection(s) not yet closed by the backend");
-                }
-            }
-            stop(&backends, grace, what).await
+            let by = StopBound::from(tokio::time::Instant::now(), window);
+            bound = Some(by.at);
+            drained_stop(what, by, drain, app, &backends, grace).await
         }
+        Ended::WorkerLost => worker_lost(&mut events, &backends, app, &devices, grace).await,
         Ended::PortTaken(line) => {
             app.set_status(Status::Failed(line.clone()));
             supervisor::stop_all(&backends, grace).await;
@@ -514,7 +513,43 @@ async fn supervise(
     for task in [dog, pings].into_iter().flatten() {
         task.abort();
     }
-    code
+    (code, bound)
+}
+
+/// A signal while serving: the drain, the prompt cache's saves, the backends let go of what
+/// was cut, then their stop; each step bounded so serve exits within `by` (docs/serve.md).
+async fn drained_stop(
+    what: &'static str,
+    by: StopBound,
+    drain: &mut Drain,
+    app: &Arc<App>,
+    backends: &[Backend],
+    grace: Duration,
+) -> i32 {
+    let window = by.window();
+    let stopping = by.signalled();
+    notify::draining(what, window);
+    let cut = drain.run(what).await;
+    // The states of the replies that ended in the window are saved before the backend
+    // stops; a save still running at its deadline is given up.
+    if let Some(cache) = &app.prompt_cache {
+        cache
+            .settle(stopping + window + SAVES_PAST_THE_WINDOW)
+            .await;
+    }
+    // A backend told to stop while it still serves a request serve closed waits on it
+    // (llama-server: 30 s); it is stopped once it let go of them (`idle_before_stop`), or at
+    // this wait's end (the backend's own stop follows, killed at the stop's bound).
+    // Tool calls alone are ended by the stop itself, so it is not put off for them.
+    if cut == Cut::Served {
+        let ports: Vec<u16> = backends.iter().map(|b| b.spec.port).collect();
+        let held =
+            idle_before_stop::until_let_go(&ports, stopping + window + PAST_THE_WINDOW).await;
+        if held > 0 {
+            tracing::debug!("{held} cut connection(s) not yet closed by the backend");
+        }
+    }
+    stop(backends, grace, what, by).await
 }
 
 /// The first address of a `--host` list, the one serve's lines name.

@@ -2,7 +2,9 @@
 //! later), on the routes that need no real llama-server: `kill -9` of serve during a `--pm`
 //! delegation and with an in-process route streaming leaves no process of its tree and (once
 //! the next serve starts) no temporary folder; SIGTERM with an in-process stream in flight cuts
-//! it at the drain window's end, tells the route, and exits within drain + 1 s.
+//! it at the drain window's end, tells the route, and exits within drain + 1 s; and with a
+//! stream in flight, a CPU hog on every core and a backend that ignores SIGTERM, serve still
+//! exits within drain + 1 s (the stop's bound kills the backend).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -179,4 +181,115 @@ fn sigterm_of_an_idle_in_process_serve_exits_at_once() {
         signalled.elapsed()
     );
     assert!(!run_dir_of(serve.pid()).exists());
+}
+
+/// A CPU hog at the test's own priority on every core (`sh` spinning, each under `timeout`, so
+/// it ends by itself should the test die), stopped when dropped: SIGTERM to `timeout`, which
+/// passes it on (a SIGKILL would leave the `sh` spinning, orphaned).
+struct Hog(Vec<std::process::Child>);
+
+impl Hog {
+    fn start(limit: Duration) -> Hog {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Hog((0..cores)
+            .map(|_| {
+                std::process::Command::new("timeout")
+                    .arg(limit.as_secs().to_string())
+                    .args(["sh", "-c", "while :; do :; done"])
+                    .spawn()
+                    .expect("timeout and sh")
+            })
+            .collect())
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                Signal::SIGTERM,
+            );
+            let _ = child.wait();
+        }
+    }
+}
+
+/// How late this test's own 10 ms sleeps wake, at worst of 20: what a starved machine adds to
+/// anything the test times (its look at serve's exit, the signal's delivery).
+fn worst_wake_up_lateness() -> Duration {
+    (0..20)
+        .map(|_| {
+            let began = Instant::now();
+            std::thread::sleep(Duration::from_millis(10));
+            began.elapsed().saturating_sub(Duration::from_millis(10))
+        })
+        .max()
+        .unwrap_or_default()
+}
+
+/// SIGTERM with a stream in flight on a starved machine (a hog on each core beside the
+/// backend's own streaming), to a backend that ignores SIGTERM, as a llama-server whose stop
+/// is starved does not exit for seconds (issue 53: 6.06 s from SIGTERM to serve's exit with a
+/// 3 s window): serve kills it at the stop's bound and exits within the window + 1 s, not
+/// after the 30 s grace.
+#[test]
+fn sigterm_on_a_starved_machine_with_a_backend_that_will_not_stop_exits_within_the_bound() {
+    let dir = temp_dir("stop-starved");
+    let model = dummy_model(&dir, "m.gguf");
+    let mut serve = Serve::with_fake(
+        &model,
+        &["--drain-s", "1"],
+        &[
+            ("FAKE_IGNORE_SIGTERM", "1"),
+            ("FAKE_SSE_EVENTS", "1000"),
+            ("FAKE_SSE_INTERVAL_MS", "50"),
+        ],
+    );
+    serve.ready();
+    let backend = serve.children()[0];
+    let stream = request(
+        serve.port,
+        r#"{"stream":true,"messages":[{"role":"user","content":"go on"}]}"#,
+    );
+    stream.wait_for("data: {");
+    let hog = Hog::start(Duration::from_secs(60));
+    let lateness = worst_wake_up_lateness();
+    let signalled = Instant::now();
+    serve.signal(Signal::SIGTERM);
+    // Timed to serve's exit itself (a zombie until reaped below), not to the end of its
+    // output, which a backend still dying holds open (its stdout is serve's).
+    wait_until(Duration::from_secs(40), || !alive(serve.pid()));
+    let took = signalled.elapsed();
+    let status = serve.wait_exit(Duration::from_secs(5));
+    drop(hog);
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{took:?}: {}",
+        serve.output()
+    );
+    // The bound is the window (1 s) + 1 s; the margin is what the starved test itself adds
+    // to its timing: its look at the exit every 20 ms and its own late wake-ups, twice the
+    // worst measured, and 100 ms for the signal's delivery and serve's exit beyond the
+    // bound's reaping (measured: 1.93 to 1.98 s from SIGTERM to exit here, 2 cores).
+    let margin = Duration::from_millis(100) + lateness * 2;
+    eprintln!("SIGTERM to exit: {took:?} (wake-ups late by up to {lateness:?})");
+    assert!(
+        took < Duration::from_secs(2) + margin,
+        "{took:?} from SIGTERM to exit (the bound: 2 s, the margin {margin:?}):\n{}",
+        serve.output()
+    );
+    assert!(
+        serve.output().contains(
+            "had not stopped when the stop's time ran out (2 s after SIGTERM: the 1 s drain window and 1 s); killing it"
+        ),
+        "{}",
+        serve.output()
+    );
+    assert!(
+        wait_until(Duration::from_secs(2), || !alive(backend)),
+        "the backend outlived serve"
+    );
+    assert!(!stream.finish().contains("[DONE]"));
 }

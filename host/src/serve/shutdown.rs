@@ -15,6 +15,7 @@ use onebit_relay::App;
 use onebit_supervision::backends::health::Status;
 use onebit_supervision::backends::port_owner;
 use onebit_supervision::backends::supervisor::{self, Backend, Event};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 /// The line to exit 1 with when another process, not the backend, listens on a backend's port
 /// (port_owner.rs); None when each port is its backend's or cannot be judged.
@@ -60,6 +61,38 @@ pub(super) enum Ended {
     Signal(&'static str),
     /// Another process answers on a backend's port (`impostor`'s line).
     PortTaken(String),
+    /// An RPC worker was lost (`Workers::lost`).
+    WorkerLost,
+}
+
+/// How long, once an RPC worker is seen lost, serve waits for the backend's own failure (with
+/// a request in flight llama.cpp aborts at its next RPC call, within a token or a prefill
+/// batch, and its line is then said) before it ends the backend itself: an idle backend, or
+/// one whose request has not reached it, would notice only at its next request, and serve's
+/// /health answers 503 meanwhile, so no request would ever come.
+pub(super) const LOST_WORKER_WAIT: Duration = Duration::from_secs(2);
+
+/// An RPC worker was lost: its layers are gone for good, so serve ends, with the backend's own
+/// failure when it comes within [`LOST_WORKER_WAIT`], else with the worker's line; exit 1
+/// (a supervisor starts serve again, which probes the workers anew).
+pub(super) async fn worker_lost(
+    events: &mut UnboundedReceiver<Event>,
+    backends: &[Backend],
+    app: &Arc<App>,
+    devices: &[String],
+    grace: Duration,
+) -> i32 {
+    let event = match tokio::time::timeout(LOST_WORKER_WAIT, events.recv()).await {
+        Ok(event) => event,
+        Err(_) => Some(Event::RouteStop {
+            index: 0,
+            reason: format!(
+                "llama-server would notice only at its next request, which serve refuses with 503 (waited {} s)",
+                LOST_WORKER_WAIT.as_secs()
+            ),
+        }),
+    };
+    fail(event, Loading::No, backends, app, devices, grace).await
 }
 
 /// How often, while serving, the backends' ports are checked again for another process.
@@ -81,13 +114,61 @@ pub(super) async fn port_taken(backends: &[Backend]) -> String {
     }
 }
 
-/// A signal: stop the backends in order and exit cleanly.
-pub(super) async fn stop(backends: &[Backend], grace: Duration, what: &str) -> i32 {
+/// When a signal's stop must be over: the drain window and [`STOP_PAST_THE_WINDOW`] from the
+/// signal (docs/serve.md), and how serve's lines name that bound.
+#[derive(Clone, Copy)]
+pub(super) struct StopBound {
+    pub(super) at: tokio::time::Instant,
+    window: Duration,
+}
+
+impl StopBound {
+    /// The drain window the bound was counted with.
+    pub(super) fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// When the signal came.
+    pub(super) fn signalled(&self) -> tokio::time::Instant {
+        self.at - self.window - STOP_PAST_THE_WINDOW
+    }
+}
+
+/// How long past the drain window a signal's stop may take, the backends' stop sequence
+/// included: serve exits within the window and this (inside Lemonade's 5 s before its SIGKILL
+/// with the default 3 s window), whatever the backends or a starved machine do.
+pub(super) const STOP_PAST_THE_WINDOW: Duration = Duration::from_secs(1);
+
+impl StopBound {
+    /// The bound of a stop whose signal came at `signalled`, with drain window `window`.
+    pub(super) fn from(signalled: tokio::time::Instant, window: Duration) -> StopBound {
+        StopBound {
+            at: signalled + window + STOP_PAST_THE_WINDOW,
+            window,
+        }
+    }
+}
+
+/// A signal: stop the backends in order, within the stop's bound, and exit cleanly. A backend
+/// still running when the bound nears is killed (`supervisor::stop_all_by`).
+pub(super) async fn stop(backends: &[Backend], grace: Duration, what: &str, by: StopBound) -> i32 {
     tracing::info!("1bit serve: {what}: stopping");
     notify::exiting(&format!("{what}: stopping the backends"));
-    for line in supervisor::stop_all(backends, grace).await {
+    let said = format!(
+        "{} s after {what}: the {} s drain window and {} s",
+        (by.window + STOP_PAST_THE_WINDOW).as_secs_f64(),
+        by.window.as_secs_f64(),
+        STOP_PAST_THE_WINDOW.as_secs_f64()
+    );
+    for line in supervisor::stop_all_by(backends, grace, by.at, &said).await {
         tracing::info!("1bit serve: {line}");
     }
+    tracing::debug!(
+        "1bit serve: {what}: the backends stopped {:.3} s before the stop's bound",
+        by.at
+            .saturating_duration_since(tokio::time::Instant::now())
+            .as_secs_f64()
+    );
     exit::OK
 }
 

@@ -15,7 +15,7 @@ use onebit_plugin_api::PlanRequest;
 use tokio::signal::unix::{Signal as Signals, SignalKind, signal};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use super::{make_run_dir, say_fatal, stop, stop_grace};
+use super::{StopBound, make_run_dir, say_fatal, stop, stop_grace};
 use crate::ports::{self, HeldPorts};
 use crate::prepare;
 use onebit_command::cli::ServeArgs;
@@ -89,6 +89,14 @@ pub(super) async fn backends(
     }
 }
 
+/// The stop's bound of a signal that came now.
+fn signalled(args: &ServeArgs) -> StopBound {
+    StopBound::from(
+        tokio::time::Instant::now(),
+        Duration::from_secs_f64(args.drain_s),
+    )
+}
+
 async fn started(
     args: &ServeArgs,
     planned: Planned<'_>,
@@ -108,8 +116,8 @@ async fn started(
         let backends = spawn_backends(args, placed, &events_tx).await?;
         let bound = tokio::select! {
             bound = bound(&backends, &mut events) => bound,
-            _ = stops.term.recv() => return Err(stop(&backends, grace, "SIGTERM").await),
-            _ = stops.int.recv() => return Err(stop(&backends, grace, "SIGINT").await),
+            _ = stops.term.recv() => return Err(stop(&backends, grace, "SIGTERM", signalled(args)).await),
+            _ = stops.int.recv() => return Err(stop(&backends, grace, "SIGINT", signalled(args)).await),
         };
         let lost = match bound {
             Bound::Lost(index, event) if restart < RESTARTS => {

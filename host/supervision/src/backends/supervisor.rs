@@ -238,6 +238,73 @@ pub async fn stop_all(backends: &[Backend], grace: Duration) -> Vec<String> {
         .collect()
 }
 
+/// How long before a stop's bound the backends still running are SIGKILLed: what their death,
+/// its reaping and serve's own exit take on a starved machine (measured: 0.1 s with a CPU hog
+/// on each core).
+pub const KILL_BEFORE_THE_BOUND: Duration = Duration::from_millis(250);
+/// How long before the bound serve stops waiting for a killed backend to be reaped.
+const REAPED_BEFORE_THE_BOUND: Duration = Duration::from_millis(50);
+
+/// The stop a signal asks for, bounded: the one sequence as in [`stop_all`], but the backends
+/// still running [`KILL_BEFORE_THE_BOUND`] before `bound` are SIGKILLed then, whatever is left
+/// of `grace`, and serve waits for them to die only until just before `bound` (a backend stuck
+/// in the kernel is left to the keeper and the parent-death signal). `bound` is the stop's
+/// promise (docs/serve.md: the drain window and 1 s from the signal). Returns lines worth
+/// saying, as [`stop_all`] does; a backend killed for the bound is said so.
+pub async fn stop_all_by(
+    backends: &[Backend],
+    grace: Duration,
+    bound: tokio::time::Instant,
+    bound_said: &str,
+) -> Vec<String> {
+    let kill_at = bound.checked_sub(KILL_BEFORE_THE_BOUND).unwrap_or(bound);
+    let left = kill_at.saturating_duration_since(tokio::time::Instant::now());
+    let cut = left < grace;
+    let processes: Vec<Arc<Process>> = backends.iter().map(|b| b.process.clone()).collect();
+    let sequence = tokio::task::spawn_blocking(move || {
+        let refs: Vec<&Process> = processes.iter().map(Arc::as_ref).collect();
+        onebit_process::stop_all(&refs, left.min(grace))
+    });
+    let reaped_by = bound.checked_sub(REAPED_BEFORE_THE_BOUND).unwrap_or(bound);
+    let outcome = match tokio::time::timeout_at(reaped_by, sequence).await {
+        Ok(outcome) => outcome.unwrap_or_default(),
+        // Not reaped yet: SIGKILLed (again, should the starved sequence not have come to it)
+        // and left to die on its own.
+        Err(_) => backends
+            .iter()
+            .map(|b| {
+                b.signal(Signal::SIGKILL);
+                if b.has_exited() {
+                    Stopped::Exited
+                } else {
+                    Stopped::Stuck
+                }
+            })
+            .collect(),
+    };
+    backends
+        .iter()
+        .zip(outcome)
+        .filter_map(|(b, stopped)| match stopped {
+            Stopped::Exited => None,
+            Stopped::Killed if cut && !b.process.hung_in_sigterm_handler() => Some(format!(
+                "the {} backend (pid {}) had not stopped when the stop's time ran out ({bound_said}); killing it",
+                b.spec.engine, b.pid
+            )),
+            Stopped::Killed => Some(format!(
+                "the {} backend (pid {}) {}",
+                b.spec.engine,
+                b.pid,
+                why_killed(&b.process, grace)
+            )),
+            Stopped::Stuck => Some(format!(
+                "the {} backend (pid {}) had not died of SIGKILL when the stop's time ran out ({bound_said}); exiting anyway",
+                b.spec.engine, b.pid
+            )),
+        })
+        .collect()
+}
+
 /// Why the stop sequence killed `process`, as the end of a line that names it: it hung in its
 /// SIGTERM handler, or outlived `grace`.
 pub fn why_killed(process: &Process, grace: Duration) -> String {

@@ -39,25 +39,35 @@ struct Worker {
 /// offered), shared by the watcher threads, the health monitor, `/metrics` and the stop. A
 /// clone is the same board.
 #[derive(Clone, Debug, Default)]
-pub struct Workers(Arc<Mutex<Vec<Worker>>>);
+pub struct Workers(Arc<Board>);
+
+#[derive(Debug, Default)]
+struct Board {
+    workers: Mutex<Vec<Worker>>,
+    /// Woken when a worker is first seen lost ([`Workers::lost`]).
+    changed: tokio::sync::Notify,
+}
 
 impl Workers {
     /// The board of the workers serve was given and what they offered; empty without `--rpc`.
     pub fn watching(offers: &[Offer]) -> Workers {
-        Workers(Arc::new(Mutex::new(
-            offers
-                .iter()
-                .map(|o| Worker {
-                    endpoint: o.endpoint.clone(),
-                    offered: o.free(),
-                    lost: None,
-                })
-                .collect(),
-        )))
+        Workers(Arc::new(Board {
+            workers: Mutex::new(
+                offers
+                    .iter()
+                    .map(|o| Worker {
+                        endpoint: o.endpoint.clone(),
+                        offered: o.free(),
+                        lost: None,
+                    })
+                    .collect(),
+            ),
+            changed: tokio::sync::Notify::new(),
+        }))
     }
 
     fn board(&self) -> &Mutex<Vec<Worker>> {
-        &self.0
+        &self.0.workers
     }
 
     fn mark_lost(&self, endpoint: &str, why: String) {
@@ -66,6 +76,22 @@ impl Workers {
             && w.lost.is_none()
         {
             w.lost = Some(why);
+            self.0.changed.notify_waiters();
+        }
+    }
+
+    /// Resolves with [`Workers::down`]'s line once a worker is seen lost (at once if one is);
+    /// never without workers. Awaited by serve's main loop, which ends serve then (a lost
+    /// worker's layers are gone for good: docs/rpc.md).
+    pub async fn lost(&self) -> String {
+        loop {
+            let changed = self.0.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(why) = self.down() {
+                return why;
+            }
+            changed.await;
         }
     }
 }
