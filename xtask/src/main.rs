@@ -33,7 +33,8 @@ usage: cargo xtask <subcommand>
                     inproc (the fixture route), inproc-llama (the inproc add-on against the hop),
                     stop (SIGTERM to exit on every kind of route, idle and streaming),
                     fleet (serves behind the gateway: its added time, throughput at 1, 2, 4,
-                    conversations on llama-server: cache-aware and shared cache against round-robin);
+                    conversations on llama-server: cache-aware and shared cache against round-robin),
+                    agents (recorded Claude Code and Codex CLI sessions, serve against llama-server);
                     hop --repeat N [--baseline PATH]: N runs, each figure's median, and
                     against PATH a verdict per figure (exit 1 when one is worse)
   soak [--minutes N]  N minutes (20) of mixed traffic and faults, half on the cpu route, half on
