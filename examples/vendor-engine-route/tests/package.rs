@@ -314,11 +314,30 @@ fn all_gone(pids: &[u32], after: &str) {
     assert!(gone, "alive 5 s after {after}:\n{}", left.join("\n"));
 }
 
+/// The route library cargo built beside `engine`: `cargo build` puts it there, `cargo test`
+/// alone leaves it in `deps/` (a package with a binary target does not get its cdylib copied
+/// up by a test build).
+fn route_library(engine: &Path) -> PathBuf {
+    const FILE: &str = "libonebit_route_zeta.so";
+    let beside = engine.with_file_name(FILE);
+    let in_deps = engine.with_file_name("deps").join(FILE);
+    let route = [&beside, &in_deps]
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "cargo built neither {} nor {}",
+                beside.display(),
+                in_deps.display()
+            )
+        });
+    route.clone()
+}
+
 /// `1bit plugins package` of the built route carrying `engine` as `zeta-engine` 1.0.0, signed
 /// with `key` when given, into `dist`: the archive's path.
 fn package(home: &Home, engine: &Path, key: Option<&Path>, dist: &Path) -> PathBuf {
-    let route = engine.with_file_name("libonebit_route_zeta.so");
-    assert!(route.is_file(), "cargo built {}", route.display());
+    let route = route_library(engine);
     let carry = format!("{}=1.0.0", text(engine));
     let mut args = vec![
         "plugins",
