@@ -5,7 +5,45 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{onebit, output_text, vendor_route};
+use crate::{Serve, fake_backend, onebit, output_text, temp_dir, vendor_route};
+
+/// A package test's scratch: its folder, a home in it (the trust store, the user's route
+/// folder), and a header-only llama GGUF to serve.
+pub struct Scratch {
+    pub work: PathBuf,
+    pub home: PathBuf,
+    pub model: PathBuf,
+}
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        let work = temp_dir(name);
+        let home = work.join("home");
+        std::fs::create_dir_all(&home).unwrap();
+        let model = work.join("model.gguf");
+        let (code, text) = run(&home, &["gguf", "stub", s(&model), "--arch", "llama"]);
+        assert_eq!(code, 0, "{text}");
+        Scratch { work, home, model }
+    }
+}
+
+/// `1bit serve -m MODEL --device DEVICE --plugin-dir DIR` with HOME in `home` (the trust
+/// store) and the fake backend as the cpu route's llama-server.
+pub fn serve(home: &Path, model: &Path, dir: &Path, device: &str) -> Serve {
+    Serve::start(
+        &[
+            "-m",
+            s(model),
+            "--device",
+            device,
+            "--plugin-dir",
+            s(dir),
+            "--llama-server",
+            s(&fake_backend()),
+        ],
+        &[("HOME", s(home)), ("ONEBIT_TRUST_DIR", "")],
+    )
+}
 
 /// `1bit ARGS` with HOME (the trust store, the user's route folder) in `home`: exit code
 /// and everything it printed.

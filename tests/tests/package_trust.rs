@@ -9,27 +9,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use onebit_tests::route_packages::{
-    a_cpu_feature_this_machine_lacks, copy_dir, keygen, listed, package_acme, run, s,
+    Scratch, a_cpu_feature_this_machine_lacks, copy_dir, keygen, listed, package_acme, run, s,
+    serve,
 };
-use onebit_tests::{Serve, fake_backend, temp_dir, vendor_route};
-
-/// `1bit serve --device DEVICE` over the route folder `dir` (fake llama-server for cpu): for
-/// `auto`, the route it chose (it is stopped again); for a name, its exit and output.
-fn serve(home: &Path, model: &Path, dir: &Path, device: &str) -> Serve {
-    Serve::start(
-        &[
-            "-m",
-            s(model),
-            "--device",
-            device,
-            "--plugin-dir",
-            s(dir),
-            "--llama-server",
-            s(&fake_backend()),
-        ],
-        &[("HOME", s(home)), ("ONEBIT_TRUST_DIR", "")],
-    )
-}
+use onebit_tests::{Serve, vendor_route};
 
 /// `--device acme` refuses with exit 1 and one line holding `says`; `--device auto` falls back
 /// to cpu, saying the same line as it skips the package.
@@ -72,14 +55,9 @@ fn serves_acme(home: &Path, model: &Path, dir: &Path) {
 
 #[test]
 fn a_package_loads_only_while_a_key_the_user_trusts_now_signed_it() {
-    let work = temp_dir("package-trust");
-    let home = work.join("home");
-    std::fs::create_dir_all(&home).unwrap();
+    let Scratch { work, home, model } = Scratch::new("package-trust");
     let prefix = work.join("prefix");
     let plugins = prefix.join("lib/1bit/plugins");
-    let model = work.join("model.gguf");
-    let (code, text) = run(&home, &["gguf", "stub", s(&model), "--arch", "llama"]);
-    assert_eq!(code, 0, "{text}");
     let vendor = keygen(&home, &work, "acme");
     let other = keygen(&home, &work, "other");
     for key in ["acme.pub", "other.pub"] {
@@ -149,14 +127,9 @@ fn a_package_loads_only_while_a_key_the_user_trusts_now_signed_it() {
 
 #[test]
 fn allowed_unsigned_packages_load_as_recorded_and_a_loose_file_that_shadows_one_is_said() {
-    let work = temp_dir("package-allowed");
-    let home = work.join("home");
-    std::fs::create_dir_all(&home).unwrap();
+    let Scratch { work, home, model } = Scratch::new("package-allowed");
     let prefix = work.join("prefix");
     let plugins = prefix.join("lib/1bit/plugins");
-    let model = work.join("model.gguf");
-    let (code, text) = run(&home, &["gguf", "stub", s(&model), "--arch", "llama"]);
-    assert_eq!(code, 0, "{text}");
     let unsigned = package_acme(&home, &work.join("unsigned"), "1.2.0", None, &[]);
     let (code, text) = run(
         &home,
@@ -225,12 +198,7 @@ fn allowed_unsigned_packages_load_as_recorded_and_a_loose_file_that_shadows_one_
 
 #[test]
 fn a_package_for_a_cpu_feature_this_machine_lacks_is_refused_at_install_and_at_start() {
-    let work = temp_dir("package-platform");
-    let home = work.join("home");
-    std::fs::create_dir_all(&home).unwrap();
-    let model = work.join("model.gguf");
-    let (code, text) = run(&home, &["gguf", "stub", s(&model), "--arch", "llama"]);
-    assert_eq!(code, 0, "{text}");
+    let Scratch { work, home, model } = Scratch::new("package-platform");
     let lacking = a_cpu_feature_this_machine_lacks();
     let archive = package_acme(
         &home,

@@ -8,27 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use onebit_tests::route_packages::{copy_dir, flip_a_byte, listed, package_acme, run, s};
-use onebit_tests::{Serve, fake_backend, onebit, output_text, post, temp_dir};
+use onebit_tests::route_packages::{copy_dir, flip_a_byte, listed, package_acme, run, s, serve};
+use onebit_tests::{onebit, output_text, post, temp_dir};
 
 fn package(home: &Path, out: &Path, version: &str, key: Option<&Path>) -> PathBuf {
     package_acme(home, out, version, key, &[])
-}
-
-fn serve(home: &Path, model: &Path, dir: &Path, device: &str) -> Serve {
-    Serve::start(
-        &[
-            "-m",
-            s(model),
-            "--device",
-            device,
-            "--plugin-dir",
-            s(dir),
-            "--llama-server",
-            s(&fake_backend()),
-        ],
-        &[("HOME", s(home))],
-    )
 }
 
 #[test]
