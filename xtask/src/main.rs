@@ -40,6 +40,10 @@ usage: cargo xtask <subcommand>
   soak [--minutes N]  N minutes (20) of mixed traffic and faults, half on the cpu route, half on
                     the inproc add-on, then a watchdog kill; the report of outcomes, corrupted
                     streams, RSS, FD and task slopes, the stops, what was left
+  soak --starved [--minutes N]  the same beside a CPU hog on every core: N minutes (2) of
+                    traffic and faults on the cpu route, a stop with a stream in flight on the
+                    cpu route and the inproc add-on (bound: the drain + 1 s), an RPC worker
+                    killed (serve must exit 1 naming it), what was left (docs/performance.md)
   dashboard         the Grafana dashboard's test against a real Prometheus, and the picture
                     of its panels from that run (docs/grafana/1bit-serve.svg)
   addon [--release] [--package]  build the inproc add-on (addons/inproc); its library's path

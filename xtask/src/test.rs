@@ -7,9 +7,10 @@ use crate::{Failure, Workspace, addon, bench, process, setup, soak};
 
 /// Stops at the first failing check (fmt, clippy, setup, build); otherwise runs
 /// `cargo test --workspace --no-fail-fast [extra]`, then the hop regression check (`cargo
-/// xtask bench hop --quick`: serve's added keep-alive p50 at most twice nginx's) and the
-/// one-minute soak (`cargo xtask soak --minutes 1`: its report's targets), each counted as one
-/// more test, and fails if any failed. The `N passed, N failed, N skipped` line is last.
+/// xtask bench hop --quick`: serve's added keep-alive p50 at most twice nginx's), the
+/// one-minute soak (`cargo xtask soak --minutes 1`: its report's targets) and the short starved
+/// soak (`cargo xtask soak --starved --minutes 0.5`), each counted as one more test, and fails
+/// if any failed. The `N passed, N failed, N skipped` line is last.
 ///
 /// The tests find the installed llama-server and default model through
 /// `ONEBIT_TEST_LLAMA_SERVER` and `ONEBIT_TEST_MODEL`, the OpenAI SDK's python through
@@ -122,7 +123,27 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
             false
         }
     };
-    let check_passed = check_passed && soak_passed;
+    println!();
+    println!(
+        "==> starved soak, half a minute of traffic: cargo xtask soak --starved --minutes {STARVED_MINUTES}"
+    );
+    let starved_passed = match soak::soak_starved(ws, &crate::Prepared, STARVED_MINUTES) {
+        Ok(true) => {
+            totals.passed += 1;
+            true
+        }
+        Ok(false) => {
+            println!("starved soak FAILED: a target was missed (the report above)");
+            totals.failed += 1;
+            false
+        }
+        Err(failure) => {
+            println!("starved soak FAILED: could not run: {failure}");
+            totals.failed += 1;
+            false
+        }
+    };
+    let check_passed = check_passed && soak_passed && starved_passed;
     println!();
     // Named again next to the total, where a CI log's tail shows them.
     for name in &failed_tests {
@@ -138,6 +159,10 @@ pub fn run(ws: &Workspace, extra: &[String]) -> Result<ExitCode, Failure> {
         process::exit_code(status)
     })
 }
+
+/// The starved soak's traffic in the suite: half a minute, so the whole starved run (the
+/// stops and the worker's loss after it) stays near a minute and a half.
+const STARVED_MINUTES: f64 = 0.5;
 
 /// The example vendor routes' folders, each a crate of its own, checked and tested here too:
 /// closed kernels answered in process (acme), and a closed engine program (zeta).

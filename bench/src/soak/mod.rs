@@ -17,6 +17,8 @@
 //! serve's 1.5 s health limit) and then SIGCONTed; requests that meet it may get 503 or 502. The
 //! last phase: a cpu serve with `--watchdog 3` streams a reply, its backend is SIGSTOPped, and
 //! the watchdog must kill it and serve exit 1 with its line, leaving nothing behind.
+//!
+//! `--starved` runs other phases beside a CPU hog (`starved.rs`, `hog.rs`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -32,15 +34,16 @@ use nix::unistd::Pid;
 use crate::{Failure, Prepare, Workspace, process};
 
 mod client;
+mod hog;
 mod processes;
 mod report;
+mod starved;
 
 use client::*;
 use processes::*;
 use report::*;
 
-const USAGE: &str =
-    "use `cargo xtask soak [--minutes N] [--only cpu|inproc]` (N a positive number; default 20)";
+const USAGE: &str = "use `cargo xtask soak [--minutes N] [--only cpu|inproc]` (N a positive number; default 20) or `cargo xtask soak --starved [--minutes N]` (default 2)";
 const CLIENTS: usize = 6;
 const IDLE_POOL: usize = 200;
 /// How many times each idle connection asks `/health` at the start, in the warm-up.
@@ -216,22 +219,29 @@ struct WatchdogRun {
 }
 
 pub fn run(ws: &Workspace, prep: &dyn Prepare, args: &[String]) -> Result<ExitCode, Failure> {
-    let mut minutes = 20.0;
+    let mut minutes = None;
     let mut only = None;
+    let mut starved = false;
     let mut rest = args.iter();
     while let Some(flag) = rest.next() {
+        if flag == "--starved" {
+            starved = true;
+            continue;
+        }
         let value = rest
             .next()
             .ok_or_else(|| Failure::new(format!("{flag} takes a value"), USAGE))?;
         match flag.as_str() {
             "--minutes" => {
-                minutes = value
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|m| m.is_finite() && *m > 0.0)
-                    .ok_or_else(|| {
-                        Failure::new(format!("--minutes {value}: not a positive number"), USAGE)
-                    })?
+                minutes = Some(
+                    value
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|m| m.is_finite() && *m > 0.0)
+                        .ok_or_else(|| {
+                            Failure::new(format!("--minutes {value}: not a positive number"), USAGE)
+                        })?,
+                )
             }
             "--only" => {
                 only = Some(match value.as_str() {
@@ -248,7 +258,17 @@ pub fn run(ws: &Workspace, prep: &dyn Prepare, args: &[String]) -> Result<ExitCo
             _ => return Err(Failure::new(format!("unknown argument {flag}"), USAGE)),
         }
     }
-    Ok(if soak_phases(ws, prep, minutes, only)? {
+    let met = match (starved, only) {
+        (true, Some(_)) => {
+            return Err(Failure::new(
+                "--starved runs its own phases; --only does not apply",
+                "use `cargo xtask soak --starved [--minutes N]`",
+            ));
+        }
+        (true, None) => starved::run(ws, prep, minutes.unwrap_or(starved::MINUTES))?,
+        (false, _) => soak_phases(ws, prep, minutes.unwrap_or(20.0), only)?,
+    };
+    Ok(if met {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -261,6 +281,13 @@ pub fn soak(ws: &Workspace, prep: &dyn Prepare, minutes: f64) -> Result<bool, Fa
     soak_phases(ws, prep, minutes, None)
 }
 
+/// The starved soak for `minutes` of traffic beside a CPU hog, its report printed; whether
+/// every target was met. Called by `cargo xtask soak --starved` and, for half a minute, by
+/// `cargo xtask test`.
+pub fn soak_starved(ws: &Workspace, prep: &dyn Prepare, minutes: f64) -> Result<bool, Failure> {
+    starved::run(ws, prep, minutes)
+}
+
 /// The soak; with `only`, that traffic phase alone for the whole time (no watchdog phase).
 fn soak_phases(
     ws: &Workspace,
@@ -268,30 +295,7 @@ fn soak_phases(
     minutes: f64,
     only: Option<Engine>,
 ) -> Result<bool, Failure> {
-    let mut cargo = process::cargo();
-    cargo
-        .current_dir(&ws.root)
-        .args(["build", "-p", "onebit-host", "-p", "onebit-route-cpu"]);
-    println!("==> {}", process::describe(&cargo));
-    process::run(&mut cargo, "the build failed: fix the errors above")?;
-    let library = prep.addon(ws, false)?;
-    let kit = Kit {
-        onebit: ws.root.join("target/debug/1bit"),
-        llama_server: ws.layout.llama_server(),
-        model: ws.layout.model(ws.pins.default_model()),
-        plugins: std::env::temp_dir().join(format!("onebit-soak-{}/plugins", std::process::id())),
-        lib_dir: ws.layout.lib_dir(),
-        scratch: std::env::temp_dir().join(format!("onebit-soak-{}", std::process::id())),
-    };
-    if !kit.llama_server.exists() || !kit.model.exists() {
-        return Err(Failure::new(
-            "llama-server or the default model is missing",
-            "run `cargo xtask setup`",
-        ));
-    }
-    std::fs::create_dir_all(&kit.plugins).map_err(|e| Failure::new(e, "check /tmp"))?;
-    std::fs::copy(&library, kit.plugins.join("libonebit_route_inproc.so"))
-        .map_err(|e| Failure::new(e, "check /tmp"))?;
+    let kit = build_kit(ws, prep)?;
     let (engines, each) = match only {
         Some(engine) => (vec![engine], minutes),
         None => (vec![Engine::Cpu, Engine::Inproc], minutes / 2.0),
@@ -316,6 +320,13 @@ fn soak_phases(
     if let Some(watchdog) = watchdog {
         met &= report_watchdog(&watchdog?);
     }
+    finish(&kit, ran, met);
+    Ok(met)
+}
+
+/// The soak's last line; serve's logs (in the scratch folder) kept when a phase could not run
+/// (its failure names the log) or missed a target, else removed.
+fn finish(kit: &Kit, ran: bool, met: bool) {
     if ran && met {
         let _ = std::fs::remove_dir_all(&kit.scratch);
         println!("soak: every target met");
@@ -325,7 +336,36 @@ fn soak_phases(
             kit.scratch.display()
         );
     }
-    Ok(met)
+}
+
+/// Build serve and the cpu route (debug) and the inproc add-on, and make the soak's scratch
+/// folder with the add-on placed in it as a route: what every phase needs.
+fn build_kit(ws: &Workspace, prep: &dyn Prepare) -> Result<Kit, Failure> {
+    let mut cargo = process::cargo();
+    cargo
+        .current_dir(&ws.root)
+        .args(["build", "-p", "onebit-host", "-p", "onebit-route-cpu"]);
+    println!("==> {}", process::describe(&cargo));
+    process::run(&mut cargo, "the build failed: fix the errors above")?;
+    let library = prep.addon(ws, false)?;
+    let kit = Kit {
+        onebit: ws.root.join("target/debug/1bit"),
+        llama_server: ws.layout.llama_server(),
+        model: ws.layout.model(ws.pins.default_model()),
+        plugins: std::env::temp_dir().join(format!("onebit-soak-{}/plugins", std::process::id())),
+        lib_dir: ws.layout.lib_dir(),
+        scratch: std::env::temp_dir().join(format!("onebit-soak-{}", std::process::id())),
+    };
+    if !kit.llama_server.exists() || !kit.model.exists() {
+        return Err(Failure::new(
+            "llama-server or the default model is missing",
+            "run `cargo xtask setup`",
+        ));
+    }
+    std::fs::create_dir_all(&kit.plugins).map_err(|e| Failure::new(e, "check /tmp"))?;
+    std::fs::copy(&library, kit.plugins.join("libonebit_route_inproc.so"))
+        .map_err(|e| Failure::new(e, "check /tmp"))?;
+    Ok(kit)
 }
 
 /// Start serve on `engine` with `extra` arguments, its stderr to `log`; wait until it is ready.
