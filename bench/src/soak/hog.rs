@@ -53,15 +53,25 @@ impl Hog {
         self.kill_all()
     }
 
+    /// Each loop's `timeout` is sent SIGTERM, which it passes to its `sh` and then reaps it
+    /// before it exits itself, so no loop is left a zombie for PID 1 to reap (here PID 1 may
+    /// never do so); a group that has not ended within a second is SIGKILLed.
     fn kill_all(&mut self) -> Vec<u32> {
         let mut members = Vec::new();
+        for child in &self.loops {
+            members.push(child.id());
+            members.extend(super::children(child.id()));
+            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+        }
         for child in &mut self.loops {
-            let group = child.id();
-            members.push(group);
-            members.extend(super::children(group));
-            let _ = killpg(Pid::from_raw(group as i32), Signal::SIGKILL);
-            let _ = kill(Pid::from_raw(group as i32), Signal::SIGKILL);
-            let _ = child.wait();
+            let ends = std::time::Instant::now() + Duration::from_secs(1);
+            while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < ends {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+                let _ = child.wait();
+            }
         }
         self.loops.clear();
         std::thread::sleep(Duration::from_millis(100));
@@ -72,5 +82,31 @@ impl Hog {
 impl Drop for Hog {
     fn drop(&mut self) {
         self.kill_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Stopped, the hog leaves nothing behind, not even a zombie loop waiting for PID 1 (seen
+    /// in CI when every group was SIGKILLed: `timeout` died before it could reap its `sh`).
+    #[test]
+    fn a_stopped_hog_leaves_no_loop_behind() {
+        let hog = Hog::start(Duration::from_secs(20)).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let loops: Vec<u32> = hog
+            .loops
+            .iter()
+            .flat_map(|c| super::super::children(c.id()))
+            .collect();
+        assert_eq!(loops.len(), hog.cores(), "one sh per core under timeout");
+        assert_eq!(hog.stop(), Vec::<u32>::new());
+        for pid in loops {
+            assert!(
+                !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+                "loop {pid} is still in /proc"
+            );
+        }
     }
 }

@@ -3,10 +3,16 @@
 
 use super::*;
 
-/// Those of `pids` still alive.
+/// Those of `pids` still alive. A zombie (state `Z`: it has ended, its parent has not reaped
+/// it yet; an orphan waits on PID 1, which may never reap it) does not count.
 pub(super) fn still_running(pids: Vec<u32>) -> Vec<u32> {
     pids.into_iter()
-        .filter(|p| Path::new(&format!("/proc/{p}")).exists())
+        .filter(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // The state follows the command name's closing parenthesis.
+            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+            state.is_some_and(|s| s != 'Z')
+        })
         .collect()
 }
 
