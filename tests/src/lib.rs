@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent_sessions;
+pub mod bounds;
 mod fake_lemonade;
 pub mod inproc_addon;
 pub mod netns;

@@ -282,7 +282,13 @@ fn sigterm_stops_serve_and_its_backend_within_the_grace() {
     serve.signal(Signal::SIGTERM);
     let exit = serve.wait_exit(SECS(10)).expect("serve stops");
     assert_eq!(exit.code(), Some(0), "{}", serve.output());
-    assert!(began.elapsed() < SECS(5), "took {:?}", began.elapsed());
+    // The stop's bound with the default 3 s drain window, and a busy machine's margin.
+    let within = onebit_tests::bounds::stop_within(SECS(3));
+    assert!(
+        began.elapsed() < within,
+        "took {:?} (bound {within:?})",
+        began.elapsed()
+    );
     assert!(!alive(backends[0]), "the backend is gone");
 }
 

@@ -358,6 +358,68 @@ fn a_worker_lost_mid_stream_ends_serve_with_a_line_naming_it() {
     eprintln!("{line}");
 }
 
+/// The port a backend listens on, from its command line (`--port N`).
+fn backend_port(pid: u32) -> u16 {
+    let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let words: Vec<String> = argv
+        .split(|b| *b == 0)
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    words
+        .iter()
+        .position(|w| w == "--port")
+        .and_then(|i| words.get(i + 1)?.parse().ok())
+        .unwrap_or_else(|| panic!("no --port in the backend's argv: {words:?}"))
+}
+
+/// The worker goes while a request waits in llama-server's queue, not yet begun (issue 53.3):
+/// `--parallel 1`, its one slot decoding a long stream, a second streamed request deferred
+/// behind it (llama-server's own `requests_deferred` says so). Both streams are cut and serve
+/// ends with the worker's line, as for a request being decoded.
+#[test]
+fn a_worker_lost_while_a_request_is_queued_in_the_engine_ends_serve_with_its_line() {
+    let a = RpcWorker::start(&["--threads", "1"], None);
+    let mut serve = smollm2_over(&[&a], &["--parallel", "1"]);
+    let engine = format!("http://127.0.0.1:{}", backend_port(serve.children()[0]));
+    let long = serde_json::json!({
+        "messages": [{"role": "user", "content": "Count from one to two hundred in words."}],
+        "temperature": 0,
+        "max_tokens": 1000,
+        "ignore_eos": true,
+        "stream": true,
+    })
+    .to_string();
+    let (mut busy, _) = onebit_tests::rpc_worker::stream_started(serve.port, &long);
+    let queued = {
+        let url = serve.url("/v1/chat/completions");
+        let body = long.clone();
+        std::thread::spawn(move || post_with_timeout(&url, &body, Duration::from_secs(60)))
+    };
+    let mut metrics = String::new();
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            metrics = get(&format!("{engine}/metrics")).1;
+            metrics
+                .lines()
+                .any(|l| l.starts_with("llamacpp:requests_deferred ") && !l.ends_with(" 0"))
+        }),
+        "the second request never waited in llama-server's queue:\n{metrics}"
+    );
+    let server = a.server_pid().unwrap();
+    let lost = Instant::now();
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(server as i32), Signal::SIGKILL);
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut busy, &mut rest);
+    assert!(!rest.contains("[DONE]"), "the busy stream was cut: {rest}");
+    let line = ends_naming(&mut serve, &a, lost);
+    let (status, reply) = queued.join().unwrap();
+    assert!(
+        !reply.contains("[DONE]"),
+        "the queued request was cut, not answered: {status}: {reply}"
+    );
+    eprintln!("{line}");
+}
+
 #[test]
 fn rpc_on_a_route_that_does_not_run_llama_cpp_is_bad_usage() {
     let dir = temp_dir("rpc-ds4");

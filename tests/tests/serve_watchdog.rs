@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use onebit_tests::bounds;
 use onebit_tests::*;
 
 const SECS: fn(u64) -> Duration = Duration::from_secs;
@@ -49,9 +50,10 @@ fn the_watchdog_kills_a_hung_backend_says_why_exits_1_and_the_kill_is_counted() 
     let took = began.elapsed();
     let out = serve.output();
     assert_eq!(exit.code(), Some(1), "{out}");
+    let within = bounds::watchdog_ends_within(SECS(2));
     assert!(
-        took >= SECS(2) && took < SECS(6),
-        "fired after {took:?} with --watchdog 2"
+        took >= SECS(2) && took < within,
+        "fired after {took:?} with --watchdog 2 (bound {within:?})"
     );
     assert!(
         out.contains(
@@ -90,13 +92,14 @@ fn a_long_non_streamed_request_on_a_backend_whose_slots_answer_is_not_killed() {
             r#"{"messages":[{"role":"user","content":"think fake_slow_ms=6000"}]}"#,
         )
     });
-    // Meanwhile /health answers at once: it never waits behind inference.
+    // Meanwhile /health answers at once: it never waits behind inference (6 s here), nor
+    // for a health question to the backend (which could take the health timeout).
     std::thread::sleep(Duration::from_millis(500));
     for _ in 0..5 {
         let asked = Instant::now();
         assert_eq!(get(&serve.url("/health")).0, 200);
         assert!(
-            asked.elapsed() < Duration::from_millis(200),
+            asked.elapsed() < bounds::HEALTH_TIMEOUT,
             "{:?}",
             asked.elapsed()
         );
@@ -148,9 +151,10 @@ fn a_large_prompt_gets_its_allowance_before_the_first_byte() {
         .expect("the watchdog fires in the end");
     let took = began.elapsed();
     assert_eq!(exit.code(), Some(1));
+    let within = bounds::watchdog_ends_within(SECS(6));
     assert!(
-        took >= Duration::from_millis(5500) && took < SECS(10),
-        "fired after {took:?}; 2 s + 4 s expected\n{}",
+        took >= Duration::from_millis(5500) && took < within,
+        "fired after {took:?}; 2 s + 4 s expected (bound {within:?})\n{}",
         serve.output()
     );
     assert!(
@@ -161,7 +165,7 @@ fn a_large_prompt_gets_its_allowance_before_the_first_byte() {
 }
 
 #[test]
-fn health_is_503_with_a_reason_within_2_s_of_the_backend_hanging_its_health_route() {
+fn health_is_503_with_a_reason_within_the_health_timeout_of_the_backend_hanging_its_health_route() {
     let dir = temp_dir("wd-health");
     let model = dummy_model(&dir, "m.gguf");
     let serve = Serve::with_fake(&model, &["--watchdog", "0"], &[]);
@@ -171,15 +175,21 @@ fn health_is_503_with_a_reason_within_2_s_of_the_backend_hanging_its_health_rout
         r#"{"messages":[{"role":"user","content":"fake_health_hang"}]}"#,
     );
     assert_eq!(status, 200);
+    // The health timeout after the monitor's next question, and a busy machine's margin (the
+    // bare 2 s once failed beside a heavy neighbour: issue 53).
+    let within = bounds::health_follows();
     let began = Instant::now();
     let mut last = (0, String::new());
-    let went_down = wait_until(SECS(5), || {
+    let went_down = wait_until(within + SECS(3), || {
         last = get(&serve.url("/health"));
         last.0 == 503
     });
     let took = began.elapsed();
     assert!(went_down, "{last:?}");
-    assert!(took < SECS(2), "/health went 503 after {took:?}");
+    assert!(
+        took < within,
+        "/health went 503 after {took:?} (bound {within:?})"
+    );
     assert!(
         last.1.contains("did not answer within 1.5 s on /health"),
         "{}",
@@ -188,7 +198,7 @@ fn health_is_503_with_a_reason_within_2_s_of_the_backend_hanging_its_health_rout
 }
 
 #[test]
-fn health_stops_answering_200_within_2_s_of_the_backend_exiting_and_serve_exits_1() {
+fn health_stops_answering_200_within_the_health_timeout_of_the_backend_exiting_and_serve_exits_1() {
     let dir = temp_dir("wd-exit");
     let model = dummy_model(&dir, "m.gguf");
     let mut serve = Serve::with_fake(&model, &[], &[]);
@@ -199,9 +209,17 @@ fn health_stops_answering_200_within_2_s_of_the_backend_exiting_and_serve_exits_
         nix::unistd::Pid::from_raw(backend as i32),
         nix::sys::signal::Signal::SIGKILL,
     );
-    // 503 with the reason while serve stops, then nothing: serve has exited.
-    assert!(wait_until(SECS(2), || get(&serve.url("/health")).0 != 200));
-    assert!(began.elapsed() < SECS(2));
+    // 503 with the reason while serve stops, then nothing: serve has exited. Seen at once by
+    // the reaper, at worst by the health monitor's next question.
+    let within = bounds::health_follows();
+    assert!(wait_until(within + SECS(2), || get(&serve.url("/health"))
+        .0
+        != 200));
+    assert!(
+        began.elapsed() < within,
+        "{:?} (bound {within:?})",
+        began.elapsed()
+    );
     let exit = serve.wait_exit(SECS(10)).expect("serve exits");
     assert_eq!(exit.code(), Some(1));
     assert!(

@@ -10,7 +10,9 @@ pub(super) fn still_running(pids: Vec<u32>) -> Vec<u32> {
         .filter(|p| {
             let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
             // The state follows the command name's closing parenthesis.
-            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next());
             state.is_some_and(|s| s != 'Z')
         })
         .collect()
