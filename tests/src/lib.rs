@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent_sessions;
+pub mod backend_load;
 pub mod bounds;
 mod fake_lemonade;
 pub mod inproc_addon;
@@ -24,6 +25,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+pub use backend_load::BackendLoad;
 pub use fake_lemonade::{FakeLemonade, LemonadeAnswer};
 pub use ports::free_port;
 pub use processes::{

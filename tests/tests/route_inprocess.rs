@@ -25,19 +25,22 @@ fn fixture() -> &'static PathBuf {
 }
 
 fn serve_inproc(model_name: &str, env: &[(&str, &str)]) -> Serve {
+    serve_inproc_with(model_name, &[], env)
+}
+
+fn serve_inproc_with(model_name: &str, extra: &[&str], env: &[(&str, &str)]) -> Serve {
     let dir = temp_dir("inproc");
     let model = dummy_model(&dir, model_name);
-    Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "inproc",
-            "--plugin-dir",
-            fixture().to_str().unwrap(),
-        ],
-        env,
-    )
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "inproc",
+        "--plugin-dir",
+        fixture().to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Serve::start(&args, env)
 }
 
 /// One of the fixture's own series from serve's /metrics.
@@ -473,4 +476,69 @@ fn an_in_process_answer_has_its_id_its_request_line_and_its_stream_timed() {
         Some(2.0),
         "{scraped}"
     );
+}
+
+/// `--max-generation-s`: an in-process generation past its deadline is ended as a relayed one
+/// is (a stream under way: one last error event; a reply not begun: 504), and the route is
+/// told to stop (its next send fails; its `client_gone` is true).
+#[test]
+fn the_generation_deadline_tells_an_in_process_route_to_stop() {
+    let serve = serve_inproc_with("deadline.gguf", &["--max-generation-s", "1"], &[]);
+    serve.ready();
+    let deadlines = || {
+        let (_, text) = get(&serve.url("/metrics"));
+        sample(
+            &parse_prometheus(&text),
+            "onebit_generation_deadlines_total",
+            &[],
+        )
+    };
+    // A stream under way: 100,000 events 5 ms apart.
+    let began = Instant::now();
+    let mut tcp = open_stream(
+        &serve,
+        r#"{"stream":true,"events":100000,"event_bytes":100,"pace_ms":5}"#,
+    );
+    let mut reply = String::new();
+    let _ = tcp.read_to_string(&mut reply);
+    assert!(
+        began.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        began.elapsed()
+    );
+    assert_eq!(status_of(&reply), 200, "{reply}");
+    let last = reply
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("data: "))
+        .unwrap_or_default();
+    assert!(
+        last.contains(r#""code":504"#) && last.contains("--max-generation-s"),
+        "the stream's last event should be the deadline's: {last}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || fixture_metric(
+            &serve,
+            "fixture_sends_refused_total"
+        ) == 1),
+        "the route was never told to stop:\n{}",
+        serve.output()
+    );
+    // A reply not begun: a 20 s prefill before the head.
+    let mut tcp = open_stream(
+        &serve,
+        r#"{"stream":true,"events":5,"prefill_ms":20000,"head_before_prefill":false}"#,
+    );
+    let mut reply = String::new();
+    let _ = tcp.read_to_string(&mut reply);
+    assert_eq!(status_of(&reply), 504, "{reply}");
+    assert!(
+        wait_until(Duration::from_secs(5), || fixture_metric(
+            &serve,
+            "fixture_prefills_stopped_total"
+        ) == 1),
+        "the route's prefill went on past the deadline:\n{}",
+        serve.output()
+    );
+    assert_eq!(deadlines(), Some(2.0));
 }

@@ -392,24 +392,9 @@ fn a_client_that_disconnects_closes_the_backend_connection() {
         &[("FAKE_SSE_EVENTS", "2000"), ("FAKE_SSE_INTERVAL_MS", "20")],
     );
     serve.ready();
-    let backend_port = {
-        // The backend's port is the one serve's child listens on: read it from its argv.
-        let child = serve.children()[0];
-        let cmdline = std::fs::read_to_string(format!("/proc/{child}/cmdline")).unwrap();
-        let args: Vec<&str> = cmdline.split('\0').collect();
-        let i = args.iter().position(|a| *a == "--port").unwrap();
-        args[i + 1].parse::<u16>().unwrap()
-    };
-    // The backend's own count of generations in flight (llama-server's
-    // `llamacpp:requests_processing`), asked of it directly: serve's health probes and pooled
-    // connections do not count, only a stream the backend is generating.
-    let processing = || {
-        let (_, text) = get(&format!("http://127.0.0.1:{backend_port}/metrics"));
-        text.lines()
-            .find_map(|l| l.strip_prefix("llamacpp:requests_processing "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(-1.0)
-    };
+    // The backend's own count of generations in flight: only a stream it is generating.
+    let backend = BackendLoad::of(&serve);
+    let processing = || backend.generating();
     assert_eq!(processing(), 0.0);
     {
         use std::io::{BufRead, BufReader, Write};
@@ -435,7 +420,7 @@ fn a_client_that_disconnects_closes_the_backend_connection() {
     // 2000 events 20 ms apart would take 40 s: the backend stops because serve closed its
     // connection when the client left.
     assert!(
-        wait_until(SECS(3), || processing() == 0.0),
+        backend.stops_within(SECS(3)),
         "the backend went on generating after the client left"
     );
 }

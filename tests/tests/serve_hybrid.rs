@@ -458,3 +458,40 @@ fn the_decoder_is_the_hrx_llama_server_where_the_machine_has_hrx() {
         );
     }
 }
+
+/// `--max-generation-s`: a route's forward is bounded as the reply it leads to: a provider
+/// that hangs in the route's forward past the deadline gives the client a 504 at the deadline,
+/// not the fallback's answer after the provider's own limit.
+#[test]
+fn the_generation_deadline_bounds_a_routes_forward() {
+    let dir = temp_dir("hybrid-deadline");
+    let model = dummy_model(&dir, "m.gguf");
+    let mode = dir.join("mode");
+    std::fs::write(&mode, "hang").unwrap();
+    let provider = fake_prefill_provider();
+    let serve = hybrid(
+        &model,
+        false,
+        &["--max-generation-s", "1"],
+        &[
+            ("ONEBIT_HYBRID_PREFILL", provider.to_str().unwrap()),
+            ("ONEBIT_HYBRID_PREFILL_TIMEOUT_S", "10"),
+            ("FAKE_PREFILL_FILE", mode.to_str().unwrap()),
+        ],
+    );
+    serve.ready();
+    let began = Instant::now();
+    let (status, body) = post(&serve.url("/v1/chat/completions"), CHAT);
+    assert_eq!(status, 504, "{body}\n{}", serve.output());
+    assert!(began.elapsed() < SECS(5), "{:?}", began.elapsed());
+    assert!(body.contains("--max-generation-s"), "{body}");
+    let (_, text) = get(&serve.url("/metrics"));
+    assert_eq!(
+        sample(
+            &parse_prometheus(&text),
+            "onebit_generation_deadlines_total",
+            &[]
+        ),
+        Some(1.0)
+    );
+}

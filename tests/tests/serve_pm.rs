@@ -415,3 +415,40 @@ fn the_real_llama_server_takes_the_pm_rounds() {
     assert!(!content(&reply).is_empty(), "{reply}");
     assert_eq!(reply["pm"]["rounds"], 1);
 }
+
+/// `--max-generation-s`: the tool loop's rounds are bounded as a relayed chat is: a loop still
+/// running at the deadline is a 504, its round's backend connection dropped.
+#[test]
+fn the_generation_deadline_ends_the_tool_loop() {
+    let dir = temp_dir("pm-deadline");
+    let lemonade = FakeLemonade::start(LemonadeAnswer::Text(EXPERT_ANSWER.into()));
+    let (serve, _) = serve_pm(&dir, &lemonade.url(), &["--max-generation-s", "1"]);
+    let backend = BackendLoad::of(&serve);
+    let began = std::time::Instant::now();
+    let (status, _, reply) = chat(&serve, "fake_slow_ms=30000 hello");
+    assert_eq!(status, 504, "{reply}");
+    assert!(
+        began.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        began.elapsed()
+    );
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--max-generation-s")),
+        "{reply}"
+    );
+    assert!(
+        backend.stops_within(std::time::Duration::from_secs(3)),
+        "the round went on generating after the deadline"
+    );
+    let (_, text) = get(&serve.url("/metrics"));
+    assert_eq!(
+        sample(
+            &parse_prometheus(&text),
+            "onebit_generation_deadlines_total",
+            &[]
+        ),
+        Some(1.0)
+    );
+}

@@ -484,6 +484,11 @@ pub struct ServeArgs {
     /// a gateway retries it later or on another server. Default: no limit (the backend queues).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_generations: Option<u64>,
+    /// End a generation still running SECS seconds after it was admitted: a whole reply not
+    /// yet begun gets 504, a stream under way one last error event, and the backend's
+    /// connection is dropped, which stops the engine. Default: no deadline.
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_generation_s: Option<u64>,
     /// Run each backend of the plan as PROGRAM (the fake backend) with the plan's own
     /// arguments and environment: how `1bit plugins check` tests a child-process route on a
     /// machine without its engine.

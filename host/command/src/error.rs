@@ -86,6 +86,8 @@ pub enum ApiError {
     BadGateway(String),
     /// A route that answers in process failed before its reply's head (its own words).
     RouteFailed(String),
+    /// The generation was still running when `--max-generation-s` ran out.
+    GenerationDeadline { after: std::time::Duration },
 }
 
 impl ApiError {
@@ -115,6 +117,7 @@ impl ApiError {
             }
             ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
             ApiError::RouteFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::GenerationDeadline { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -134,7 +137,9 @@ impl ApiError {
             ApiError::NoKey | ApiError::WrongKey => "authentication_error",
             ApiError::NotFound { .. } => "not_found_error",
             ApiError::Unavailable(_) | ApiError::Saturated { .. } => "unavailable_error",
-            ApiError::BadGateway(_) | ApiError::RouteFailed(_) => "server_error",
+            ApiError::BadGateway(_)
+            | ApiError::RouteFailed(_)
+            | ApiError::GenerationDeadline { .. } => "server_error",
         }
     }
 
@@ -179,6 +184,10 @@ impl ApiError {
             }
             ApiError::Saturated { limit } => format!(
                 "serve has {limit} generations in flight, its limit (--max-generations {limit}); retry in a moment, or send it to another server"
+            ),
+            ApiError::GenerationDeadline { after } => format!(
+                "the generation was still running after {} s, serve's limit (--max-generation-s); ask for fewer tokens, or raise the limit",
+                after.as_secs()
             ),
             ApiError::Unavailable(why) | ApiError::BadGateway(why) | ApiError::RouteFailed(why) => {
                 why.clone()

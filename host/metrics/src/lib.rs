@@ -38,6 +38,8 @@ const GTT_FAULT_ZONE_BYTES: u64 = 95 << 30;
 pub struct Counters {
     /// SSE keep-alive comments sent (`onebit_sse_keepalives`).
     keepalives: Counter,
+    /// Generations ended by `--max-generation-s` (`onebit_generation_deadlines`).
+    deadlines: Counter,
     /// `--laya-model`'s daemon: 0 when none runs, 1 while it answers, 2 once it exited
     /// (`onebit_laya_scorer_up`).
     laya_scorer: Arc<AtomicU64>,
@@ -50,6 +52,11 @@ impl Counters {
     /// Count one keep-alive comment sent.
     pub fn keepalive_sent(&self) {
         self.keepalives.inc();
+    }
+
+    /// Count one generation ended by its deadline (`--max-generation-s`).
+    pub fn deadline_passed(&self) {
+        self.deadlines.inc();
     }
 
     /// The Laya daemon is up (it said ready) or gone (it exited).
@@ -341,6 +348,11 @@ pub fn render_own(
         "onebit_sse_keepalives",
         "SSE keep-alive comments sent on streams whose backend was silent",
         counters.keepalives.clone(),
+    );
+    registry.register(
+        "onebit_generation_deadlines",
+        "Generations ended by --max-generation-s while still running",
+        counters.deadlines.clone(),
     );
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         let tasks = Gauge::<i64>::default();

@@ -157,6 +157,17 @@ impl EarlyStream {
         }
     }
 
+    /// The request was ended on serve's side (the generation's deadline, `ending`): `event`
+    /// is its last event when the stream stands between events (or has passed none yet), else
+    /// the stream is cut.
+    pub fn ended(&mut self, event: Vec<u8>) -> Say {
+        match std::mem::replace(&mut self.phase, Phase::Over) {
+            Phase::Relaying if !self.edge.at_boundary() => Say::Cut,
+            Phase::Over => Say::Nothing,
+            Phase::Relaying | Phase::Waiting | Phase::Refused(_) => Say::Last(event),
+        }
+    }
+
     /// The backend's body broke off (a read error, a close mid-body, chunked coding that
     /// breaks). A refusal still says what it kept; a stream of events is cut.
     pub fn broke(&mut self) -> Say {

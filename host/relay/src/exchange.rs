@@ -26,6 +26,9 @@
 //!    `Record` of its own for every answer it writes (serve's own routes and refusals too):
 //!    the count, the duration and the line are written here once, for every engine.
 //!
+//! Timers and cancellation (the generation deadline, a client that leaves, serve stopping,
+//! the watchdog's verdict) end a request the same way on every engine: `ending`'s.
+//!
 //! The engines do the I/O and call these; they name none of the features behind them.
 
 use std::sync::Arc;
@@ -33,6 +36,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::App;
+use crate::ending::Deadline;
 use crate::plan::{Engine, RelayPlan, Target};
 use crate::request_id::RequestId;
 use crate::traffic::InFlight;
@@ -53,6 +57,8 @@ pub struct Exchange {
     first_byte: Option<FirstByte>,
     clock: Option<StreamClock>,
     slot: Option<Release>,
+    /// `--max-generation-s`' deadline, from admission (`ending`).
+    deadline: Option<Deadline>,
     /// Phase 8's record, when the engine keeps it here (the fast engine's).
     record: Option<Record>,
 }
@@ -72,6 +78,7 @@ impl Exchange {
             first_byte: None,
             clock: None,
             slot: None,
+            deadline: None,
             record: None,
         }
     }
@@ -106,6 +113,12 @@ impl Exchange {
                 self.app.generations.fetch_add(1, Ordering::AcqRel);
             }
             self.generation = true;
+            // A generation's deadline runs from its admission (`ending`).
+            self.deadline = self
+                .app
+                .settings
+                .max_generation
+                .map(|after| Deadline::new(after, &self.app.metrics.counters));
         }
         // A streamed generation's events are timed from the request in hand.
         if plan.target == Target::InProcess {
@@ -115,6 +128,12 @@ impl Exchange {
             self.clock = Some(StreamClock::new(self.began, self.path, self.engine));
         }
         Ok(())
+    }
+
+    /// The generation's deadline, when it has one: every loop that waits for its reply waits
+    /// on it too (`ending`).
+    pub fn deadline(&self) -> Option<Deadline> {
+        self.deadline.clone()
     }
 
     /// Phase 4: the persistent prompt cache prepares the request's slot, when the plan uses

@@ -21,7 +21,7 @@ use crate::exchange::{Exchange, FirstByte};
 use crate::plan::{self, DeviceChoice, Direction, Engine, HandedPlan, RelayPlan, Target};
 use crate::reply_body::{noted_stream, watched};
 use crate::request_id::RequestId;
-use crate::{general_early, in_process, pool, served_name, sse_keepalive};
+use crate::{ending, general_early, in_process, pool, served_name, sse_keepalive};
 use onebit_command::error::{ApiError, error_chain};
 use onebit_metrics::requests::PathClass;
 
@@ -59,6 +59,22 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if let Err(refused) = exchange.admit(&plan) {
         return refused.into_response();
     }
+    // Every way out from here is bounded by the generation's deadline, in one place.
+    let deadline = exchange.deadline();
+    ending::bounded(deadline, admitted(&app, plan, parts, body, exchange, id)).await
+}
+
+/// An admitted request's way out: its slot prepared, its backend chosen (or the in-process
+/// route, the tool loop, the route's own answer), the request sent and the reply passed on.
+async fn admitted(
+    app: &Arc<App>,
+    plan: RelayPlan,
+    parts: axum::http::request::Parts,
+    body: Bytes,
+    mut exchange: Exchange,
+    id: RequestId,
+) -> Response {
+    let app = app.clone();
     let body = exchange
         .prepare(&plan, (parts.method.as_str(), parts.uri.path()), body)
         .await;
@@ -125,7 +141,7 @@ async fn planned(
         body,
     } = &plan.target
     {
-        return Err(answer(*status, content_type, body.clone()));
+        return Err(route_answer(*status, content_type, body.clone()));
     }
 
     // The rule's kind says whether a body is read and relayed (none for a GET's).
@@ -214,7 +230,7 @@ async fn backend_for(
                     status,
                     content_type,
                     body,
-                }) => Destination::Answered(answer(status, &content_type, body)),
+                }) => Destination::Answered(route_answer(status, &content_type, body)),
                 Err(e) => Destination::Answered(e.into_response()),
             }
         }
@@ -223,7 +239,7 @@ async fn backend_for(
             status,
             content_type,
             body,
-        } => Destination::Answered(answer(*status, content_type, body.clone())),
+        } => Destination::Answered(route_answer(*status, content_type, body.clone())),
         Target::ToolLoop(backend) => {
             Destination::Answered(crate::exchange::tool_loop(app, *backend, body).await)
         }
@@ -370,7 +386,8 @@ async fn reply(
     )
 }
 
-fn answer(status: u16, content_type: &str, body: String) -> Response {
+/// The route's own answer (its table's, or its forward's): `status`, `content_type`, `body`.
+fn route_answer(status: u16, content_type: &str, body: String) -> Response {
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = (status, body).into_response();
     if let Ok(ct) = HeaderValue::from_str(content_type) {

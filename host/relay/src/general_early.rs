@@ -19,8 +19,8 @@ use onebit_metrics::Counters;
 /// backend's frames and the silences are fed to it and what it says becomes the client's
 /// frames. `wrap` puts the request's watchdog ticket and counters on the backend's body; it is
 /// told whether that body is an event stream (`text/event-stream`; an error reply is JSON).
-/// Called by the general path; the relay runs on a task of its own that ends when the client
-/// goes away.
+/// Called by the general path; the relay runs on a task of its own that ends as soon as the
+/// client goes away (or the reply's deadline, `ending::Bounded`, drops its end).
 pub fn early_stream<F, E, W, B>(
     pending: Pin<Box<F>>,
     wrap: W,
@@ -66,9 +66,12 @@ async fn drive_early<F, E, W, B>(
     if !said(&tx, first, &Bytes::new()).await {
         return;
     }
+    // A client that leaves closes the channel: noticed at once, not at the next silence, so
+    // the pending reply (the backend connection) is dropped while the prefill runs.
     let reply = loop {
         tokio::select! {
             r = &mut pending => break r,
+            () = tx.closed() => return,
             () = tokio::time::sleep(every) => {
                 if !said(&tx, stream.silence(), &Bytes::new()).await {
                     return;
@@ -108,6 +111,7 @@ async fn drive_early<F, E, W, B>(
                 silence.as_mut().reset(tokio::time::Instant::now() + every);
                 (stream.silence(), Bytes::new())
             }
+            () = tx.closed() => return,
         };
         if !said(&tx, say.0, &say.1).await {
             return;

@@ -61,12 +61,13 @@ pub async fn respond(
     exchange: Exchange,
 ) -> Response {
     debug_assert_eq!(plan.target, Target::InProcess);
-    let mut response = answer(app, plan, parts, body, exchange).await;
+    let mut response = through_sink(app, plan, parts, body, exchange).await;
     response.extensions_mut().insert(Engine::InProcess);
     response
 }
 
-async fn answer(
+/// The route's `respond` on a blocking thread, its sink's other end the reply's body.
+async fn through_sink(
     app: &Arc<App>,
     plan: &RelayPlan,
     parts: &axum::http::request::Parts,

@@ -18,6 +18,7 @@ pub mod app;
 pub mod attribution;
 pub mod busy_poll;
 pub mod early_stream;
+pub mod ending;
 pub mod exchange;
 pub mod fast;
 pub mod front;

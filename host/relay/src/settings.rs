@@ -59,6 +59,9 @@ pub struct Settings {
     pub metrics_off: bool,
     /// `--max-generations N`: at most N generations in flight; one more is refused (503).
     pub max_generations: Option<usize>,
+    /// `--max-generation-s SECS`: a generation still running this long after its admission is
+    /// ended (`exchange::Deadline`); None without the flag.
+    pub max_generation: Option<Duration>,
     /// `--sse-keepalive-s`: the silence after which a streamed generation gets a comment
     /// (`sse_keepalive`); None when it is 0 (off).
     pub sse_keepalive: Option<Duration>,
@@ -117,6 +120,7 @@ impl Settings {
             keep_attribution: args.keep_attribution,
             serialize_forwards: plan.serialize_forwards,
             max_generations: args.max_generations.map(|n| n as usize),
+            max_generation: args.max_generation_s.map(Duration::from_secs),
         }
     }
 }

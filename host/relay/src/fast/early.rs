@@ -47,6 +47,7 @@ pub(super) async fn after_early_head(
         mut exchange,
     } = tracking;
     let every = keepalive.unwrap_or(Duration::from_secs(sse_keepalive::DEFAULT_SECS));
+    let deadline = exchange.deadline();
     stream.head(head.status);
     let mut body = Body::new(head.framing);
     // Bytes read past the head come first; a body with no bytes ends at once.
@@ -97,6 +98,17 @@ pub(super) async fn after_early_head(
                         exchange.arrived(n);
                         break;
                     }
+                },
+                () = Deadline::passed(deadline.as_ref()), if deadline.is_some() => {
+                    // The generation's deadline (`ending`): its last event, the backend
+                    // connection dropped.
+                    if let Some(deadline) = &deadline {
+                        let mut out = Vec::new();
+                        deadline.ended();
+                        framed(stream.ended(deadline.event()), &[], &mut out);
+                        let _ = client.write_all(&out).await;
+                    }
+                    return;
                 },
                 () = &mut silence => {
                     silence.as_mut().reset(tokio::time::Instant::now() + every);

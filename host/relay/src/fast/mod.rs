@@ -24,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use crate::App;
 use crate::busy_poll::BusyPollStream;
 use crate::early_stream::EarlyStream;
+use crate::ending::Deadline;
 use crate::exchange::{Exchange, Record};
 use crate::plan::{self, Direction, Engine, HandedPlan, RelayPlan, Target};
 use crate::request_id::RequestId;
@@ -207,6 +208,7 @@ async fn send(
     tracking: &mut Tracking,
 ) -> Result<Sent, Outcome> {
     let keepalive = tracking.keepalive;
+    let deadline = tracking.exchange.deadline();
     let to_client = Direction::Reply {
         cors: app.settings.cors.is_some(),
     };
@@ -234,14 +236,25 @@ async fn send(
         let sent = conn.write_all(&fast.upstream).await;
         let at = Instant::now();
         let head = match sent {
-            Ok(()) => match keepalive {
-                None => read_reply_head(&mut conn, &mut reply, to_client).await,
-                Some(every) => {
+            Ok(()) => match (keepalive, &deadline) {
+                (None, None) => read_reply_head(&mut conn, &mut reply, to_client).await,
+                (None, Some(deadline)) => tokio::time::timeout_at(
+                    deadline.at(),
+                    read_reply_head(&mut conn, &mut reply, to_client),
+                )
+                .await
+                .unwrap_or(Err(ReplyError::Deadline)),
+                (Some(every), _) => {
                     let head = read_reply_head(&mut conn, &mut reply, to_client);
                     tokio::pin!(head);
                     loop {
                         tokio::select! {
                             h = &mut head => break h,
+                            () = Deadline::passed(deadline.as_ref()) => break Err(ReplyError::Deadline),
+                            // Once serve began the stream (it closes after it), a client
+                            // that leaves is noticed at once, not at the next silence: the
+                            // backend connection is dropped while the prefill runs.
+                            () = left(client), if early.is_some() => return Err(Outcome::Close),
                             () = tokio::time::sleep(every) => {
                                 let mut out = Vec::new();
                                 let said = match &mut early {
@@ -290,6 +303,11 @@ async fn send(
                 });
             }
             Err(ReplyError::Unread) if reused && !retried && early.is_none() => retried = true,
+            Err(ReplyError::Deadline) => {
+                // The generation's deadline (`ending`): the backend connection is dropped here.
+                let deadline = deadline.as_ref();
+                return Err(past_deadline(client, fast, deadline, early, tracking).await);
+            }
             Err(e) if early.is_some() => {
                 // The client already has a 200 event stream: the failure is its last event.
                 let mut out = Vec::new();
@@ -305,6 +323,40 @@ async fn send(
                     bad_gateway(app, client, fast, &e.to_string(), &mut tracking.exchange).await,
                 );
             }
+        }
+    }
+}
+
+/// The generation's deadline passed before its reply's head: a 504, or the last event of the
+/// stream serve already began (`early`).
+async fn past_deadline(
+    client: &mut BusyPollStream,
+    fast: &Fast,
+    deadline: Option<&Deadline>,
+    early: Option<EarlyStream>,
+    tracking: &mut Tracking,
+) -> Outcome {
+    let Some(deadline) = deadline else {
+        return Outcome::Close;
+    };
+    deadline.ended();
+    let Some(mut stream) = early else {
+        return refuse(client, fast, &deadline.error(), &mut tracking.exchange).await;
+    };
+    let mut out = Vec::new();
+    framed(stream.ended(deadline.event()), &[], &mut out);
+    let _ = client.write_all(&out).await;
+    tracking.exchange.answered(200);
+    Outcome::Close
+}
+
+/// Resolves when the client closes its connection (or it fails); bytes it sends meanwhile
+/// are read and dropped. Only for a reply after which the connection closes.
+async fn left(client: &mut BusyPollStream) {
+    let mut scrap = [0u8; 256];
+    while let Ok(n) = client.read(&mut scrap).await {
+        if n == 0 {
+            return;
         }
     }
 }
@@ -363,6 +415,7 @@ async fn relay_reply(
     let mut body = Body::new(head.framing);
     let mut watch_client = true;
     let mut silences = Silences::for_reply(keepalive, &head, &app.metrics.counters);
+    let deadline = exchange.deadline();
     loop {
         let end = body.feed(&reply);
         let Some(end) = end else {
@@ -444,6 +497,23 @@ async fn relay_reply(
                     // The client's next request, early: keep it for later.
                     Ok(_) => watch_client = buf.len() < MAX_HEAD,
                 },
+                () = Deadline::passed(deadline.as_ref()), if deadline.is_some() => {
+                    // The generation's deadline (`ending`): an event stream between chunks
+                    // gets its last event; the backend connection is dropped either way.
+                    if let Some(deadline) = &deadline {
+                        deadline.ended();
+                        let mut last = Vec::new();
+                        let room = matches!(body.framing, Framing::Chunked | Framing::UntilClose)
+                            && body.between_chunks()
+                            && silences.as_ref().is_none_or(|s| s.edge.at_boundary());
+                        if head.event_stream && room {
+                            wire::append_chunk(&mut last, &deadline.event());
+                            last.extend_from_slice(b"0\r\n\r\n");
+                        }
+                        let _ = client.write_all(&last).await;
+                    }
+                    return Outcome::Close;
+                },
             }
         }
     }
@@ -487,16 +557,27 @@ async fn bad_gateway(
     why: &str,
     exchange: &mut Exchange,
 ) -> Outcome {
-    exchange.answered(502);
-    let close = fast.close;
     let error = ApiError::no_answer(&app.settings.device, why);
-    let body = onebit_command::error::openai_error_body(
-        error.status(),
-        error.error_type(),
-        &error.message(),
-    );
+    refuse(client, fast, &error, exchange).await
+}
+
+/// Answer `error` as the general engine would (its status, `ApiError`'s body), after the
+/// request was committed to a backend.
+async fn refuse(
+    client: &mut BusyPollStream,
+    fast: &Fast,
+    error: &ApiError,
+    exchange: &mut Exchange,
+) -> Outcome {
+    let status = error.status();
+    exchange.answered(status.as_u16());
+    let close = fast.close;
+    let body =
+        onebit_command::error::openai_error_body(status, error.error_type(), &error.message());
     let head = format!(
-        "HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\nX-Request-Id: {}\r\n{}\r\n",
+        "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nX-Request-Id: {}\r\n{}\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
         body.len(),
         fast.id,
         if close { "Connection: close\r\n" } else { "" }
