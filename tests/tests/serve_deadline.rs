@@ -272,3 +272,30 @@ fn a_client_that_leaves_an_early_stream_on_the_fast_engine_releases_the_backend_
 fn a_client_that_leaves_an_early_stream_on_the_general_engine_releases_the_backend_at_once() {
     a_client_that_leaves_an_early_stream_releases_the_backend_at_once(true);
 }
+
+/// The README's chat (not streamed, its reply named as serve serves the model) is carried by
+/// the fast engine, which bounds it as it does a stream: a 504 at the deadline.
+#[test]
+fn the_readme_chat_is_named_on_the_fast_engine_and_bounded_there() {
+    let serve = serve_with_deadline(1, 15);
+    let (status, body) = post(
+        &serve.url("/v1/chat/completions"),
+        r#"{"messages":[{"role":"user","content":"What is the capital of France?"}]}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["model"], "m", "the served name: {body}");
+    let backend = BackendLoad::of(&serve);
+    let (status, body) = post(
+        &serve.url("/v1/chat/completions"),
+        r#"{"messages":[{"role":"user","content":"fake_slow_ms=30000"}]}"#,
+    );
+    assert_eq!(status, 504, "{body}");
+    assert!(backend.stops_within(SECS(3)));
+    assert_eq!(
+        requests_total(&serve, &[("engine", "fast"), ("path_class", "chat")]),
+        2,
+        "both chats should have been carried by the fast engine"
+    );
+    assert_eq!(deadlines_total(&serve), 1.0);
+}

@@ -58,8 +58,8 @@ fn every_route_but_health_needs_the_key_on_both_engines() {
             assert_eq!(v["error"]["code"], 401, "{reply}");
         }
     }
-    // With the key: a plain request (the fast engine's), a whole chat (the general engine's,
-    // handed over with the fast engine's judgement), serve's own routes.
+    // With the key: a plain request and a whole chat (the fast engine's), serve's own routes
+    // (the general engine's, handed over with the fast engine's judgement).
     let (status, reply) = call(&serve, "POST", "/tokenize", Some(&bearer), TOKENIZE);
     assert_eq!(status, 200, "{reply}");
     let (status, reply) = call(&serve, "POST", "/v1/chat/completions", Some(&bearer), CHAT);
@@ -84,7 +84,7 @@ fn every_route_but_health_needs_the_key_on_both_engines() {
             &[
                 ("path_class", "chat"),
                 ("status_class", "2xx"),
-                ("engine", "general")
+                ("engine", "fast")
             ]
         ),
         1

@@ -518,15 +518,20 @@ fn each_request_is_counted_under_the_engine_that_carried_it() {
     // A plain request and a streamed chat: nothing to rewrite, the fast engine's.
     assert_eq!(post(&serve.url("/tokenize"), TOKENIZE).0, 200);
     assert!(!sse(&serve.url("/v1/chat/completions"), &chat(true)).is_empty());
-    // A whole chat reply gets the served name: the general engine's.
+    // A whole chat reply gets the served name, written by the fast engine (the README's chat).
     let (status, body) = post(&serve.url("/v1/chat/completions"), &chat(false));
     assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""model":"m""#), "{body}");
+    // The same chat with its body in chunks: the general engine's.
+    let chunked = raw_json_post(serve.port, "/v1/chat/completions", &chat(false), true);
+    let (status, reply) = raw(serve.port, &chunked, SECS(10));
+    assert_eq!(status, 200, "{reply}");
     // A refusal (an unknown path) is the general engine's too.
     assert_eq!(post(&serve.url("/v1/nothing"), "{}").0, 404);
     let fast = |class| requests_total(&serve, &[("path_class", class), ("engine", "fast")]);
     let general = |class| requests_total(&serve, &[("path_class", class), ("engine", "general")]);
     assert_eq!((fast("other"), general("other")), (1, 1));
-    assert_eq!((fast("chat"), general("chat")), (1, 1));
+    assert_eq!((fast("chat"), general("chat")), (2, 1));
     assert_eq!(
         requests_total(
             &serve,
@@ -540,7 +545,7 @@ fn each_request_is_counted_under_the_engine_that_carried_it() {
     );
     // serve's added time is measured for what each engine relayed (not the refusal).
     let (_, text) = get(&serve.url("/metrics"));
-    for (engine, relayed) in [("fast", 2.0), ("general", 1.0)] {
+    for (engine, relayed) in [("fast", 3.0), ("general", 1.0)] {
         let count = text
             .lines()
             .find_map(|l| {
@@ -647,7 +652,8 @@ fn a_stream_from_an_http10_backend_that_ends_at_its_close_is_relayed_event_by_ev
     assert!(text.contains("data: [DONE]"), "{text}");
     assert_eq!(events.len(), 12, "{text}");
     none_held_back(&events);
-    // The same connection carries the next request (a whole reply, the general engine's).
+    // The same connection carries the next request (a whole reply to its close, named by the
+    // fast engine).
     let chat = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
     write!(
         tcp,
@@ -660,7 +666,7 @@ fn a_stream_from_an_http10_backend_that_ends_at_its_close_is_relayed_event_by_ev
     assert_eq!(status, 200, "{head}");
     let v: serde_json::Value = serde_json::from_slice(&reply).unwrap();
     assert_eq!(v["model"], "m", "the served name: {v}");
-    // The stream went on the fast engine, the whole reply on the general one.
+    // The stream and the whole reply went on the fast engine.
     let chats = |engine| {
         requests_total(
             &serve,
@@ -671,7 +677,7 @@ fn a_stream_from_an_http10_backend_that_ends_at_its_close_is_relayed_event_by_ev
             ],
         )
     };
-    assert_eq!((chats("fast"), chats("general")), (1, 1));
+    assert_eq!((chats("fast"), chats("general")), (2, 0));
     assert!(!serve.output().contains("watchdog"), "{}", serve.output());
 }
 

@@ -103,7 +103,7 @@ impl BusyPollStream {
     }
 
     /// Take this socket's one spin if it may spin now (once per message sent, within the
-    /// limits above): its deadline, a backend's socket having yielded once. The spinner
+    /// limits above): when its spin ends, a backend's socket having yielded once. The spinner
     /// gives the spinner's place back when it is done.
     fn begin_spin(&mut self) -> Option<Instant> {
         if !std::mem::take(&mut self.may_spin_once) {
@@ -114,19 +114,19 @@ impl BusyPollStream {
         if budget.is_zero() || self.traffic.in_flight() > own || !self.traffic.start_spin() {
             return None;
         }
-        let deadline = Instant::now() + budget;
+        let spin_ends = Instant::now() + budget;
         // A backend has not answered a request sent a moment ago: it runs first, so the
         // first ask can find its answer (a client's next request is often there already).
         if self.side == Side::Backend {
             std::thread::yield_now();
         }
-        Some(deadline)
+        Some(spin_ends)
     }
 
     /// Spin until bytes are waiting or the budget is spent; true when they are. For a caller
     /// with no buffer to read into (a flush).
     fn spin(&mut self) -> bool {
-        let Some(deadline) = self.begin_spin() else {
+        let Some(spin_ends) = self.begin_spin() else {
             return false;
         };
         let socket = socket2::SockRef::from(&self.tcp);
@@ -141,7 +141,7 @@ impl BusyPollStream {
                     break true;
                 }
             }
-            if !yield_until(deadline) {
+            if !yield_until(spin_ends) {
                 break false;
             }
         };
@@ -153,7 +153,7 @@ impl BusyPollStream {
     /// Spin by reading into `buf` until the answer comes or the budget is spent: the answer
     /// read (bytes, the end of the stream or an error), or None with `buf` untouched.
     fn spin_reading(&mut self, buf: &mut ReadBuf<'_>) -> Option<io::Result<()>> {
-        let deadline = self.begin_spin()?;
+        let spin_ends = self.begin_spin()?;
         let socket = socket2::SockRef::from(&self.tcp);
         let mut reader: &socket2::Socket = &socket;
         let read = loop {
@@ -165,7 +165,7 @@ impl BusyPollStream {
                 Err(e) if would_block(&e) => {}
                 Err(e) => break Some(Err(e)),
             }
-            if !yield_until(deadline) {
+            if !yield_until(spin_ends) {
                 break None;
             }
         };
@@ -201,11 +201,11 @@ fn would_block(e: &io::Error) -> bool {
     )
 }
 
-/// Between two asks of a spin: false once the deadline has passed, else yield the CPU and
+/// Between two asks of a spin: false once the spin's end has passed, else yield the CPU and
 /// true. Not a bare spin: the thread that owes the answer was often just woken onto this CPU
 /// (the kernel places a wakee near its waker), and must run here first.
-fn yield_until(deadline: Instant) -> bool {
-    if Instant::now() >= deadline {
+fn yield_until(spin_ends: Instant) -> bool {
+    if Instant::now() >= spin_ends {
         return false;
     }
     std::thread::yield_now();

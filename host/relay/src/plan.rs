@@ -259,7 +259,6 @@ impl RelayPlan {
                 if by_rule
                     && !self.precise
                     && !self.drop_attribution
-                    && !self.name_reply
                     && !self.rename_stream
                     && !self.prompt_cache
                     && self.session.is_none() =>
@@ -624,9 +623,9 @@ mod tests {
         // Not inference (tokenize, embeddings): fast, not watched.
         let p = plan(Target::Backend(0), false, false).settle(true, true, true);
         assert_eq!((p.engine, p.watched), (Engine::Fast, false));
-        // A non-streamed inference reply gets the served name: general.
+        // A non-streamed inference reply gets the served name, in the whole reply: fast.
         let p = plan(Target::Backend(0), true, false).settle(false, false, true);
-        assert_eq!((p.engine, p.name_reply), (Engine::General, true));
+        assert_eq!((p.engine, p.name_reply), (Engine::Fast, true));
         // --precise rewrites the body; renaming streams rewrites the events.
         let p = plan(Target::Backend(0), true, true).settle(true, false, true);
         assert_eq!((p.engine, p.precise), (Engine::General, true));

@@ -1,10 +1,11 @@
 //! The fast engine: a client connection is served here first, on the raw socket. A request
-//! whose [`RelayPlan`] the fast engine can carry (a backend target, no rewrite, HTTP/1.1, all
-//! of it read within 100 ms of its head; `relay::wire` reads the head) goes to its backend and
-//! back without hyper, axum or a task hand-off: one read, one write to the backend, one read,
-//! one write to the client. Anything else (serve's own routes, a refusal, an error to report,
-//! a route that must be asked, a reply serve must rewrite, a body slower than that) hands the
-//! connection, with every byte read so far and the plan when there is one, to the general
+//! whose [`RelayPlan`] the fast engine can carry (a backend target, no rewrite but the served
+//! name in a whole reply (`whole`), HTTP/1.1, all of it read within 100 ms of its head;
+//! `relay::wire` reads the head) goes to its backend and back without hyper, axum or a task
+//! hand-off: one read, one write to the backend, one read, one write to the client. Anything
+//! else (serve's own routes, a refusal, an error to report, a route that must be asked, a
+//! request or stream serve must rewrite, a body slower than that) hands the connection, with
+//! every byte read so far and the plan when there is one, to the general
 //! engine (`relay::general`), which serves it from then on. So every rule and every error
 //! reply has one implementation, there; this file only carries what the plan gives it.
 //!
@@ -39,6 +40,7 @@ mod handover;
 mod qualify;
 mod reply_head;
 mod silences;
+mod whole;
 
 use early::{after_early_head, framed};
 pub use handover::Prefixed;
@@ -82,15 +84,15 @@ pub async fn serve_connection<F, Fut>(
     if !app.settings.fast_engine {
         return general(Prefixed::new(client, buf), stop, None).await;
     }
-    let deadline = tokio::time::sleep(header_timeout);
-    tokio::pin!(deadline);
+    let head_due = tokio::time::sleep(header_timeout);
+    tokio::pin!(head_due);
     loop {
         // Per request: its head within the header timeout (hyper's rule; an idle kept-alive
         // connection too), its body within the grace after the head.
-        deadline
+        head_due
             .as_mut()
             .reset(tokio::time::Instant::now() + header_timeout);
-        let mut body_deadline = None;
+        let mut body_due = None;
         loop {
             match exchange(&app, &mut client, &mut buf).await {
                 Outcome::KeepAlive => break,
@@ -111,15 +113,15 @@ pub async fn serve_connection<F, Fut>(
                         },
                         // Headers too slow (or an idle connection past the timeout): drop it,
                         // as hyper's header timeout does.
-                        () = deadline.as_mut() => return,
+                        () = head_due.as_mut() => return,
                         () = crate::stopped(&mut stop), if idle => return,
                     }
                 }
                 // Many clients write the body apart from the head; it follows at once. A body
                 // that is not all there within the grace is the general engine's to time.
                 Outcome::BodyDue(plan) => {
-                    let until = *body_deadline
-                        .get_or_insert_with(|| tokio::time::Instant::now() + BODY_GRACE);
+                    let until =
+                        *body_due.get_or_insert_with(|| tokio::time::Instant::now() + BODY_GRACE);
                     match tokio::time::timeout_at(until, client.read_buf(&mut buf)).await {
                         Ok(Ok(n)) if n > 0 => {}
                         Ok(_) => return,
@@ -182,6 +184,18 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         return Outcome::Close;
     }
     tracking.exchange.answered(sent.head.status);
+    if fast.name_reply && sent.head.json {
+        return whole::relay_named(
+            app,
+            client,
+            buf,
+            &fast,
+            sent,
+            tracking.exchange,
+            backend_time,
+        )
+        .await;
+    }
     relay_reply(app, client, buf, &fast, sent, tracking, backend_time).await
 }
 

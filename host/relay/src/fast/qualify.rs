@@ -30,10 +30,10 @@ pub(super) struct Fast {
     pub(super) consumed: usize,
     /// The client asked to close after this reply.
     pub(super) close: bool,
-    /// A streamed generation: keep-alive comments in its silences. (A whole one is the
-    /// general engine's when serve names the model in replies; in router mode, where it does
-    /// not, the fast engine carries it too, without them.)
+    /// A streamed generation: keep-alive comments in its silences.
     pub(super) streamed: bool,
+    /// A whole generation's JSON reply gets the served name (`fast::whole`).
+    pub(super) name_reply: bool,
     /// Sent to the backend, and on the reply.
     pub(super) id: RequestId,
 }
@@ -138,6 +138,7 @@ pub(super) fn qualify(app: &Arc<App>, buf: &[u8], began: Instant) -> Verdict {
         consumed: head_len + body_len,
         close: head.close,
         streamed: plan.generation && plan.streamed,
+        name_reply: plan.name_reply,
         id,
     };
     Verdict::Fast(fast, exchange)

@@ -13,6 +13,8 @@ pub(super) struct ReplyHead {
     pub(super) backend_close: bool,
     /// `Content-Type: text/event-stream`.
     pub(super) event_stream: bool,
+    /// `Content-Type: application/json`.
+    pub(super) json: bool,
 }
 
 impl ReplyHead {
@@ -108,6 +110,7 @@ pub(super) fn reply_head(
     let mut keep_alive = false;
     let mut dated = false;
     let mut event_stream = false;
+    let mut json = false;
     let mut connection: [&[u8]; MAX_CONNECTION] = [b""; MAX_CONNECTION];
     let mut n_connection = 0;
     for header in response.headers.iter() {
@@ -156,8 +159,10 @@ pub(super) fn reply_head(
             continue;
         }
         dated |= name.eq_ignore_ascii_case("date");
-        event_stream |=
-            name.eq_ignore_ascii_case("content-type") && value.starts_with(b"text/event-stream");
+        if name.eq_ignore_ascii_case("content-type") {
+            event_stream |= value.starts_with(b"text/event-stream");
+            json |= value.starts_with(b"application/json");
+        }
         lines.extend_from_slice(name.as_bytes());
         lines.extend_from_slice(b": ");
         lines.extend_from_slice(value);
@@ -185,6 +190,7 @@ pub(super) fn reply_head(
         framing,
         backend_close: backend_close || framing == Framing::UntilClose,
         event_stream,
+        json,
     })
 }
 
