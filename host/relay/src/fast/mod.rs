@@ -183,8 +183,8 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         .await;
         return Outcome::Close;
     }
-    tracking.exchange.answered(sent.head.status);
     if fast.name_reply && sent.head.json {
+        // Counted when its head goes out, after the body (a deadline before is a 504).
         return whole::relay_named(
             app,
             client,
@@ -196,6 +196,7 @@ async fn exchange(app: &Arc<App>, client: &mut BusyPollStream, buf: &mut BytesMu
         )
         .await;
     }
+    tracking.exchange.answered(sent.head.status);
     relay_reply(app, client, buf, &fast, sent, tracking, backend_time).await
 }
 

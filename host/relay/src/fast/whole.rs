@@ -52,7 +52,11 @@ pub(super) async fn relay_named(
         {
             More::Read(n) => exchange.arrived(n),
             More::Ended if head.framing == Framing::UntilClose => break,
-            More::Ended | More::ClientLeft => return Outcome::Close,
+            More::Ended => {
+                let why = "its connection broke off inside the reply";
+                return bad_gateway(app, client, fast, why, &mut exchange).await;
+            }
+            More::ClientLeft => return Outcome::Close,
             More::Deadline(deadline) => {
                 deadline.ended();
                 return refuse(client, fast, &deadline.error(), &mut exchange).await;
@@ -60,6 +64,7 @@ pub(super) async fn relay_named(
         }
     }
     let named = served_name::in_reply(whole.into(), &app.settings.served_name);
+    let head_status = head.status;
     let mut out = client_head(
         &ReplyHead {
             framing: Framing::Length(named.len() as u64),
@@ -69,6 +74,7 @@ pub(super) async fn relay_named(
         &fast.id,
     );
     out.extend_from_slice(&named);
+    exchange.answered(head_status);
     if client.write_all(&out).await.is_err() {
         return Outcome::Close;
     }
