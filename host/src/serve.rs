@@ -16,6 +16,7 @@ use onebit_features::laya::start::RoutePlan;
 use onebit_metrics as metrics;
 use onebit_relay::front::accept::accept_loop;
 use onebit_relay::front::drain::{Cut, Drain};
+use onebit_relay::reply_loop::ReplySettings;
 use onebit_relay::settings::{self, Settings};
 use onebit_relay::traffic::Traffic;
 use onebit_relay::{App, pool};
@@ -157,8 +158,10 @@ async fn serve_plan(p: ServePlan) -> (i32, Option<tokio::time::Instant>) {
     let state = open_state(&plan, &served_name).await;
     let ports = all_backends.iter().map(|b| b.port).collect();
     let settings = Settings::new(&args, &plan, &served_name, ports, guard, api_key);
+    let replies = Arc::new(ReplySettings::new(&settings, &counters));
     let app = Arc::new(App {
         settings,
+        replies,
         status: Arc::new(StatusCell::new(Status::Loading)),
         client: pool::backend_client(&traffic),
         probes: client.clone(),

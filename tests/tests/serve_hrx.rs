@@ -468,6 +468,10 @@ fn ds4_serves_through_the_fake_with_health_on_v1_models_501s_and_the_served_name
         "every streamed event: {named:?}"
     );
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    // Both rewrites (the whole reply's name, each event's) are the reply's phases': both
+    // chats rode the fast engine, no hand-over.
+    let chats = |engine| requests_total(&serve, &[("path_class", "chat"), ("engine", engine)]);
+    assert_eq!((chats("fast"), chats("general")), (2, 0));
     for (get_it, path) in [
         (false, "/tokenize"),
         (false, "/apply-template"),

@@ -14,6 +14,8 @@ use onebit_supervision::backends::watchdog::Watchdog;
 /// while serve runs.
 pub struct App {
     pub settings: Settings,
+    /// What every reply's phases read (`reply_loop`), taken from the settings once.
+    pub replies: Arc<crate::reply_loop::ReplySettings>,
     /// Whether the model can take requests; the health monitor and `serve` set it.
     pub status: Arc<StatusCell>,
     /// The general engine's client (busy-polling).

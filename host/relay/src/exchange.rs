@@ -26,8 +26,10 @@
 //!    `Record` of its own for every answer it writes (serve's own routes and refusals too):
 //!    the count, the duration and the line are written here once, for every engine.
 //!
-//! Timers and cancellation (the generation deadline, a client that leaves, serve stopping,
-//! the watchdog's verdict) end a request the same way on every engine: `ending`'s.
+//! What happens while the reply flows (phases 6 and 7: the served name, comments in
+//! silences, the clocks) and the timers and cancellation that end a request (the generation
+//! deadline, a client that leaves, serve stopping, the watchdog's verdict) are the reply's
+//! phases, one for every engine and every source: `reply_loop`'s.
 //!
 //! The engines do the I/O and call these; they name none of the features behind them.
 
@@ -36,8 +38,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::App;
-use crate::ending::Deadline;
 use crate::plan::{Engine, RelayPlan, Target};
+use crate::reply_loop::Deadline;
 use crate::request_id::RequestId;
 use crate::traffic::InFlight;
 use onebit_command::error::ApiError;
@@ -57,7 +59,7 @@ pub struct Exchange {
     first_byte: Option<FirstByte>,
     clock: Option<StreamClock>,
     slot: Option<Release>,
-    /// `--max-generation-s`' deadline, from admission (`ending`).
+    /// `--max-generation-s`' deadline, from admission (`reply_loop`).
     deadline: Option<Deadline>,
     /// Phase 8's record, when the engine keeps it here (the fast engine's).
     record: Option<Record>,
@@ -113,7 +115,7 @@ impl Exchange {
                 self.app.generations.fetch_add(1, Ordering::AcqRel);
             }
             self.generation = true;
-            // A generation's deadline runs from its admission (`ending`).
+            // A generation's deadline runs from its admission (`reply_loop`).
             self.deadline = self
                 .app
                 .settings
@@ -131,7 +133,7 @@ impl Exchange {
     }
 
     /// The generation's deadline, when it has one: every loop that waits for its reply waits
-    /// on it too (`ending`).
+    /// on it too (`reply_loop`).
     pub fn deadline(&self) -> Option<Deadline> {
         self.deadline.clone()
     }

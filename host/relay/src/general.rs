@@ -1,44 +1,38 @@
 //! The general engine: the axum handler that relays, by its [`RelayPlan`], every request the
 //! fast engine does not carry: the route's table answers, route forwards (`forward` on a
 //! blocking thread), in-process routes, `--pm`'s tool loop (`Target::ToolLoop`), a backend
-//! `--laya` picks by conversation from the body, and the rewrites (`--precise`, Claude Code's
-//! attribution line, the served name in a whole reply and in each streamed event); and every refusal. Replies stream through as the
-//! backend sends them.
+//! `--laya` picks by conversation from the body, and the body's rewrites (`--precise`, Claude
+//! Code's attribution line); and every refusal. Whatever answers an admitted request is one
+//! source of its reply, carried through the reply loop's phases (`reply_loop::general`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use onebit_plugin_api::{BodyKind, Forward, ForwardRequest};
+use tracing::Instrument as _;
 
 use crate::App;
 use crate::exchange::{Exchange, FirstByte};
 use crate::plan::{self, DeviceChoice, Direction, Engine, HandedPlan, RelayPlan, Target};
-use crate::reply_body::{noted_stream, watched};
+use crate::reply_loop::ReplyPhases;
+use crate::reply_loop::general::{Answer, Source};
 use crate::request_id::RequestId;
-use crate::{ending, general_early, in_process, pool, served_name, sse_keepalive};
+use crate::{in_process, pool};
 use onebit_command::error::{ApiError, error_chain};
 use onebit_metrics::requests::PathClass;
-
-/// What the general engine tells the request's log line about a relayed request: its backend
-/// and serve's added time. Rides on the response's extensions.
-#[derive(Clone, Copy, Debug)]
-pub struct Relayed {
-    pub backend: usize,
-    pub added: Duration,
-}
 
 /// The axum fallback: relay a request by its [`RelayPlan`], the one the fast engine handed
 /// over with it ([`HandedPlan`]) or made here from the head. Runs on the connection's task; the
 /// route's `forward` goes to a blocking thread. Its steps: the plan and the body read and
-/// checked, with the plan's body rewrites ([`planned`]), the backend chosen
-/// ([`backend_for`]: the plan's, the route's forward, or an answer), the request sent and its head awaited ([`sent`]), the reply
-/// passed on ([`reply`]).
+/// checked, with the plan's body rewrites ([`planned`]), the admission, then the reply's
+/// source ([`admitted`]: the backend chosen by [`backend_for`], the request sent) through the
+/// reply loop.
 pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Response {
     // serve's added time runs from here to the response handed to hyper, less the backend's
     // own time (`metrics::requests`).
@@ -59,22 +53,30 @@ pub async fn relay(State(app): State<Arc<App>>, mut request: Request) -> Respons
     if let Err(refused) = exchange.admit(&plan) {
         return refused.into_response();
     }
-    // Every way out from here is bounded by the generation's deadline, in one place.
-    let deadline = exchange.deadline();
-    ending::bounded(deadline, admitted(&app, plan, parts, body, exchange, id)).await
+    // From here every way out is one source of the reply, whose phases (the served name,
+    // comments in silences, the deadline, the clocks) are the reply loop's.
+    let phases = ReplyPhases::new(&app.replies, &plan, exchange.deadline());
+    let engine = match plan.target {
+        Target::InProcess => Engine::InProcess,
+        _ => Engine::General,
+    };
+    // The route's lines say the request's id, even once serve began the reply itself.
+    let span = tracing::Span::current();
+    let source: Source = Box::pin(admitted(app, plan, parts, body, exchange, id).instrument(span));
+    crate::reply_loop::general::answer(phases, source, engine).await
 }
 
 /// An admitted request's way out: its slot prepared, its backend chosen (or the in-process
-/// route, the tool loop, the route's own answer), the request sent and the reply passed on.
+/// route, the tool loop, the route's own answer), the request sent and its reply's head
+/// awaited. Owns all it needs: serve's early stream may go on waiting for it.
 async fn admitted(
-    app: &Arc<App>,
+    app: Arc<App>,
     plan: RelayPlan,
     parts: axum::http::request::Parts,
     body: Bytes,
     mut exchange: Exchange,
     id: RequestId,
-) -> Response {
-    let app = app.clone();
+) -> Answer {
     let body = exchange
         .prepare(&plan, (parts.method.as_str(), parts.uri.path()), body)
         .await;
@@ -83,14 +85,15 @@ async fn admitted(
         Destination::InProcess(body) => {
             return in_process::respond(&app, &plan, &parts, body, exchange).await;
         }
-        Destination::Answered(response) => return response,
+        Destination::Answered(response) => return response.into(),
     };
     let Some(port) = app.settings.ports.get(chosen.backend).copied() else {
         return ApiError::BadGateway(format!(
             "the route named backend {}, which it did not start",
             chosen.backend
         ))
-        .into_response();
+        .into_response()
+        .into();
     };
     exchange.sending(
         &plan,
@@ -100,23 +103,35 @@ async fn admitted(
         chosen.body.len(),
     );
     exchange.on_first_byte(chosen.on_first_byte);
-    let relaying = Relaying {
-        app: &app,
-        plan: &plan,
-        backend: chosen.backend,
-    };
     let upstream = match upstream_request(parts, port, chosen.body, &id) {
         Ok(r) => r,
-        Err(e) => return e.into_response(),
+        Err(e) => return e.into_response().into(),
     };
-    sent(&relaying, upstream, exchange).await
-}
-
-/// One relayed request's settings for its steps after the backend is chosen.
-struct Relaying<'a> {
-    app: &'a Arc<App>,
-    plan: &'a RelayPlan,
-    backend: usize,
+    let sent_at = Instant::now();
+    let reply = match pool::send(&app.client, upstream).await {
+        Ok(reply) => reply,
+        Err(e) => {
+            return ApiError::no_answer(&app.settings.device, &error_chain(&e))
+                .into_response()
+                .into();
+        }
+    };
+    let backend_time = sent_at.elapsed();
+    let (mut reply_parts, reply_body) = reply.into_parts();
+    plan::filter(
+        Direction::Reply {
+            cors: app.settings.cors.is_some(),
+        },
+        &mut reply_parts.headers,
+    );
+    if let DeviceChoice::Chosen(why) = &plan.device_choice {
+        reply_parts.headers.insert("x-1bit-route", why.clone());
+    }
+    Answer {
+        response: Response::from_parts(reply_parts, Body::new(reply_body)),
+        exchange: Some(exchange),
+        relayed: Some((chosen.backend, backend_time)),
+    }
 }
 
 /// The request's plan (the one handed over, or made here from the head), and its body read
@@ -244,146 +259,6 @@ async fn backend_for(
             Destination::Answered(crate::exchange::tool_loop(app, *backend, body).await)
         }
     }
-}
-
-/// Send the request and wait for its reply's head. A streamed inference request whose backend
-/// stays silent before its head (a long prefill) gets its reply begun by serve, with comments
-/// in the silences.
-async fn sent(
-    relaying: &Relaying<'_>,
-    upstream: hyper::Request<Full<Bytes>>,
-    mut exchange: Exchange,
-) -> Response {
-    let Relaying { app, plan, backend } = *relaying;
-    let sent_at = Instant::now();
-    let pending = pool::send(&app.client, upstream);
-    let every = app
-        .settings
-        .sse_keepalive
-        .filter(|_| plan.generation && plan.streamed);
-    match sse_keepalive::wait_head(pending, every).await {
-        sse_keepalive::Waited::Arrived(Ok(head)) => {
-            reply(relaying, head, sent_at.elapsed(), exchange).await
-        }
-        sse_keepalive::Waited::Arrived(Err(e)) => {
-            ApiError::no_answer(&app.settings.device, &error_chain(&e)).into_response()
-        }
-        sse_keepalive::Waited::Silent(pending) => {
-            let keepalive = (every.unwrap_or_default(), app.metrics.counters.clone());
-            let added = exchange.head_written(sent_at.elapsed());
-            let watch = exchange.slot_watch();
-            let wrap = move |body, event_stream: bool| {
-                noted_stream(watched(body, exchange), watch.filter(|_| event_stream))
-            };
-            let mut response =
-                general_early::early_stream(pending, wrap, app.settings.device.clone(), keepalive);
-            response.extensions_mut().insert(Relayed { backend, added });
-            response
-        }
-    }
-}
-
-/// Pass the backend's reply on: its headers filtered, a whole JSON reply named as serve
-/// serves the model, a stream renamed event by event where the engine cannot be told the
-/// name, comments in an event stream's silences.
-async fn reply(
-    relaying: &Relaying<'_>,
-    reply: hyper::Response<hyper::body::Incoming>,
-    mut backend_time: Duration,
-    mut exchange: Exchange,
-) -> Response {
-    let Relaying { app, plan, backend } = *relaying;
-    let (mut reply_parts, reply_body) = reply.into_parts();
-    plan::filter(
-        Direction::Reply {
-            cors: app.settings.cors.is_some(),
-        },
-        &mut reply_parts.headers,
-    );
-    if let DeviceChoice::Chosen(why) = &plan.device_choice {
-        reply_parts.headers.insert("x-1bit-route", why.clone());
-    }
-    let watch = exchange.slot_watch();
-    let json_reply = reply_parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("application/json"));
-    // Events are read (and noted) only in an event stream: a streamed request's error reply
-    // is one JSON object, passed as it came.
-    let event_stream = reply_parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let whole = plan.name_reply && json_reply;
-    if whole {
-        // A whole JSON reply: name the model as serve serves it. Its slot is released once
-        // the reply has been read (where llama-server began its prefill, which the save
-        // needs), with the exchange, whose other holdings end there too.
-        let collecting = Instant::now();
-        let mut exchange = exchange;
-        exchange.reply_head();
-        let collected = reply_body
-            .map_frame(|frame| {
-                if let Some(data) = frame.data_ref() {
-                    exchange.arrived(data.len());
-                    exchange.passed(data.len());
-                }
-                frame
-            })
-            .collect()
-            .await;
-        backend_time += collecting.elapsed();
-        let bytes = match collected {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) => {
-                return ApiError::BadGateway(format!(
-                    "the {} backend broke off its reply ({})",
-                    app.settings.device,
-                    error_chain(&e)
-                ))
-                .into_response();
-            }
-        };
-        let bytes = served_name::in_reply(bytes, &app.settings.served_name);
-        let bytes = match &watch {
-            Some(watch) => crate::exchange::noted(bytes, watch),
-            None => bytes,
-        };
-        reply_parts.headers.remove(header::CONTENT_LENGTH);
-        let added = exchange.head_written(backend_time);
-        drop(exchange);
-        reply_parts.extensions.insert(Relayed { backend, added });
-        return Response::from_parts(reply_parts, Body::from(bytes));
-    }
-    let added = exchange.head_written(backend_time);
-    reply_parts.extensions.insert(Relayed { backend, added });
-    let reply_body = watched(reply_body, exchange);
-    // Streamed as it arrives: dropping this response (a client that went away) drops the
-    // upstream body, which closes the backend connection, and the engine stops generating.
-    if plan.rename_stream && event_stream {
-        // The engine cannot be told the served name (ds4-server has no alias): name it in
-        // every event as it passes. (Its refusal of a streamed request is one JSON object,
-        // passed below as it came.)
-        let renamed =
-            served_name::in_stream(reply_body, app.settings.served_name.clone(), plan.reply);
-        let renamed = noted_stream(renamed.boxed_unsync(), watch);
-        let body =
-            sse_keepalive::during(renamed, app.settings.sse_keepalive, &app.metrics.counters);
-        return Response::from_parts(reply_parts, body);
-    }
-    // Comments go only into an event stream (a streamed request's error reply is JSON).
-    let reply_body = noted_stream(reply_body, watch.filter(|_| event_stream));
-    Response::from_parts(
-        reply_parts,
-        sse_keepalive::during(
-            reply_body,
-            app.settings
-                .sse_keepalive
-                .filter(|_| plan.generation && plan.streamed && event_stream),
-            &app.metrics.counters,
-        ),
-    )
 }
 
 /// The route's own answer (its table's, or its forward's): `status`, `content_type`, `body`.

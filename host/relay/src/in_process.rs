@@ -20,7 +20,6 @@ use axum::body::Body;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use onebit_plugin_api::loader::{LoadedRoute, RespondError};
 use onebit_plugin_api::{
     ForwardRequest, HOST_STOPPING, NOT_IN_PROCESS, ReplySink, SINK_BUFFER_BYTES, SINK_CHUNK_BYTES,
@@ -28,10 +27,11 @@ use onebit_plugin_api::{
 };
 use tokio::sync::{mpsc, oneshot};
 
+use crate::App;
 use crate::exchange::Exchange;
 use crate::plan::{Engine, RelayPlan, Target};
+use crate::reply_loop::general::Answer;
 use crate::traffic::Traffic;
-use crate::{App, served_name};
 use onebit_command::error::ApiError;
 
 /// How long a stream's cut-off waits behind the bytes before it (see `respond`).
@@ -49,31 +49,30 @@ fn stopping_error() -> SinkError {
 
 /// Answer one request through the route's `respond`. Called by the general engine on a
 /// runtime thread with the request's plan, its head, its body (already read and checked) and
-/// its exchange (admitted: it rides on the reply's body); the route runs on a blocking thread,
-/// and this returns once the route sent its head (the body streams on) or finished without
-/// one. The reply is marked [`Engine::InProcess`] for `onebit_requests_total`; a streamed
-/// generation's chunks pass through the exchange (its first-token and inter-token clock).
+/// its exchange (admitted); the route runs on a blocking thread, and this returns once the
+/// route sent its head (the body streams on) or finished without one. The answer is one
+/// source of the reply loop's (`reply_loop::general`), which names the model, times the
+/// chunks and ends the reply at the deadline as for a relayed one; it carries the exchange,
+/// and is marked [`Engine::InProcess`] for `onebit_requests_total`.
 pub async fn respond(
     app: &Arc<App>,
     plan: &RelayPlan,
     parts: &axum::http::request::Parts,
     body: Bytes,
     exchange: Exchange,
-) -> Response {
+) -> Answer {
     debug_assert_eq!(plan.target, Target::InProcess);
-    let mut response = through_sink(app, plan, parts, body, exchange).await;
+    let mut response = through_sink(app, parts, body).await;
     response.extensions_mut().insert(Engine::InProcess);
-    response
+    Answer {
+        response,
+        exchange: Some(exchange),
+        relayed: None,
+    }
 }
 
 /// The route's `respond` on a blocking thread, its sink's other end the reply's body.
-async fn through_sink(
-    app: &Arc<App>,
-    plan: &RelayPlan,
-    parts: &axum::http::request::Parts,
-    body: Bytes,
-    mut exchange: Exchange,
-) -> Response {
+async fn through_sink(app: &Arc<App>, parts: &axum::http::request::Parts, body: Bytes) -> Response {
     let request = ForwardRequest {
         method: parts.method.to_string(),
         path: parts.uri.path().to_string(),
@@ -114,7 +113,6 @@ async fn through_sink(
     };
 
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let json_reply = head.content_type.starts_with("application/json");
     let mut body_rx = body_rx;
     let mut cut: Option<(std::io::Error, std::pin::Pin<Box<tokio::time::Sleep>>)> = None;
     let stream = futures_util::stream::poll_fn(move |cx| {
@@ -132,34 +130,10 @@ async fn through_sink(
                 cut = Some((e, delay));
                 std::task::Poll::Pending
             }
-            other => {
-                // Handed to hyper, which writes it at once: the chunk is out.
-                if let std::task::Poll::Ready(Some(Ok(data))) = &other {
-                    exchange.passed(data.len());
-                }
-                other
-            }
+            other => other,
         }
     });
-    let body = Body::from_stream(stream);
-    let mut response = if plan.name_reply && json_reply {
-        // A whole JSON reply: name the model as serve serves it, as the relay does.
-        match body.collect().await {
-            Ok(collected) => Response::new(Body::from(served_name::in_reply(
-                collected.to_bytes(),
-                &app.settings.served_name,
-            ))),
-            Err(e) => return ApiError::RouteFailed(e.to_string()).into_response(),
-        }
-    } else if plan.rename_stream {
-        Response::new(Body::new(served_name::in_stream(
-            body,
-            app.settings.served_name.clone(),
-            plan.reply,
-        )))
-    } else {
-        Response::new(body)
-    };
+    let mut response = Response::new(Body::from_stream(stream));
     *response.status_mut() = status;
     if let Ok(ct) = HeaderValue::from_str(&head.content_type) {
         response.headers_mut().insert(header::CONTENT_TYPE, ct);

@@ -17,17 +17,14 @@
 pub mod app;
 pub mod attribution;
 pub mod busy_poll;
-pub mod early_stream;
-pub mod ending;
 pub mod exchange;
 pub mod fast;
 pub mod front;
 pub mod general;
-pub mod general_early;
 pub mod in_process;
 pub mod plan;
 pub mod pool;
-mod reply_body;
+pub mod reply_loop;
 pub mod request_id;
 pub mod served_name;
 pub mod settings;

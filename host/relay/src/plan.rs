@@ -259,7 +259,6 @@ impl RelayPlan {
                 if by_rule
                     && !self.precise
                     && !self.drop_attribution
-                    && !self.rename_stream
                     && !self.prompt_cache
                     && self.session.is_none() =>
             {
@@ -626,11 +625,12 @@ mod tests {
         // A non-streamed inference reply gets the served name, in the whole reply: fast.
         let p = plan(Target::Backend(0), true, false).settle(false, false, true);
         assert_eq!((p.engine, p.name_reply), (Engine::Fast, true));
-        // --precise rewrites the body; renaming streams rewrites the events.
+        // --precise rewrites the body: general. Renaming the events is the reply's phases',
+        // on either engine: fast.
         let p = plan(Target::Backend(0), true, true).settle(true, false, true);
         assert_eq!((p.engine, p.precise), (Engine::General, true));
         let p = plan(Target::Backend(0), true, true).settle(false, true, true);
-        assert_eq!((p.engine, p.rename_stream), (Engine::General, true));
+        assert_eq!((p.engine, p.rename_stream), (Engine::Fast, true));
         // The route asked, or the table's answer: general; in process: its own engine.
         assert_eq!(
             plan(Target::AskRoute, true, true)

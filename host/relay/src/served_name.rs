@@ -1,107 +1,44 @@
 //! The served-name rewrite: a reply or a stream names the model as serve serves it (`--alias`,
 //! `served_name`), not as the backend loaded it, in the shape the route's rule says
 //! (OpenAI's `model`, Anthropic's `message.model` of its `message_start`). The one renamer of
-//! both places that rewrite: the general engine's relay and the in-process path.
-
-use std::pin::Pin;
-use std::task::{Context, Poll};
+//! every reply, whatever carries it: the reply's phases (`reply_loop`) call it.
 
 use bytes::Bytes;
-use hyper::body::{Body as HttpBody, Frame};
 use onebit_plugin_api::ReplyShape;
-
-/// `body`, an SSE stream, with every event naming `served` where `shape` names the model.
-pub fn in_stream<B>(
-    body: B,
-    served: String,
-    shape: ReplyShape,
-) -> impl HttpBody<Data = Bytes, Error = B::Error> + Unpin + Send + 'static
-where
-    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
-{
-    each_event(body, renamer(served, shape))
-}
-
-/// `body`, an SSE stream, with each `data:` event's JSON object passed through `rewrite`
-/// (complete lines go out as they arrive, a partial line waits for the rest, and whatever is
-/// still waiting when the body ends goes out as it came): the one event splitter, which the
-/// served-name rewrite and the prompt cache's note share.
-pub fn each_event<B>(
-    body: B,
-    rewrite: impl FnMut(Bytes) -> Bytes + Send + 'static,
-) -> impl HttpBody<Data = Bytes, Error = B::Error> + Unpin + Send + 'static
-where
-    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
-{
-    EventBody {
-        inner: body,
-        events: SseEvents {
-            rewrite: Box::new(rewrite),
-            partial: Vec::new(),
-        },
-        ended: false,
-    }
-}
 
 /// The rewrite of one event's JSON that names `served` where `shape` names the model
 /// (OpenAI's: every event's `model`; Anthropic's: `message.model` of its `message_start`).
-fn renamer(served: String, shape: ReplyShape) -> impl FnMut(Bytes) -> Bytes + Send + 'static {
+pub fn renamer(served: String, shape: ReplyShape) -> impl Fn(Bytes) -> Bytes + Send + 'static {
     move |body: Bytes| match shape {
         ReplyShape::OpenAi => in_reply(body, &served),
         ReplyShape::Anthropic => with_message_model_name(body, &served),
     }
 }
 
-/// A body whose data goes through the event splitter.
-struct EventBody<B> {
-    inner: B,
-    events: SseEvents,
-    /// The inner body has ended and what the splitter held back has gone out.
-    ended: bool,
-}
-
-impl<B> HttpBody for EventBody<B>
-where
-    B: HttpBody<Data = Bytes> + Unpin,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.get_mut();
-        if this.ended {
-            return Poll::Ready(None);
-        }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(match frame.into_data() {
-                Ok(data) => Frame::data(this.events.feed(&data)),
-                Err(frame) => frame,
-            }))),
-            Poll::Ready(None) => {
-                this.ended = true;
-                let rest = std::mem::take(&mut this.events.partial);
-                Poll::Ready((!rest.is_empty()).then(|| Ok(Frame::data(Bytes::from(rest)))))
-            }
-            other => other,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.ended
-    }
-}
-
-/// The event splitter: each complete `data: {...}` line's JSON goes through `rewrite`.
-struct SseEvents {
+/// The event splitter: each complete `data: {...}` line's JSON goes through `rewrite`
+/// (complete lines go out as they arrive, a partial line waits for the rest, and whatever is
+/// still waiting when the stream ends goes out as it came, [`SseEvents::rest`]). The one
+/// splitter of the reply's phases (`reply_loop`): the served name and the prompt cache's note.
+pub struct SseEvents {
     rewrite: Box<dyn FnMut(Bytes) -> Bytes + Send>,
     partial: Vec<u8>,
 }
 
 impl SseEvents {
-    fn feed(&mut self, data: &[u8]) -> Bytes {
+    pub fn new(rewrite: impl FnMut(Bytes) -> Bytes + Send + 'static) -> SseEvents {
+        SseEvents {
+            rewrite: Box::new(rewrite),
+            partial: Vec::new(),
+        }
+    }
+
+    /// What is still held back when the stream ends, as it came.
+    pub fn rest(&mut self) -> Bytes {
+        Bytes::from(std::mem::take(&mut self.partial))
+    }
+
+    /// The complete lines of what came so far, each event rewritten.
+    pub fn feed(&mut self, data: &[u8]) -> Bytes {
         self.partial.extend_from_slice(data);
         let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
             return Bytes::new();
@@ -170,27 +107,20 @@ fn with_message_model_name(bytes: Bytes, served: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body_util::BodyExt as _;
 
     fn splitter(rewrite: impl FnMut(Bytes) -> Bytes + Send + 'static) -> SseEvents {
-        SseEvents {
-            rewrite: Box::new(rewrite),
-            partial: Vec::new(),
-        }
+        SseEvents::new(rewrite)
     }
 
     /// A body whose last line has no newline (a JSON refusal where events were expected)
     /// reaches its end whole, after the events before it.
-    #[tokio::test]
-    async fn what_the_splitter_holds_back_goes_out_when_the_body_ends() {
-        let events = "data: {\"model\":\"ds4\"}\n\n{\"error\":{\"code\":400}}";
-        let body = http_body_util::Full::new(Bytes::from(events));
-        let body = in_stream(body, "smol".into(), ReplyShape::OpenAi);
-        let out = body.collect().await.unwrap().to_bytes();
-        assert_eq!(
-            &out[..],
-            b"data: {\"model\":\"smol\"}\n\n{\"error\":{\"code\":400}}"
-        );
+    #[test]
+    fn what_the_splitter_holds_back_goes_out_when_the_body_ends() {
+        let mut r = splitter(renamer("smol".into(), ReplyShape::OpenAi));
+        let out = r.feed(b"data: {\"model\":\"ds4\"}\n\n{\"error\":{\"code\":400}}");
+        assert_eq!(&out[..], b"data: {\"model\":\"smol\"}\n\n");
+        assert_eq!(&r.rest()[..], b"{\"error\":{\"code\":400}}");
+        assert!(r.rest().is_empty(), "said once");
     }
 
     #[test]

@@ -3,15 +3,16 @@
 //! the hand-over to the general engine with the plan so far ([`Verdict`]).
 
 use super::*;
+use crate::reply_loop::ReplyPhases;
 
 /// What [`qualify`] found.
 // Made once per request and moved once: boxing the fast variant would add an allocation to
 // the hot path for nothing.
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Verdict {
-    /// The fast engine carries it: what to send where, and the request's exchange, admitted
-    /// and sending (phases 1 to 5 of `relay::exchange`).
-    Fast(Fast, Exchange),
+    /// The fast engine carries it: what to send where, and its reply's phases holding the
+    /// request's exchange, admitted and sending (phases 1 to 5 of `relay::exchange`).
+    Fast(Fast, ReplyPhases),
     /// The head has not all arrived (and is not yet too large).
     HeadDue,
     /// The plan so far is the fast engine's; the body has not all arrived.
@@ -30,10 +31,6 @@ pub(super) struct Fast {
     pub(super) consumed: usize,
     /// The client asked to close after this reply.
     pub(super) close: bool,
-    /// A streamed generation: keep-alive comments in its silences.
-    pub(super) streamed: bool,
-    /// A whole generation's JSON reply gets the served name (`fast::whole`).
-    pub(super) name_reply: bool,
     /// Sent to the backend, and on the reply.
     pub(super) id: RequestId,
 }
@@ -137,9 +134,9 @@ pub(super) fn qualify(app: &Arc<App>, buf: &[u8], began: Instant) -> Verdict {
         upstream,
         consumed: head_len + body_len,
         close: head.close,
-        streamed: plan.generation && plan.streamed,
-        name_reply: plan.name_reply,
         id,
     };
-    Verdict::Fast(fast, exchange)
+    let mut phases = ReplyPhases::new(&app.replies, &plan, exchange.deadline());
+    phases.holds(exchange);
+    Verdict::Fast(fast, phases)
 }

@@ -36,8 +36,6 @@ pub(super) enum ReplyError {
     Unread,
     Io(std::io::Error),
     Malformed(String),
-    /// The generation's deadline passed before the head (`ending`).
-    Deadline,
 }
 
 impl std::fmt::Display for ReplyError {
@@ -47,7 +45,6 @@ impl std::fmt::Display for ReplyError {
             ReplyError::Unread => f.write_str("connection reset before the reply"),
             ReplyError::Io(e) => write!(f, "{e}"),
             ReplyError::Malformed(why) => write!(f, "malformed reply: {why}"),
-            ReplyError::Deadline => f.write_str("the generation's deadline passed"),
         }
     }
 }

@@ -15,7 +15,8 @@ use onebit_plugin_api::{Action, error_body};
 
 use crate::App;
 use crate::exchange::Record;
-use crate::general::{Relayed, relay};
+use crate::general::relay;
+use crate::reply_loop::general::Relayed;
 use crate::request_id::{self, RequestId};
 use onebit_features::guard;
 use onebit_metrics as metrics;
