@@ -38,8 +38,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::App;
+use crate::deadline::Deadline;
 use crate::plan::{Engine, RelayPlan, Target};
-use crate::reply_loop::Deadline;
 use crate::request_id::RequestId;
 use crate::traffic::InFlight;
 use onebit_command::error::ApiError;

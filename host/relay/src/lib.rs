@@ -7,16 +7,18 @@
 //! fast engine (`fast`) serves every client connection first, on the raw socket, and carries
 //! the plans that need no rewrite; it hands every other request, with its plan and the bytes
 //! read so far, to the general engine (`general`: hyper and axum), which carries the rest
-//! (the rewrites, the route's `forward`, `in_process`). Which headers pass and the backend's
-//! request head are `plan`'s one function each; the backend connections are `pool`'s; both
-//! engines read and write through `busy_poll`, and both put SSE comments in a stream's
-//! silences through `sse_keepalive`.
+//! (the body's rewrites, the route's `forward`, `in_process`). Both drive one reply loop
+//! (`reply_loop`): what happens to a reply while it flows (the served name, comments in
+//! silences, the early stream, the `deadline`) is decided there once. Which headers pass and the
+//! backend's request head are `plan`'s one function each; the backend connections are
+//! `pool`'s; both engines read and write through `busy_poll`.
 
 #![forbid(unsafe_code)]
 
 pub mod app;
 pub mod attribution;
 pub mod busy_poll;
+pub mod deadline;
 pub mod exchange;
 pub mod fast;
 pub mod front;

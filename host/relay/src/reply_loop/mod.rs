@@ -23,7 +23,6 @@
 //! in `wake_at` and one more case in `woke`; a rewrite is one more step in `payload`. No
 //! driver changes.
 
-pub mod deadline;
 pub mod general;
 
 use std::sync::Arc;
@@ -35,8 +34,7 @@ use onebit_metrics::Counters;
 use onebit_plugin_api::ReplyShape;
 use tokio::time::Instant;
 
-pub use deadline::Deadline;
-
+use crate::deadline::Deadline;
 use crate::exchange::{Exchange, SlotWatch, noted};
 use crate::plan::RelayPlan;
 use crate::served_name::{self, SseEvents};
@@ -464,10 +462,12 @@ impl ReplyPhases {
         match phase {
             Phase::HeadDue | Phase::Collecting => Say::Refuse(deadline.error()),
             Phase::Passing if self.edge.as_ref().is_some_and(SseEdge::at_boundary) => {
-                Say::Last(deadline.event())
+                Say::Last(error_event(504, deadline.body().as_bytes()))
             }
             Phase::Passing => Say::Cut,
-            Phase::EarlyHeadDue | Phase::Refused(_) => Say::Last(deadline.event()),
+            Phase::EarlyHeadDue | Phase::Refused(_) => {
+                Say::Last(error_event(504, deadline.body().as_bytes()))
+            }
             Phase::Over => Say::Nothing,
         }
     }

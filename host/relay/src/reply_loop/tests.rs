@@ -1,4 +1,5 @@
 use super::*;
+use crate::deadline::Deadline;
 
 /// Settings whose keep-alive silence is `every` (zero: every wake-up is a silence).
 fn settings(every: Option<Duration>) -> Arc<ReplySettings> {

@@ -1,5 +1,5 @@
 //! A generation's deadline (`--max-generation-s`): set by `Exchange::admit` for a generation
-//! when serve has one, and ended by the reply's phases ([`ReplyPhases::woke`](super::ReplyPhases::woke))
+//! when serve has one, and ended by the reply's phases (`reply_loop::ReplyPhases::woke`)
 //! whatever carries the reply.
 
 use std::time::Duration;
@@ -36,15 +36,14 @@ impl Deadline {
         ApiError::GenerationDeadline { after: self.after }
     }
 
-    /// The last event of a stream of events under way.
-    pub fn event(&self) -> Vec<u8> {
+    /// The error's JSON body, for the last event of a stream of events under way.
+    pub fn body(&self) -> String {
         let error = self.error();
-        let body = onebit_command::error::openai_error_body(
+        onebit_command::error::openai_error_body(
             error.status(),
             error.error_type(),
             &error.message(),
-        );
-        super::error_event(error.status().as_u16(), body.as_bytes())
+        )
     }
 
     /// The deadline ended a request: counted (`onebit_generation_deadlines_total`) and said,
