@@ -7,6 +7,10 @@
 #
 #   bench/wrk.sh [ROUNDS] [SECONDS]      (3 rounds of 10 s by default)
 #
+# LLAMA_SERVER=path runs another engine in llama-server's place on every arm: the tests' fake
+# backend (target/release/fake-backend) answers the chat at once, so serve's added time on it is
+# not lost in the generation's milliseconds.
+#
 # Needs wrk (Debian: apt-get install wrk) and nginx (apt-get install nginx-light), the release
 # build (cargo build --release -p onebit-host -p onebit-route-cpu) and setup's llama-server and
 # model (cargo xtask paths).
@@ -21,6 +25,7 @@ for tool in wrk nginx; do
     }
 done
 eval "$(cd "$root" && cargo xtask paths 2>/dev/null)"
+llama_server=${LLAMA_SERVER:-$llama_server}
 onebit="$root/target/release/1bit"
 [ -x "$onebit" ] || {
     echo "bench/wrk.sh: $onebit is missing; build it (cargo build --release -p onebit-host -p onebit-route-cpu)" >&2
