@@ -31,7 +31,9 @@ pub use ports::free_port;
 pub use processes::{
     alive, children_of, cmdline, connections_to, descendants, kill9_leaves_nothing, run_dir_of,
 };
-pub use prometheus::{Sample, parse_prometheus, requests_total, requests_total_in, sample};
+pub use prometheus::{
+    Sample, generation_deadlines, parse_prometheus, requests_total, requests_total_in, sample,
+};
 
 /// One test of this binary at a time, for tests that each run llama-servers: the machine has
 /// two cores, and a llama-server whose threads share them with another's prefill can take

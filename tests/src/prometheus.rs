@@ -74,6 +74,17 @@ pub fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option
         .map(|s| s.value)
 }
 
+/// `onebit_generation_deadlines_total` from serve's `/metrics` (None: not in it).
+pub fn generation_deadlines(serve: &Serve) -> Option<f64> {
+    let (status, text) = get(&serve.url("/metrics"));
+    assert_eq!(status, 200, "{text}");
+    sample(
+        &parse_prometheus(&text),
+        "onebit_generation_deadlines_total",
+        &[],
+    )
+}
+
 /// `onebit_requests_total` from serve's `/metrics`, summed over the series whose labels
 /// include `labels` (e.g. `[("engine", "fast"), ("path_class", "chat")]`). Read with a plain
 /// line parser, so the relay tests need no Python.

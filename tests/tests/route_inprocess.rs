@@ -485,14 +485,6 @@ fn an_in_process_answer_has_its_id_its_request_line_and_its_stream_timed() {
 fn the_generation_deadline_tells_an_in_process_route_to_stop() {
     let serve = serve_inproc_with("deadline.gguf", &["--max-generation-s", "1"], &[]);
     serve.ready();
-    let deadlines = || {
-        let (_, text) = get(&serve.url("/metrics"));
-        sample(
-            &parse_prometheus(&text),
-            "onebit_generation_deadlines_total",
-            &[],
-        )
-    };
     // A stream under way: 100,000 events 5 ms apart.
     let began = Instant::now();
     let mut tcp = open_stream(
@@ -540,5 +532,5 @@ fn the_generation_deadline_tells_an_in_process_route_to_stop() {
         "the route's prefill went on past the deadline:\n{}",
         serve.output()
     );
-    assert_eq!(deadlines(), Some(2.0));
+    assert_eq!(generation_deadlines(&serve), Some(2.0));
 }

@@ -37,17 +37,6 @@ fn serve_with_deadline(deadline_s: u64, keepalive_s: u64) -> Serve {
     serve
 }
 
-fn deadlines_total(serve: &Serve) -> f64 {
-    let (status, text) = get(&serve.url("/metrics"));
-    assert_eq!(status, 200, "{text}");
-    sample(
-        &parse_prometheus(&text),
-        "onebit_generation_deadlines_total",
-        &[],
-    )
-    .unwrap_or(-1.0)
-}
-
 /// The engine a request with a whole body (`Content-Length`) or a chunked one goes to.
 fn engine(chunked_body: bool) -> &'static str {
     if chunked_body { "general" } else { "fast" }
@@ -92,7 +81,7 @@ fn ended_by_the_deadline(serve: &Serve, backend: &BackendLoad, reply: &str, engi
         backend.stops_within(SECS(3)),
         "the backend went on generating after the deadline"
     );
-    assert_eq!(deadlines_total(serve), 1.0);
+    assert_eq!(generation_deadlines(serve), Some(1.0));
     assert_eq!(
         requests_total(serve, &[("engine", engine), ("path_class", "chat")]),
         1,
@@ -137,7 +126,7 @@ fn a_reply_not_begun_is_504(chunked_body: bool) {
         backend.stops_within(SECS(3)),
         "the backend went on with its prefill after the deadline"
     );
-    assert_eq!(deadlines_total(&serve), 1.0);
+    assert_eq!(generation_deadlines(&serve), Some(1.0));
     assert_eq!(
         requests_total(
             &serve,
@@ -177,7 +166,7 @@ fn a_whole_reply_not_begun_is_504() {
         backend.stops_within(SECS(3)),
         "the backend went on generating after the deadline"
     );
-    assert_eq!(deadlines_total(&serve), 1.0);
+    assert_eq!(generation_deadlines(&serve), Some(1.0));
 }
 
 /// A long prefill that keep-alive comments began a stream for (the early stream): the
@@ -231,7 +220,7 @@ fn a_request_that_is_not_a_generation_is_never_bounded() {
     };
     assert_eq!(status, 200, "{reply}");
     assert!(reply.contains("data: [DONE]"), "{reply}");
-    assert_eq!(deadlines_total(&serve), 0.0);
+    assert_eq!(generation_deadlines(&serve), Some(0.0));
 }
 
 /// A client that leaves while serve keeps its stream alive over a long prefill: the backend
@@ -297,5 +286,5 @@ fn the_readme_chat_is_named_on_the_fast_engine_and_bounded_there() {
         2,
         "both chats should have been carried by the fast engine"
     );
-    assert_eq!(deadlines_total(&serve), 1.0);
+    assert_eq!(generation_deadlines(&serve), Some(1.0));
 }

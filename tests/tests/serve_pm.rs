@@ -442,13 +442,5 @@ fn the_generation_deadline_ends_the_tool_loop() {
         backend.stops_within(std::time::Duration::from_secs(3)),
         "the round went on generating after the deadline"
     );
-    let (_, text) = get(&serve.url("/metrics"));
-    assert_eq!(
-        sample(
-            &parse_prometheus(&text),
-            "onebit_generation_deadlines_total",
-            &[]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(generation_deadlines(&serve), Some(1.0));
 }
