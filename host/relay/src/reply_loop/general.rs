@@ -82,20 +82,7 @@ pub async fn answer(mut phases: ReplyPhases, mut source: Source, engine: Engine)
 /// The source's head came before serve began the reply: passed on (the body [`Phased`]), or,
 /// for a whole reply the phases rename, the body collected first.
 async fn headed(mut phases: ReplyPhases, answer: Answer) -> Response {
-    let Answer {
-        response,
-        exchange,
-        relayed,
-    } = answer;
-    if let Some(exchange) = exchange {
-        phases.holds(exchange);
-    }
-    let (mut parts, mut body) = response.into_parts();
-    let content_type = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .map(|v| v.as_bytes().to_vec())
-        .unwrap_or_default();
+    let (mut parts, mut body, content_type, relayed) = opened(&mut phases, answer);
     let collecting = std::time::Instant::now();
     if let Say::Head = phases.head(parts.status.as_u16(), &content_type) {
         if phases.rewrites() {
@@ -137,6 +124,34 @@ async fn headed(mut phases: ReplyPhases, answer: Answer) -> Response {
             _ => {}
         }
     }
+}
+
+/// A source's answer opened: its exchange handed to the phases; its head's parts, its body,
+/// its Content-Type, and for a relayed reply its backend and the backend's time.
+fn opened(
+    phases: &mut ReplyPhases,
+    answer: Answer,
+) -> (
+    axum::http::response::Parts,
+    Body,
+    Vec<u8>,
+    Option<(usize, Duration)>,
+) {
+    let Answer {
+        response,
+        exchange,
+        relayed,
+    } = answer;
+    if let Some(exchange) = exchange {
+        phases.holds(exchange);
+    }
+    let (parts, body) = response.into_parts();
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.as_bytes().to_vec())
+        .unwrap_or_default();
+    (parts, body, content_type, relayed)
 }
 
 /// A relayed reply's head goes out: serve's added time recorded, and the log line told.
@@ -207,23 +222,10 @@ impl Phased {
 
     /// The source's answer, after serve's own head: its status and body go to the phases.
     fn answered(&mut self, answer: Answer) {
-        let Answer {
-            response,
-            exchange,
-            relayed,
-        } = answer;
-        if let Some(exchange) = exchange {
-            self.phases.holds(exchange);
-        }
+        let (parts, body, content_type, relayed) = opened(&mut self.phases, answer);
         if let (Some((_, backend_time)), Some(exchange)) = (relayed, self.phases.exchange()) {
             exchange.head_written(backend_time);
         }
-        let (parts, body) = response.into_parts();
-        let content_type = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .map(|v| v.as_bytes().to_vec())
-            .unwrap_or_default();
         self.phases.head(parts.status.as_u16(), &content_type);
         self.inner = Some(body);
     }
