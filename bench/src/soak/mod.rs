@@ -24,7 +24,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -483,6 +483,19 @@ fn fill_the_micro_batch(port: u16) {
 }
 
 /// One traffic phase of `minutes` on `engine`, ended by SIGTERM.
+/// The next request a client sends: its kind and prompt, or None once the phase is over. The
+/// clients take the kinds in turn from one count, so the first round of every kind goes out
+/// within the first `KINDS.len()` requests, whichever clients are free (on a starved machine a
+/// chat can hold its client for most of a short phase), and that round always goes out in full,
+/// past the phase's end if need be: a kind that never ran would prove nothing.
+fn next_request(taken: &AtomicUsize, deadline: Instant) -> Option<(Kind, usize)> {
+    let n = taken.fetch_add(1, Ordering::SeqCst);
+    if n >= KINDS.len() && Instant::now() >= deadline {
+        return None;
+    }
+    Some((KINDS[n % KINDS.len()], n % PROMPTS.len()))
+}
+
 fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Failure> {
     let log = kit.scratch.join(format!(
         "serve-{}.log",
@@ -555,16 +568,17 @@ fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Fa
             }
         })
     };
+    let taken = Arc::new(AtomicUsize::new(0));
     let clients: Vec<_> = (0..CLIENTS)
-        .map(|c| {
-            let (outcomes, references, fault) =
-                (outcomes.clone(), references.clone(), fault.clone());
+        .map(|_| {
+            let (outcomes, references, fault, taken) = (
+                outcomes.clone(),
+                references.clone(),
+                fault.clone(),
+                taken.clone(),
+            );
             std::thread::spawn(move || {
-                let mut n = c;
-                while Instant::now() < deadline {
-                    let kind = KINDS[n % KINDS.len()];
-                    let prompt = n % PROMPTS.len();
-                    n += 1;
+                while let Some((kind, prompt)) = next_request(&taken, deadline) {
                     let before = fault.load(Ordering::SeqCst);
                     let (status, corrupted) = one(port, kind, PROMPTS[prompt], &references[prompt]);
                     let after = fault.load(Ordering::SeqCst);
@@ -665,5 +679,31 @@ impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past the phase's end the first round still goes out in full, every kind once, and then
+    /// no more; before the end the kinds come in turn.
+    #[test]
+    fn every_kind_is_sent_once_however_short_the_phase() {
+        let taken = AtomicUsize::new(0);
+        let over = Instant::now();
+        let mut kinds = Vec::new();
+        while let Some((kind, _)) = next_request(&taken, over) {
+            kinds.push(kind);
+            assert!(kinds.len() <= KINDS.len(), "sent past the first round");
+        }
+        assert_eq!(kinds, KINDS);
+
+        let taken = AtomicUsize::new(0);
+        let later = Instant::now() + Duration::from_secs(60);
+        let sent: Vec<Kind> = (0..KINDS.len() + 2)
+            .map(|_| next_request(&taken, later).unwrap().0)
+            .collect();
+        assert_eq!(sent[KINDS.len()..], KINDS[..2]);
     }
 }
