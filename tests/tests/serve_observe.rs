@@ -377,6 +377,15 @@ fn the_histograms_time_a_streams_first_token_and_its_events_on_both_engines() {
         Some(0.0),
         "{scraped}"
     );
+    assert!(
+        sample(
+            &parse_prometheus(&scraped),
+            "onebit_busy_poll_pauses_total",
+            &[]
+        )
+        .is_some(),
+        "{scraped}"
+    );
 }
 
 #[test]

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -347,9 +347,9 @@ impl RequestSeries {
         }
     }
 
-    /// The series as Prometheus text, with the relay's requests in flight now; each histogram
-    /// is left out until it has a sample.
-    pub fn render(&self, in_flight: usize) -> String {
+    /// The series as Prometheus text, with the relay's requests in flight now and the times
+    /// busy polling paused; each histogram is left out until it has a sample.
+    pub fn render(&self, in_flight: usize, busy_poll_pauses: u64) -> String {
         let mut registry = Registry::default();
         let gauge = Gauge::<i64>::default();
         gauge.set(i64::try_from(in_flight).unwrap_or(i64::MAX));
@@ -357,6 +357,11 @@ impl RequestSeries {
             "onebit_requests_in_flight",
             "Relayed requests in flight: read, and their reply not yet ended",
             gauge,
+        );
+        registry.register(
+            "onebit_busy_poll_pauses",
+            "Times busy polling paused for a second: a yield came back late, the machine oversubscribed",
+            ConstCounter::new(busy_poll_pauses),
         );
         if self.lasted.load(Ordering::Relaxed) {
             registry.register(
@@ -405,7 +410,7 @@ mod tests {
     fn the_request_counter_is_typed_under_its_sample_name() {
         let requests = RequestSeries::default();
         requests.count(PathClass::Chat, 200, Engine::Fast);
-        let text = requests.render(0);
+        let text = requests.render(0, 0);
         assert!(
             text.contains("# TYPE onebit_requests_total counter"),
             "{text}"
@@ -431,14 +436,14 @@ mod tests {
     fn the_series_render_with_typed_labels() {
         let series = RequestSeries::default();
         assert!(
-            !series.render(0).contains("_seconds"),
+            !series.render(0, 0).contains("_seconds"),
             "no sample, no histogram"
         );
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Chat, 200, Engine::Fast);
         series.count(PathClass::Other, 404, Engine::General);
         series.added(PathClass::Chat, Engine::Fast, Duration::from_micros(30));
-        let text = series.render(3);
+        let text = series.render(3, 0);
         assert!(text.contains("onebit_requests_in_flight 3"), "{text}");
         assert!(
             text.contains(
@@ -462,13 +467,13 @@ mod tests {
     fn status_reads_are_in_no_series() {
         let series = RequestSeries::default();
         series.count(PathClass::Chat, 200, Engine::Fast);
-        let before = series.render(0);
+        let before = series.render(0, 0);
         for path in ["/metrics", "/health", "/v1/models", "/props", "/slots"] {
             let class = PathClass::of(path);
             series.count(class, 200, Engine::General);
             series.added(class, Engine::Fast, Duration::from_micros(30));
             series.lasted(class, Engine::General, Duration::from_millis(2));
         }
-        assert_eq!(series.render(0), before);
+        assert_eq!(series.render(0, 0), before);
     }
 }

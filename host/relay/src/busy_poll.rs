@@ -27,9 +27,18 @@
 //! - one spinner at a time, for at most the budget (`ONEBIT_BUSY_POLL_US`, 50 µs by default;
 //!   0 turns it off), then the socket waits as usual.
 //!
+//! - never on a starved machine: a yield that comes back late ([`LATE_YIELD`]) gave the CPU to
+//!   another runnable thread for its whole slice (a CPU hog, a build, the model's own
+//!   threads), a wait of milliseconds where the spin was to save microseconds; the spin ends
+//!   there and no socket spins for the next [`PAUSE_AFTER_LATE_YIELD`]
+//!   (`onebit_busy_poll_pauses_total` counts the pauses). Beside a hog at the same priority on
+//!   every core a tenth of yields came back 3-7 ms late here, where sleeping in `epoll_wait`
+//!   is woken within tens of microseconds (a wakee runs before a hog whose slice is spent).
+//!
 //! The figures this buys and what it costs are in docs/performance.md. On a virtual machine
 //! whose host is overcommitted a spinning vCPU competes with the VM's other vCPUs for the
-//! host's time; there `ONEBIT_BUSY_POLL_US=0` is the safer setting.
+//! host's time, unseen by the guest's yields; there `ONEBIT_BUSY_POLL_US=0` is the safer
+//! setting.
 
 use std::io::{self, Read};
 use std::mem::MaybeUninit;
@@ -46,6 +55,16 @@ use crate::traffic::Traffic;
 
 /// The budget when `ONEBIT_BUSY_POLL_US` is unset.
 pub const DEFAULT_BUDGET: Duration = Duration::from_micros(50);
+
+/// A yield that takes this long gave the CPU away for another thread's slice (a yield on a
+/// CPU with nothing else to run returns within microseconds; one that lets the backend answer
+/// within tens).
+pub const LATE_YIELD: Duration = Duration::from_micros(500);
+
+/// How long no socket spins after a late yield: long enough that a starved machine pays a
+/// late yield at most about once a second, short enough that spinning resumes soon after the
+/// machine quiets.
+pub const PAUSE_AFTER_LATE_YIELD: Duration = Duration::from_secs(1);
 
 /// The spin budget from `ONEBIT_BUSY_POLL_US`'s text (clap reads it): whole microseconds, at
 /// most 10 ms; unset or not a whole number: the default (as serve's other numeric variables).
@@ -117,8 +136,9 @@ impl BusyPollStream {
         let spin_ends = Instant::now() + budget;
         // A backend has not answered a request sent a moment ago: it runs first, so the
         // first ask can find its answer (a client's next request is often there already).
-        if self.side == Side::Backend {
-            std::thread::yield_now();
+        if self.side == Side::Backend && !yield_in_time(&self.traffic) {
+            self.traffic.end_spin();
+            return None;
         }
         Some(spin_ends)
     }
@@ -141,7 +161,7 @@ impl BusyPollStream {
                     break true;
                 }
             }
-            if !yield_until(spin_ends) {
+            if !yield_until(&self.traffic, spin_ends) {
                 break false;
             }
         };
@@ -165,7 +185,7 @@ impl BusyPollStream {
                 Err(e) if would_block(&e) => {}
                 Err(e) => break Some(Err(e)),
             }
-            if !yield_until(spin_ends) {
+            if !yield_until(&self.traffic, spin_ends) {
                 break None;
             }
         };
@@ -201,15 +221,24 @@ fn would_block(e: &io::Error) -> bool {
     )
 }
 
-/// Between two asks of a spin: false once the spin's end has passed, else yield the CPU and
-/// true. Not a bare spin: the thread that owes the answer was often just woken onto this CPU
+/// Between two asks of a spin: false once the spin's end has passed or a yield came back
+/// late, else true, having yielded the CPU. Not a bare spin: the thread that owes the answer was often just woken onto this CPU
 /// (the kernel places a wakee near its waker), and must run here first.
-fn yield_until(spin_ends: Instant) -> bool {
-    if Instant::now() >= spin_ends {
-        return false;
-    }
+fn yield_until(traffic: &Traffic, spin_ends: Instant) -> bool {
+    Instant::now() < spin_ends && yield_in_time(traffic)
+}
+
+/// Yield the CPU; false when the yield came back late ([`LATE_YIELD`]): the machine is
+/// oversubscribed, and spinning pauses ([`PAUSE_AFTER_LATE_YIELD`]).
+fn yield_in_time(traffic: &Traffic) -> bool {
+    let asked = Instant::now();
     std::thread::yield_now();
-    true
+    let back = Instant::now();
+    if back.duration_since(asked) < LATE_YIELD {
+        return true;
+    }
+    traffic.pause_spinning(back + PAUSE_AFTER_LATE_YIELD);
+    false
 }
 
 impl AsyncRead for BusyPollStream {
@@ -305,6 +334,64 @@ mod tests {
         assert_eq!(parse_budget(Some("99999999")), Duration::from_millis(10));
         assert_eq!(parse_budget(Some("-1")), DEFAULT_BUDGET);
         assert_eq!(parse_budget(Some("fast")), DEFAULT_BUDGET);
+    }
+
+    /// While spinning is paused no socket takes the spinner's place; once the pause has
+    /// passed one does again.
+    #[test]
+    fn a_paused_spin_is_not_taken_until_the_pause_ends() {
+        let traffic = Traffic::new(DEFAULT_BUDGET);
+        traffic.pause_spinning(Instant::now() + PAUSE_AFTER_LATE_YIELD);
+        assert!(!traffic.start_spin(), "spun while paused");
+        assert_eq!(traffic.spin_pauses(), 1);
+        traffic.pause_spinning(Instant::now());
+        assert!(
+            !traffic.start_spin(),
+            "a shorter pause cut the longer one short"
+        );
+        assert!(!traffic.spin_paused(Instant::now() + PAUSE_AFTER_LATE_YIELD));
+        let fresh = Traffic::new(DEFAULT_BUDGET);
+        fresh.pause_spinning(Instant::now());
+        assert!(fresh.start_spin(), "a pause that has passed still held");
+    }
+
+    /// Pin the calling thread to `cpu`.
+    fn pin_to(cpu: usize) {
+        let mut set = nix::sched::CpuSet::new();
+        set.set(cpu).unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).unwrap();
+    }
+
+    /// With a busy thread on the same CPU, yields come back late now and then (the busy thread
+    /// ran its slice): the first late one pauses spinning for every socket.
+    #[test]
+    fn a_yield_that_gives_the_cpu_away_pauses_spinning() {
+        let cpu = nix::sched::sched_getcpu().unwrap();
+        pin_to(cpu);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let hog = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                pin_to(cpu);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        let traffic = Traffic::new(DEFAULT_BUDGET);
+        let began = Instant::now();
+        let mut late = false;
+        while !late && began.elapsed() < Duration::from_secs(10) {
+            late = !yield_in_time(&traffic);
+            // As a socket does between messages: the next yield comes after a wait.
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        hog.join().unwrap();
+        assert!(late, "no yield came back late beside a busy thread in 10 s");
+        assert!(traffic.spin_paused(Instant::now()));
+        assert!(!traffic.start_spin());
+        assert_eq!(traffic.spin_pauses(), 1);
     }
 
     /// A client socket spins once for the request it is owed, reads it past the runtime's

@@ -12,9 +12,9 @@
 //! stop that ends them anyway, so when nothing else is in flight the drain ends early and cuts
 //! them (llama.cpp's `test_mcp_slow_tool_call_slot_release` asks for a stop within 3 s).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
 
 /// The paths whose requests the backend abandons at its stop (see the module's text).
 const ABANDONED_AT_STOP: [&str; 1] = ["/tools"];
@@ -42,6 +42,18 @@ pub struct Traffic {
     busy_poll: Duration,
     /// Whether a socket spins now: one at a time.
     spinning: AtomicBool,
+    /// No socket spins before this time (microseconds on [`SPIN_CLOCK`]; 0: none paused):
+    /// the machine was seen oversubscribed (`busy_poll`'s late yield).
+    spin_paused_until_us: AtomicU64,
+    /// Times spinning was paused so: `onebit_busy_poll_pauses_total`.
+    spin_pauses: AtomicU64,
+}
+
+/// The clock spinning's pause is kept on: microseconds from its first reading.
+static SPIN_CLOCK: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+fn spin_clock_us(at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(*SPIN_CLOCK).as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Traffic {
@@ -90,9 +102,27 @@ impl Traffic {
         self.busy_poll
     }
 
-    /// Take the one spinner's place, when no other socket holds it.
+    /// Take the one spinner's place, when no other socket holds it and spinning is not
+    /// paused.
     pub fn start_spin(&self) -> bool {
-        !self.spinning.swap(true, Ordering::Acquire)
+        !self.spin_paused(Instant::now()) && !self.spinning.swap(true, Ordering::Acquire)
+    }
+
+    /// Whether spinning is paused at `now`.
+    pub fn spin_paused(&self, now: Instant) -> bool {
+        spin_clock_us(now) < self.spin_paused_until_us.load(Ordering::Relaxed)
+    }
+
+    /// No socket spins before `until`: the machine has more threads to run than cores.
+    pub fn pause_spinning(&self, until: Instant) {
+        self.spin_paused_until_us
+            .fetch_max(spin_clock_us(until), Ordering::Relaxed);
+        self.spin_pauses.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Times spinning was paused since serve started.
+    pub fn spin_pauses(&self) -> u64 {
+        self.spin_pauses.load(Ordering::Relaxed)
     }
 
     /// Give the spinner's place back.

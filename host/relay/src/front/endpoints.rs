@@ -274,7 +274,11 @@ pub async fn scrape(State(app): State<Arc<App>>) -> Response {
         &machine,
         &app.metrics.counters,
     );
-    metrics::append(&mut body, &app.requests.render(app.traffic.in_flight()));
+    metrics::append(
+        &mut body,
+        &app.requests
+            .render(app.traffic.in_flight(), app.traffic.spin_pauses()),
+    );
     match route_text.await {
         Ok(Ok(text)) => metrics::append(&mut body, &text),
         Ok(Err(e)) => {
