@@ -3,9 +3,9 @@
 //! keep their prefixes (docs/serve.md, Agent sessions). `record_agent_sessions` (ignored)
 //! records them again when the pins move.
 
-use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 use onebit_tests::agent_sessions::{self, Recorded, ScriptedModel, Step};
 use onebit_tests::*;
@@ -80,8 +80,156 @@ fn scripts(dir: &Path, codex: bool) -> Vec<(&'static str, &'static str, Vec<Step
     ]
 }
 
+/// The API key the agents are given (the scripted model takes any).
+const KEY: &str = "any";
+
+/// A tmux server of its own (on its own socket, `tmux -S`), killed with all it runs when
+/// dropped, its socket removed.
+struct Tmux {
+    socket: PathBuf,
+}
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new("tmux")
+            .arg("-S")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("tmux runs (apt-get install tmux)")
+    }
+
+    /// The screen of the session's pane, as text.
+    fn screen(&self) -> String {
+        String::from_utf8_lossy(&self.run(&["capture-pane", "-p", "-t", "agent"]).stdout)
+            .lines()
+            .map(str::trim_end)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn alive(&self) -> bool {
+        self.run(&["has-session", "-t", "agent"]).status.success()
+    }
+
+    /// Types `text` (literally) and presses Enter.
+    fn enter(&self, text: &str) {
+        self.run(&["send-keys", "-t", "agent", "-l", text]);
+        std::thread::sleep(Duration::from_millis(500));
+        self.run(&["send-keys", "-t", "agent", "Enter"]);
+    }
+
+    /// Waits at most `limit` for `done`; whether it came.
+    fn wait(&self, limit: Duration, mut done: impl FnMut(&Tmux) -> bool) -> bool {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if done(self) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        done(self)
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// Runs Claude Code interactively, its terminal UI in a detached tmux session (a pty of
+/// 200x50), in `work` with `home` as its HOME: types `task`, waits (at most `limit`) until the
+/// scripted model has been asked for its last step, the answer, and quits with `/exit`. The
+/// first-run dialogs (theme, onboarding, the API key, trusting the folder) are answered in
+/// `home/.claude.json` beforehand; Read and Grep in the folder need no permission. Returns
+/// (success, the last screen).
+fn claude_interactive(
+    program: &Path,
+    work: &Path,
+    home: &Path,
+    model: &ScriptedModel,
+    task: &str,
+    limit: Duration,
+) -> (bool, String) {
+    let config = json!({
+        "hasCompletedOnboarding": true,
+        "lastOnboardingVersion": pinned("@anthropic-ai/claude-code"),
+        "theme": "dark",
+        "numStartups": 1,
+        "customApiKeyResponses": {"approved": [&KEY[KEY.len().saturating_sub(20)..]], "rejected": []},
+        "projects": {work.to_str().unwrap(): {
+            "hasTrustDialogAccepted": true,
+            "hasCompletedProjectOnboarding": true,
+            "allowedTools": [],
+        }},
+    });
+    std::fs::write(home.join(".claude.json"), config.to_string()).unwrap();
+    let tmux = Tmux {
+        socket: home.with_extension("tmux"),
+    };
+    let env = [
+        ("HOME", home.to_str().unwrap().to_string()),
+        ("ANTHROPIC_BASE_URL", model.url()),
+        ("ANTHROPIC_API_KEY", KEY.into()),
+        ("ANTHROPIC_MODEL", SERVED.into()),
+        ("ANTHROPIC_SMALL_FAST_MODEL", SERVED.into()),
+        ("DISABLE_TELEMETRY", "1".into()),
+        ("DISABLE_AUTOUPDATER", "1".into()),
+        ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".into()),
+    ];
+    let mut start = Command::new("tmux");
+    start
+        .arg("-S")
+        .arg(&tmux.socket)
+        .args(["new-session", "-d", "-s", "agent"])
+        .args(["-x", "200", "-y", "50", "-c"])
+        .arg(work);
+    for (name, value) in &env {
+        start.arg("-e").arg(format!("{name}={value}"));
+    }
+    // The server's environment is the session's, less what would tell Claude Code it runs
+    // inside another one.
+    for name in ["CLAUDECODE", "CLAUDE_CODE_ENTRYPOINT", "TMUX", "TMUX_PANE"] {
+        start.env_remove(name);
+    }
+    let started = start
+        .arg(format!("exec '{}'", program.display()))
+        .output()
+        .expect("tmux runs (apt-get install tmux)");
+    if !started.status.success() {
+        return (false, onebit_tests::output_text(&started));
+    }
+    let ready = tmux.wait(Duration::from_secs(60), |t| {
+        t.screen().contains("? for shortcuts")
+    });
+    if !ready {
+        return (false, format!("no prompt after 60 s:\n{}", tmux.screen()));
+    }
+    tmux.enter(task);
+    let answered = tmux.wait(limit, |t| model.answered() || !t.alive());
+    // The answer drawn, and what Claude Code sends after a turn, before it is asked to quit.
+    let shown = tmux.wait(Duration::from_secs(20), |t| {
+        t.screen().contains("for shortcuts")
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let screen = tmux.screen();
+    if !answered || !shown {
+        return (
+            false,
+            format!("the answer was not asked for within {limit:?}:\n{screen}"),
+        );
+    }
+    tmux.enter("/exit");
+    let quit = tmux.wait(Duration::from_secs(20), |t| !t.alive());
+    (quit, screen)
+}
+
 /// Records each agent's two sessions against the scripted model and writes them to
-/// tests/data/agents/ (run when the pins move; it needs `cargo xtask setup`'s agents).
+/// tests/data/agents/ (run when the pins move; it needs `cargo xtask setup`'s agents, and
+/// tmux: Claude Code runs interactively, in its terminal UI).
 #[test]
 #[ignore = "re-records tests/data/agents/ with the pinned agents"]
 fn record_agent_sessions() {
@@ -101,9 +249,9 @@ fn record_agent_sessions() {
             let home = dir.join(format!("home-{session}"));
             std::fs::create_dir_all(&home).unwrap();
             let model = ScriptedModel::start(steps);
-            let mut command = Command::new(agent_program(program));
-            command.current_dir(&work).env("HOME", &home);
-            if codex {
+            let (ok, said) = if codex {
+                let mut command = Command::new(agent_program(program));
+                command.current_dir(&work).env("HOME", &home);
                 let codex_home = home.join("codex");
                 std::fs::create_dir_all(&codex_home).unwrap();
                 std::fs::write(
@@ -125,25 +273,43 @@ fn record_agent_sessions() {
                         task,
                     ])
                     .env("CODEX_HOME", &codex_home)
-                    .env("OPENAI_API_KEY", "any");
+                    .env("OPENAI_API_KEY", KEY);
+                agent_sessions::run_bounded(command, Duration::from_secs(180))
             } else {
-                command
-                    .args(["-p", task])
-                    .env("ANTHROPIC_BASE_URL", model.url())
-                    .env("ANTHROPIC_API_KEY", "any")
-                    .env("ANTHROPIC_MODEL", SERVED)
-                    .env("ANTHROPIC_SMALL_FAST_MODEL", SERVED)
-                    .env("DISABLE_TELEMETRY", "1")
-                    .env("DISABLE_AUTOUPDATER", "1")
-                    .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1");
-            }
-            let (ok, said) = agent_sessions::run_bounded(command, Duration::from_secs(180));
+                claude_interactive(
+                    &agent_program(program),
+                    &work,
+                    &home,
+                    &model,
+                    task,
+                    Duration::from_secs(180),
+                )
+            };
             let seen = model.take();
             eprintln!(
                 "{agent} {session}: ok {ok}, {} requests\n{said}",
                 seen.len()
             );
             assert!(ok, "{agent} session {session} failed:\n{said}");
+            // The agent's loop alone (the requests that offer tools): Claude Code's side
+            // requests (the session's title) are another prompt, which a replay would take
+            // for a turn of the session.
+            let seen: Vec<_> = seen
+                .into_iter()
+                .filter(|(method, path, _, body)| {
+                    let value: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+                    let side = !agent_sessions::offers_tools(&value);
+                    if side {
+                        eprintln!(
+                            "{agent} {session}: left out {method} {path}, max_tokens {}, {} messages: {:.200}",
+                            value["max_tokens"],
+                            value["messages"].as_array().map_or(0, Vec::len),
+                            value["system"].to_string()
+                        );
+                    }
+                    !side
+                })
+                .collect();
             all.extend(agent_sessions::recorded(agent, &version, session, seen));
         }
         let file = format!("{agent}-{version}.jsonl");

@@ -21,7 +21,9 @@ use serde_json::{Value, json};
 
 mod scripted_model;
 
-pub use scripted_model::{ScriptedModel, SeenRequest, Step, project, recorded, run_bounded, save};
+pub use scripted_model::{
+    ScriptedModel, SeenRequest, Step, offers_tools, project, recorded, run_bounded, save,
+};
 
 /// The folder the sessions are kept in.
 pub fn data_dir() -> PathBuf {

@@ -44,6 +44,7 @@ const KEPT_HEADERS: [&str; 9] = [
 pub struct ScriptedModel {
     pub port: u16,
     seen: Arc<Seen>,
+    steps: usize,
 }
 
 impl ScriptedModel {
@@ -52,6 +53,7 @@ impl ScriptedModel {
         let port = listener.local_addr().unwrap().port();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let sink = seen.clone();
+        let steps = script.len();
         let script = Arc::new(script);
         std::thread::spawn(move || {
             for client in listener.incoming().map_while(Result::ok) {
@@ -60,11 +62,21 @@ impl ScriptedModel {
                 std::thread::spawn(move || answer(client, &script, &sink));
             }
         });
-        ScriptedModel { port, seen }
+        ScriptedModel { port, seen, steps }
     }
 
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Whether the agent has asked for the script's last step (its answer): a request of the
+    /// agent's loop (one that offers tools) carrying a result of every call before it.
+    pub fn answered(&self) -> bool {
+        let last = self.steps.saturating_sub(1);
+        self.seen.lock().unwrap().iter().any(|(_, _, _, body)| {
+            let value: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+            offers_tools(&value) && step_of(&value) >= last
+        })
     }
 
     /// The requests seen so far (method, path, kept headers, body).
@@ -198,18 +210,23 @@ fn step_of(request: &Value) -> usize {
     n
 }
 
+/// Whether a request offers tools: one of the agent's loop, not a side request (Claude Code's
+/// session title).
+pub fn offers_tools(request: &Value) -> bool {
+    request["tools"].as_array().is_some_and(|t| !t.is_empty())
+}
+
 /// A Messages stream: the script's step when the request offers tools, else a short answer
-/// (Claude Code's side requests: a title, a topic).
+/// (Claude Code's side requests: a session title, which asks for JSON by a schema, a topic).
 fn messages_stream(request: &Value, script: &[Step]) -> String {
     let model = request["model"].as_str().unwrap_or("local");
-    let has_tools = request["tools"].as_array().is_some_and(|t| !t.is_empty());
-    let step = if has_tools {
+    let step = if offers_tools(request) {
         script
             .get(step_of(request))
             .cloned()
             .unwrap_or_else(|| Step::Answer("Done.".into()))
     } else {
-        Step::Answer("Reading files".into())
+        Step::Answer(side_answer(request))
     };
     let mut out = sse(
         "message_start",
@@ -245,6 +262,23 @@ fn messages_stream(request: &Value, script: &[Step]) -> String {
     out.push_str(&sse("message_delta", &json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": null}, "usage": {"output_tokens": 20}})));
     out.push_str(&sse("message_stop", &json!({"type": "message_stop"})));
     out
+}
+
+/// The answer to a side request: the JSON its `output_config.format` schema asks for (each
+/// property a short text), else a short text.
+fn side_answer(request: &Value) -> String {
+    const SAID: &str = "Reading files";
+    let format = &request["output_config"]["format"];
+    if format["type"] != "json_schema" {
+        return SAID.into();
+    }
+    let answer: serde_json::Map<String, Value> = format["schema"]["properties"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(name, _)| (name.clone(), Value::from(SAID)))
+        .collect();
+    Value::Object(answer).to_string()
 }
 
 /// A Responses stream: the script's step; a call becomes a call of the shell tool the
