@@ -14,7 +14,8 @@
 //! the real llama-server, cache-aware with a shared prompt cache against round-robin,
 //! `fleet/conversations.rs`).
 //! No part named runs them all; `--quick` is the short run CI uses (`bench hop --quick`);
-//! `hop --repeat N` measures the hop N times and judges the series (`series.rs`).
+//! `hop --repeat N` measures the hop N times and judges the series (`series.rs`); `--hog`
+//! measures beside a busy loop per core at the bench's priority (the starved soak's hog).
 //! Arms alternate in blocks so drift on a shared machine falls on every arm alike.
 
 mod agents;
@@ -45,7 +46,7 @@ use report::Report;
 
 use crate::{Failure, Prepare, Workspace, process};
 
-const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH]`, `cargo xtask bench hop --repeat N [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]`, `cargo xtask bench prompt-cache [--quick]`, `cargo xtask bench agents [--quick]` or `cargo xtask bench fleet [--quick]`";
+const USAGE: &str = "use `cargo xtask bench [hop|throughput|sse|startup|rss|mem-check|rpc ...] [--quick] [--baseline PATH] [--hog]`, `cargo xtask bench hop --repeat N [--baseline PATH]`, `cargo xtask bench inproc [--quick]`, `cargo xtask bench stop [--quick]`, `cargo xtask bench prompt-cache [--quick]`, `cargo xtask bench agents [--quick]` or `cargo xtask bench fleet [--quick]`";
 const TOKENIZE: &str = r#"{"content":"hello world"}"#;
 const ARMS: [&str; 3] = ["direct", "serve", "nginx"];
 /// Load clients for the throughput and RSS figures.
@@ -74,7 +75,13 @@ struct Options {
     baseline: Option<PathBuf>,
     /// Runs of the hop (`--repeat N`, hop alone): more than one makes a series.
     repeat: usize,
+    /// Measure beside a CPU hog (`--hog`): a busy loop per core at the bench's priority, as
+    /// the starved soak runs serve.
+    hog: bool,
 }
+
+/// The longest a `--hog` run's busy loops may live, should the bench itself die.
+const HOG_LIMIT: Duration = Duration::from_secs(1800);
 
 /// The runs `--repeat` takes: a series needs two for an interval, and past 30 a run's noise
 /// is no longer what limits a comparison.
@@ -87,11 +94,13 @@ impl Options {
         let mut quick = false;
         let mut baseline = None;
         let mut repeat = 1;
+        let mut hog = false;
         let mut args = args.iter();
         while let Some(arg) = args.next() {
-            any |= !matches!(arg.as_str(), "--quick" | "--baseline" | "--repeat");
+            any |= !matches!(arg.as_str(), "--quick" | "--baseline" | "--repeat" | "--hog");
             match arg.as_str() {
                 "--quick" => quick = true,
+                "--hog" => hog = true,
                 "--repeat" => {
                     let runs = args.next().and_then(|n| n.parse::<usize>().ok());
                     let Some(runs) = runs.filter(|n| REPEAT_RANGE.contains(n)) else {
@@ -154,6 +163,7 @@ impl Options {
             quick,
             baseline,
             repeat,
+            hog,
         })
     }
 }
@@ -222,6 +232,7 @@ pub fn regression_check(ws: &Workspace, prep: &dyn Prepare) -> Result<Gate, Fail
         quick: true,
         baseline: None,
         repeat: 1,
+        hog: false,
     };
     let mut failed = Vec::new();
     let mut noisy = Vec::new();
@@ -250,6 +261,13 @@ fn measure(ws: &Workspace, prep: &dyn Prepare, options: &Options) -> Result<Repo
     let bins = build(ws, parts.sse)?;
     let scratch = scratch_dir("onebit-bench")?;
     let mut report = Report::new(options.quick);
+    // Beside a CPU hog, bounded past the longest run, killed when the measurement ends.
+    let hog = if options.hog {
+        Some(crate::soak::Hog::start(HOG_LIMIT)?)
+    } else {
+        None
+    };
+    report.hog_loops = hog.as_ref().map_or(0, crate::soak::Hog::cores);
     if parts.hop || parts.throughput || parts.rss {
         proxied(ws, &bins, options, &scratch, &mut report)?;
     }
@@ -269,6 +287,7 @@ fn measure(ws: &Workspace, prep: &dyn Prepare, options: &Options) -> Result<Repo
         let rows = rpc::measure(ws, &bins.onebit, options.quick, &scratch)?;
         rpc::write(&ws.root.join("results"), &rows)?;
     }
+    drop(hog);
     // `bench rpc` alone has its own table and file; the shared report would be empty.
     if parts.hop || parts.throughput || parts.sse || parts.startup || parts.rss || parts.mem_check {
         report.finish(&ws.root.join("results"))?;
@@ -627,6 +646,9 @@ mod tests {
         assert_eq!(options.repeat, 20);
         assert!(options.parts.hop && !options.parts.throughput);
         assert_eq!(Options::parse(&args(&["hop"])).unwrap().repeat, 1);
+        let hogged = Options::parse(&args(&["hop", "--quick", "--hog"])).unwrap();
+        assert!(hogged.hog && hogged.parts.hop && !hogged.parts.sse);
+        assert!(!Options::parse(&args(&["hop"])).unwrap().hog);
         for (bad, says) in [
             (
                 &["hop", "--repeat"][..],

@@ -35,6 +35,8 @@ pub(super) struct Target {
 
 pub(super) struct Report {
     pub(super) quick: bool,
+    /// Busy loops run beside the arms (`--hog`): 0 on a quiet run.
+    pub(super) hog_loops: usize,
     pub(super) load_before: String,
     pub(super) hop: Option<Hop>,
     pub(super) throughput: Option<[f64; 3]>,
@@ -53,6 +55,7 @@ impl Report {
     pub(super) fn new(quick: bool) -> Report {
         Report {
             quick,
+            hog_loops: 0,
             load_before: loadavg(),
             hop: None,
             throughput: None,
@@ -336,6 +339,12 @@ impl Report {
             "load average before: {}; after: {load_after}",
             self.load_before
         );
+        if self.hog_loops > 0 {
+            println!(
+                "measured beside a CPU hog: {} busy loop(s) at the bench's priority",
+                self.hog_loops
+            );
+        }
 
         let json = self.json(&load_after);
         write_result(
@@ -428,6 +437,7 @@ impl Report {
         serde_json::json!({
             "benchmark": "serve hop against llama-server direct and nginx",
             "quick": self.quick,
+            "hog_loops": self.hog_loops,
             "unix_time": SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             "machine": {
                 "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),

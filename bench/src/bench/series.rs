@@ -595,6 +595,7 @@ mod tests {
             quick: false,
             baseline: Some("/parent/1bit".into()),
             repeat: 4,
+            hog: false,
         };
         let (bins, options) = traded(&bins, &options);
         assert_eq!(bins.onebit, Path::new("/parent/1bit"));

@@ -1,5 +1,6 @@
-//! The starved soak's CPU hog: one busy-looping process per core at serve's own priority,
-//! bounded in time by `timeout` even if the soak itself dies, killed when dropped.
+//! The CPU hog of the starved soak and of `bench hop --hog`: one busy-looping process per core
+//! at serve's own priority, bounded in time by `timeout` even if the caller dies, killed when
+//! dropped.
 
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
@@ -12,14 +13,14 @@ use crate::Failure;
 
 /// One `sh` loop per core, each under `timeout -s KILL` in a process group of its own; every
 /// group SIGKILLed when dropped (on an error path too).
-pub(super) struct Hog {
+pub(crate) struct Hog {
     loops: Vec<Child>,
 }
 
 impl Hog {
     /// Start one busy loop per core (`available_parallelism`), each ended by `timeout` after
     /// `limit` whatever becomes of the soak. Called once per starved run, on the soak's thread.
-    pub(super) fn start(limit: Duration) -> Result<Hog, Failure> {
+    pub(crate) fn start(limit: Duration) -> Result<Hog, Failure> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut hog = Hog { loops: Vec::new() };
         for _ in 0..cores {
@@ -43,13 +44,13 @@ impl Hog {
     }
 
     /// How many busy loops run (one per core).
-    pub(super) fn cores(&self) -> usize {
+    pub(crate) fn cores(&self) -> usize {
         self.loops.len()
     }
 
     /// Kill every loop's group and reap it; the pids (`timeout` and its `sh`) still in /proc
     /// afterwards, which should be none.
-    pub(super) fn stop(mut self) -> Vec<u32> {
+    pub(crate) fn stop(mut self) -> Vec<u32> {
         self.kill_all()
     }
 

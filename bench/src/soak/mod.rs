@@ -35,6 +35,8 @@ use crate::{Failure, Prepare, Workspace, process};
 
 mod client;
 mod hog;
+
+pub(crate) use hog::Hog;
 mod processes;
 mod report;
 mod starved;
