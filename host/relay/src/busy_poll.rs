@@ -30,8 +30,9 @@
 //! - never on a starved machine: a yield that comes back late ([`LATE_YIELD`]) gave the CPU to
 //!   another runnable thread for its whole slice (a CPU hog, a build, the model's own
 //!   threads), a wait of milliseconds where the spin was to save microseconds; the spin ends
-//!   there and no socket spins for the next [`PAUSE_AFTER_LATE_YIELD`]
-//!   (`onebit_busy_poll_pauses_total` counts the pauses). Beside a hog at the same priority on
+//!   there and no socket spins for a second, twice as long each time the machine is found
+//!   starved again soon after a pause, up to half a minute (`Traffic::pause_spinning`;
+//!   `onebit_busy_poll_pauses_total` counts the pauses). Beside a hog at the same priority on
 //!   every core a tenth of yields came back 3-7 ms late here, where sleeping in `epoll_wait`
 //!   is woken within tens of microseconds (a wakee runs before a hog whose slice is spent).
 //!
@@ -61,10 +62,6 @@ pub const DEFAULT_BUDGET: Duration = Duration::from_micros(50);
 /// within tens).
 pub const LATE_YIELD: Duration = Duration::from_micros(500);
 
-/// How long no socket spins after a late yield: long enough that a starved machine pays a
-/// late yield at most about once a second, short enough that spinning resumes soon after the
-/// machine quiets.
-pub const PAUSE_AFTER_LATE_YIELD: Duration = Duration::from_secs(1);
 
 /// The spin budget from `ONEBIT_BUSY_POLL_US`'s text (clap reads it): whole microseconds, at
 /// most 10 ms; unset or not a whole number: the default (as serve's other numeric variables).
@@ -229,7 +226,7 @@ fn yield_until(traffic: &Traffic, spin_ends: Instant) -> bool {
 }
 
 /// Yield the CPU; false when the yield came back late ([`LATE_YIELD`]): the machine is
-/// oversubscribed, and spinning pauses ([`PAUSE_AFTER_LATE_YIELD`]).
+/// oversubscribed, and spinning pauses (`Traffic::pause_spinning`).
 fn yield_in_time(traffic: &Traffic) -> bool {
     let asked = Instant::now();
     std::thread::yield_now();
@@ -237,7 +234,7 @@ fn yield_in_time(traffic: &Traffic) -> bool {
     if back.duration_since(asked) < LATE_YIELD {
         return true;
     }
-    traffic.pause_spinning(back + PAUSE_AFTER_LATE_YIELD);
+    traffic.pause_spinning(back);
     false
 }
 
@@ -337,22 +334,34 @@ mod tests {
     }
 
     /// While spinning is paused no socket takes the spinner's place; once the pause has
-    /// passed one does again.
+    /// passed one does again. Starved again soon after a pause, the next is twice as long, up
+    /// to the longest; starved again long after, it is the first's length again.
     #[test]
-    fn a_paused_spin_is_not_taken_until_the_pause_ends() {
+    fn a_pause_holds_every_spin_and_doubles_while_the_machine_stays_starved() {
+        use crate::traffic::{FIRST_SPIN_PAUSE, LONGEST_SPIN_PAUSE};
         let traffic = Traffic::new(DEFAULT_BUDGET);
-        traffic.pause_spinning(Instant::now() + PAUSE_AFTER_LATE_YIELD);
+        let t0 = Instant::now();
+        let ends = traffic.pause_spinning(t0);
+        assert_eq!(ends - t0, FIRST_SPIN_PAUSE);
         assert!(!traffic.start_spin(), "spun while paused");
+        assert!(traffic.spin_paused(ends - Duration::from_millis(1)));
+        assert!(!traffic.spin_paused(ends));
         assert_eq!(traffic.spin_pauses(), 1);
-        traffic.pause_spinning(Instant::now());
-        assert!(
-            !traffic.start_spin(),
-            "a shorter pause cut the longer one short"
-        );
-        assert!(!traffic.spin_paused(Instant::now() + PAUSE_AFTER_LATE_YIELD));
+        // Starved again just after the pause: twice as long, and so on up to the longest.
+        let mut at = ends;
+        let mut pause = FIRST_SPIN_PAUSE;
+        for _ in 0..8 {
+            let next = traffic.pause_spinning(at + Duration::from_millis(10));
+            pause = (pause * 2).min(LONGEST_SPIN_PAUSE);
+            assert_eq!(next - (at + Duration::from_millis(10)), pause);
+            at = next;
+        }
+        assert_eq!(pause, LONGEST_SPIN_PAUSE);
+        // Quiet for longer than the last pause: back to the first.
+        let later = at + LONGEST_SPIN_PAUSE + Duration::from_secs(1);
+        assert_eq!(traffic.pause_spinning(later) - later, FIRST_SPIN_PAUSE);
         let fresh = Traffic::new(DEFAULT_BUDGET);
-        fresh.pause_spinning(Instant::now());
-        assert!(fresh.start_spin(), "a pause that has passed still held");
+        assert!(fresh.start_spin(), "spinning held with no pause");
     }
 
     /// Pin the calling thread to `cpu`.

@@ -45,20 +45,36 @@ pub struct Traffic {
     /// No socket spins before this time (microseconds on [`SPIN_CLOCK`]; 0: none paused):
     /// the machine was seen oversubscribed (`busy_poll`'s late yield).
     spin_paused_until_us: AtomicU64,
+    /// The last pause's length, in microseconds: doubled when the machine is found starved
+    /// again soon after it.
+    spin_pause_us: AtomicU64,
     /// Times spinning was paused so: `onebit_busy_poll_pauses_total`.
     spin_pauses: AtomicU64,
 }
+
+/// The first pause of spinning after a late yield: short, so spinning resumes soon after a
+/// brief burst of load.
+pub const FIRST_SPIN_PAUSE: Duration = Duration::from_secs(1);
+/// The longest: a machine starved for good pays a late yield (a few milliseconds) at most
+/// this often.
+pub const LONGEST_SPIN_PAUSE: Duration = Duration::from_secs(32);
 
 /// The clock spinning's pause is kept on: microseconds from its first reading.
 static SPIN_CLOCK: LazyLock<Instant> = LazyLock::new(Instant::now);
 
 fn spin_clock_us(at: Instant) -> u64 {
-    u64::try_from(at.saturating_duration_since(*SPIN_CLOCK).as_micros()).unwrap_or(u64::MAX)
+    duration_us(at.saturating_duration_since(*SPIN_CLOCK))
+}
+
+fn duration_us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Traffic {
     /// Traffic whose sockets may spin up to `busy_poll` for an answer (`busy_poll`).
     pub fn new(busy_poll: Duration) -> Arc<Traffic> {
+        // The pause's clock starts before any instant a spin reads.
+        LazyLock::force(&SPIN_CLOCK);
         Arc::new(Traffic {
             busy_poll,
             ..Traffic::default()
@@ -113,11 +129,24 @@ impl Traffic {
         spin_clock_us(now) < self.spin_paused_until_us.load(Ordering::Relaxed)
     }
 
-    /// No socket spins before `until`: the machine has more threads to run than cores.
-    pub fn pause_spinning(&self, until: Instant) {
+    /// A yield came back late at `now`: no socket spins for a while. The pause doubles (up to
+    /// [`LONGEST_SPIN_PAUSE`]) when the machine is found starved again within the last pause's
+    /// length after it ended, else it is [`FIRST_SPIN_PAUSE`]; the new pause's end.
+    pub fn pause_spinning(&self, now: Instant) -> Instant {
+        let at = spin_clock_us(now);
+        let last_until = self.spin_paused_until_us.load(Ordering::Relaxed);
+        let last = self.spin_pause_us.load(Ordering::Relaxed);
+        let first = duration_us(FIRST_SPIN_PAUSE);
+        let pause = if last > 0 && at < last_until.saturating_add(last) {
+            last.saturating_mul(2).min(duration_us(LONGEST_SPIN_PAUSE))
+        } else {
+            first
+        };
+        self.spin_pause_us.store(pause, Ordering::Relaxed);
         self.spin_paused_until_us
-            .fetch_max(spin_clock_us(until), Ordering::Relaxed);
+            .fetch_max(at.saturating_add(pause), Ordering::Relaxed);
         self.spin_pauses.fetch_add(1, Ordering::Relaxed);
+        now + Duration::from_micros(pause)
     }
 
     /// Times spinning was paused since serve started.
