@@ -32,9 +32,16 @@ const REPLY_TOKENS: usize = 8;
 const CTX: &str = "16384";
 /// A cold prefill of 4,600 tokens can take minutes on a busy 2-core VM.
 const READ_LIMIT: Duration = Duration::from_secs(900);
-/// The issue's expectation for Claude Code: serve's later turns' time to first token at most
-/// this share of llama-server alone's (serve drops the attribution line).
-const CLAUDE_TARGET: f64 = 0.25;
+/// What is judged, for both agents: serve's later turns' time to first token at most this
+/// share of llama-server alone's (10 % for noise), and serve's later turns prefilling at most
+/// [`PREFILL_BOUND`] times the tokens they added. Issue 54 expected Claude Code's share under
+/// 0.25, taking its attribution line to change every turn; 2.1.197 sends a local server one
+/// line a session (tests/data/agents/README.md), so llama-server alone reuses the prefix too
+/// and no server can prefill less than the new tokens: the share is printed, not judged so.
+const TTFT_SHARE: f64 = 1.1;
+/// The replay test's bound (issue 54.4): a later turn prefills at most this many times the
+/// tokens new in it.
+const PREFILL_BOUND: f64 = 1.2;
 
 /// One request of a recorded session.
 struct Request {
@@ -445,6 +452,7 @@ fn report(ws: &Workspace, table: &[Scenario], runs: usize) -> Result<ExitCode, F
         );
         let mut arms_json = Vec::new();
         let mut later_ttft = Vec::new();
+        let mut later_prefill = Vec::new();
         for (arm, f) in figures.iter().enumerate() {
             let mut turns = Vec::new();
             let mut later = Vec::new();
@@ -499,6 +507,7 @@ fn report(ws: &Workspace, table: &[Scenario], runs: usize) -> Result<ExitCode, F
                 wall / 1000.0
             );
             later_ttft.push(quantile(&later, 0.5));
+            later_prefill.push(later_prefilled as f64 / later_new.max(1) as f64);
             arms_json.push(json!({
                 "arm": ARMS[arm], "turns": turns, "prefilled_total": total,
                 "later_prefilled": later_prefilled, "later_added": later_new,
@@ -507,27 +516,26 @@ fn report(ws: &Workspace, table: &[Scenario], runs: usize) -> Result<ExitCode, F
             }));
         }
         let ratio = later_ttft[1] / later_ttft[0];
+        let serve_prefill = later_prefill[1];
+        let ok = ratio <= TTFT_SHARE && serve_prefill <= PREFILL_BOUND;
+        // serve drops Claude Code's attribution line, so the arms' prompts differ there: the
+        // replay test compares serve's replies with a cold serve's instead.
         let claude = agent.starts_with("Claude");
-        let (target, ok) = if claude {
-            (CLAUDE_TARGET, ratio <= CLAUDE_TARGET)
-        } else {
-            (1.0, ratio <= 1.1)
-        };
         let same = figures[0].replies == figures[1].replies;
         println!(
-            "  serve's later turns' TTFT p50 / llama-server alone's: {ratio:.3} (expected at most {target}{}): {}; greedy replies the same on both arms: {}",
-            if claude {
-                ""
-            } else {
-                ", 10 % allowed for noise"
-            },
+            "  serve's later turns: TTFT p50 {ratio:.3} × llama-server alone's (at most {TTFT_SHARE}), prefilled {serve_prefill:.2} × the tokens they added (at most {PREFILL_BOUND}): {}; greedy replies the same on both arms: {}",
             if ok { "met" } else { "MISSED" },
-            if same { "yes" } else { "no" }
+            match (claude, same) {
+                (_, true) => "yes",
+                (true, false) => "no (serve's prompt lacks the attribution line)",
+                (false, false) => "NO",
+            }
         );
         met &= ok;
         json_scenarios.push(json!({
             "agent": agent, "scenario": name, "arms": arms_json,
-            "later_ttft_ratio_serve_to_llama_server": ratio, "met": ok, "replies_same": same,
+            "later_ttft_ratio_serve_to_llama_server": ratio,
+            "later_prefilled_to_added_serve": serve_prefill, "met": ok, "replies_same": same,
         }));
     }
     let out = json!({"runs": runs, "reply_tokens": REPLY_TOKENS, "ctx": CTX, "load": super::loadavg(), "scenarios": json_scenarios});
