@@ -97,7 +97,10 @@ impl Options {
         let mut hog = false;
         let mut args = args.iter();
         while let Some(arg) = args.next() {
-            any |= !matches!(arg.as_str(), "--quick" | "--baseline" | "--repeat" | "--hog");
+            any |= !matches!(
+                arg.as_str(),
+                "--quick" | "--baseline" | "--repeat" | "--hog"
+            );
             match arg.as_str() {
                 "--quick" => quick = true,
                 "--hog" => hog = true,

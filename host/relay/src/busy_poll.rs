@@ -62,7 +62,6 @@ pub const DEFAULT_BUDGET: Duration = Duration::from_micros(50);
 /// within tens).
 pub const LATE_YIELD: Duration = Duration::from_micros(500);
 
-
 /// The spin budget from `ONEBIT_BUSY_POLL_US`'s text (clap reads it): whole microseconds, at
 /// most 10 ms; unset or not a whole number: the default (as serve's other numeric variables).
 pub fn parse_budget(value: Option<&str>) -> Duration {
