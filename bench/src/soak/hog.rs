@@ -19,7 +19,8 @@ pub(crate) struct Hog {
 
 impl Hog {
     /// Start one busy loop per core (`available_parallelism`), each ended by `timeout` after
-    /// `limit` whatever becomes of the soak. Called once per starved run, on the soak's thread.
+    /// `limit` whatever becomes of the caller. Called once per starved soak or `--hog` bench run,
+    /// on its thread.
     pub(crate) fn start(limit: Duration) -> Result<Hog, Failure> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut hog = Hog { loops: Vec::new() };

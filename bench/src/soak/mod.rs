@@ -35,11 +35,11 @@ use crate::{Failure, Prepare, Workspace, process};
 
 mod client;
 mod hog;
-
-pub(crate) use hog::Hog;
 mod processes;
 mod report;
 mod starved;
+
+pub(crate) use hog::Hog;
 
 use client::*;
 use processes::*;
@@ -484,7 +484,6 @@ fn fill_the_micro_batch(port: u16) {
     }
 }
 
-/// One traffic phase of `minutes` on `engine`, ended by SIGTERM.
 /// The next request a client sends: its kind and prompt, or None once the phase is over. The
 /// clients take the kinds in turn from one count, so the first round of every kind goes out
 /// within the first `KINDS.len()` requests, whichever clients are free (on a starved machine a
@@ -498,6 +497,7 @@ fn next_request(taken: &AtomicUsize, deadline: Instant) -> Option<(Kind, usize)>
     Some((KINDS[n % KINDS.len()], n % PROMPTS.len()))
 }
 
+/// One traffic phase of `minutes` on `engine`, ended by SIGTERM.
 fn traffic_phase(kit: &Kit, engine: Engine, minutes: f64) -> Result<PhaseRun, Failure> {
     let log = kit.scratch.join(format!(
         "serve-{}.log",

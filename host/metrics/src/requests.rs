@@ -360,7 +360,7 @@ impl RequestSeries {
         );
         registry.register(
             "onebit_busy_poll_pauses",
-            "Times busy polling paused for a second: a yield came back late, the machine oversubscribed",
+            "Times busy polling paused (a second, doubled while the machine stays starved): a yield of the CPU came back late",
             ConstCounter::new(busy_poll_pauses),
         );
         if self.lasted.load(Ordering::Relaxed) {

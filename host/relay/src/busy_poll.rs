@@ -25,8 +25,7 @@
 //! - only on relayed requests' sockets: serve's own calls to a backend (health, metrics, the
 //!   route's host services) use streams that never spin (`BusyPollStream::plain`);
 //! - one spinner at a time, for at most the budget (`ONEBIT_BUSY_POLL_US`, 50 µs by default;
-//!   0 turns it off), then the socket waits as usual.
-//!
+//!   0 turns it off), then the socket waits as usual;
 //! - never on a starved machine: a yield that comes back late ([`LATE_YIELD`]) gave the CPU to
 //!   another runnable thread for its whole slice (a CPU hog, a build, the model's own
 //!   threads), a wait of milliseconds where the spin was to save microseconds; the spin ends
@@ -218,8 +217,9 @@ fn would_block(e: &io::Error) -> bool {
 }
 
 /// Between two asks of a spin: false once the spin's end has passed or a yield came back
-/// late, else true, having yielded the CPU. Not a bare spin: the thread that owes the answer was often just woken onto this CPU
-/// (the kernel places a wakee near its waker), and must run here first.
+/// late, else true, having yielded the CPU. Not a bare spin: the thread that owes the answer
+/// was often just woken onto this CPU (the kernel places a wakee near its waker), and must run
+/// here first.
 fn yield_until(traffic: &Traffic, spin_ends: Instant) -> bool {
     Instant::now() < spin_ends && yield_in_time(traffic)
 }

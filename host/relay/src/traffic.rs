@@ -121,7 +121,10 @@ impl Traffic {
     /// Take the one spinner's place, when no other socket holds it and spinning is not
     /// paused.
     pub fn start_spin(&self) -> bool {
-        !self.spin_paused(Instant::now()) && !self.spinning.swap(true, Ordering::Acquire)
+        // The clock is read only when a pause was ever taken: a quiet machine's spin reads none.
+        let paused = self.spin_paused_until_us.load(Ordering::Relaxed) > 0
+            && self.spin_paused(Instant::now());
+        !paused && !self.spinning.swap(true, Ordering::Acquire)
     }
 
     /// Whether spinning is paused at `now`.
