@@ -104,6 +104,9 @@ fn a_non_loopback_address_prints_what_anyone_reaching_the_port_can_do() {
 
 #[test]
 fn bad_usage_is_refused_in_one_line_with_status_2() {
+    // The default port held (by this test, or already by whatever else has it): a usage error
+    // is found before any port is taken, so it is the error reported.
+    let _default_port = std::net::TcpListener::bind("127.0.0.1:50052");
     for (args, says) in [
         (
             vec!["--host", "localhost"],

@@ -27,11 +27,16 @@ use onebit_supervision::backends::supervisor::{self, Backend, Event};
 
 /// How many times a backend that lost its port is started again on another one.
 const RESTARTS: usize = 2;
-/// How long serve waits for its backends to hold their ports before it serves anyway (a
+/// How much CPU time a backend may use without holding its port before serve serves anyway (a
 /// backend that binds later and loses its port fails as before). llama-server binds before it
-/// loads the model, within a few hundred milliseconds of its start; serve answers nothing
-/// (its own `/health` included) until then.
-const BIND_LIMIT: Duration = Duration::from_secs(2);
+/// loads the model, after some tens of milliseconds of its own CPU; serve answers nothing (its
+/// own `/health` included) until then. The backend's CPU time, not the clock: on a starved
+/// machine seconds can pass before a backend has run at all, and a port lost in that window
+/// must still be replaced.
+const BIND_CPU_LIMIT: Duration = Duration::from_secs(2);
+/// The wall-clock bound on the same wait, for a backend that neither binds nor runs (one that
+/// sleeps on a device before it listens).
+const BIND_LIMIT: Duration = Duration::from_secs(20);
 /// How often the backends' ports are looked at while they start.
 const BIND_POLL: Duration = Duration::from_millis(10);
 
@@ -59,8 +64,8 @@ pub(super) struct Planned<'a> {
 
 /// serve's run folder made (the backends write there), SIGTERM and SIGINT installed, then
 /// every plan's backends started on their ports (`held` lets go of them first), waiting until
-/// each holds its port, or [`BIND_LIMIT`] passed, or one exited for another reason (its event
-/// is handed on, for serve to report as a failed load). A backend that lost its port is
+/// each holds its port, or has run long enough not to ([`BIND_CPU_LIMIT`]), or one exited for
+/// another reason (its event is handed on, for serve to report as a failed load). A backend that lost its port is
 /// started again, with every other backend (they were starting, so nothing is lost), on a plan
 /// made again on new ports. Err is serve's exit status: a backend could not be started, or a
 /// signal came.
@@ -231,7 +236,7 @@ async fn spawn_backends(
 
 /// How the wait for the backends' ports ended.
 enum Bound {
-    /// Each holds its port, or [`BIND_LIMIT`] passed.
+    /// Each holds its port, or has run (or waited) long enough not to.
     All,
     /// Backend `index` exited without its port: another program holds it.
     Lost(usize, Option<Event>),
@@ -240,7 +245,8 @@ enum Bound {
 }
 
 /// Wait until every backend listens on its port (seen in /proc, on a blocking thread), one
-/// exits, or [`BIND_LIMIT`] passed.
+/// exits, or those still waiting have each used [`BIND_CPU_LIMIT`] of CPU time, or
+/// [`BIND_LIMIT`] passed.
 async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> Bound {
     let deadline = tokio::time::Instant::now() + BIND_LIMIT;
     let mut waiting: Vec<(usize, u16, u32)> = backends
@@ -250,19 +256,25 @@ async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> B
         .collect();
     loop {
         let looked = waiting.clone();
-        let holding = tokio::task::spawn_blocking(move || {
-            looked
+        let (holding, all_ran) = tokio::task::spawn_blocking(move || {
+            let proc = Path::new("/proc");
+            let holding = looked
                 .iter()
                 .filter(|(_, port, pid)| {
-                    port_owner::listener(Path::new("/proc"), *port, *pid) == Listener::Backend
+                    port_owner::listener(proc, *port, *pid) == Listener::Backend
                 })
                 .map(|(index, _, _)| *index)
-                .collect::<Vec<usize>>()
+                .collect::<Vec<usize>>();
+            let all_ran = looked
+                .iter()
+                .filter(|(index, _, _)| !holding.contains(index))
+                .all(|(_, _, pid)| cpu_time(proc, *pid).is_some_and(|t| t >= BIND_CPU_LIMIT));
+            (holding, all_ran)
         })
         .await
         .unwrap_or_default();
         waiting.retain(|(index, _, _)| !holding.contains(index));
-        if waiting.is_empty() || tokio::time::Instant::now() >= deadline {
+        if waiting.is_empty() || all_ran || tokio::time::Instant::now() >= deadline {
             return Bound::All;
         }
         tokio::select! {
@@ -279,6 +291,33 @@ async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> B
             }
             _ = tokio::time::sleep(BIND_POLL) => {}
         }
+    }
+}
+
+/// The CPU time (user and system) process `pid` has used, from `/proc/PID/stat`; None once
+/// it is gone.
+fn cpu_time(proc: &Path, pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(proc.join(pid.to_string()).join("stat")).ok()?;
+    cpu_time_of_stat(&stat)
+}
+
+/// utime + stime (fields 14 and 15, in clock ticks) of a `/proc/PID/stat` line; the command
+/// name in parentheses may hold spaces, so fields are counted after its closing one.
+fn cpu_time_of_stat(stat: &str) -> Option<Duration> {
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    let mut fields = after_name.split_whitespace().skip(11);
+    let ticks: u64 = fields.next()?.parse::<u64>().ok()? + fields.next()?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(
+        ticks * 1000 / clock_ticks_per_second(),
+    ))
+}
+
+/// The unit of `/proc`'s times (`_SC_CLK_TCK`; 100 on Linux when it cannot be read).
+fn clock_ticks_per_second() -> u64 {
+    use nix::unistd::{SysconfVar, sysconf};
+    match sysconf(SysconfVar::CLK_TCK) {
+        Ok(Some(n)) if n > 0 => n as u64,
+        _ => 100,
     }
 }
 
@@ -307,4 +346,37 @@ fn port_is_taken(port: u16) -> bool {
         StdListener::bind(("127.0.0.1", port)),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_is_read_after_a_command_name_with_spaces_and_parentheses() {
+        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+        // utime stime ...
+        let stat = "42 (llama server (x)) S 1 42 42 0 -1 4194560 100 0 0 0 150 50 0 0 20 0 4 0";
+        let ticks = clock_ticks_per_second();
+        assert_eq!(
+            cpu_time_of_stat(stat),
+            Some(Duration::from_millis(200 * 1000 / ticks))
+        );
+        assert_eq!(cpu_time_of_stat("42 (cut"), None);
+        assert_eq!(cpu_time_of_stat("42 (x) S 1 2"), None);
+    }
+
+    #[test]
+    fn this_process_has_a_cpu_time_and_a_gone_one_has_none() {
+        let spent = std::time::Instant::now();
+        while spent.elapsed() < Duration::from_millis(60) {
+            std::hint::black_box(0u64);
+        }
+        let mine = cpu_time(Path::new("/proc"), std::process::id());
+        assert!(
+            mine.is_some_and(|t| t >= Duration::from_millis(30)),
+            "{mine:?}"
+        );
+        assert_eq!(cpu_time(Path::new("/proc"), u32::MAX), None);
+    }
 }

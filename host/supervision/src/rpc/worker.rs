@@ -67,6 +67,16 @@ fn start(args: &WorkerArgs) -> Result<i32, Fatal> {
     // private loopback port behind it.
     let relayed = cap.is_some() || args.traffic.is_some();
     let traffic = std::sync::Arc::new(Traffic::default());
+    // The file is checked (written once) before any port is taken: a usage error is a usage
+    // error whatever else holds the port.
+    if let Some(path) = &args.traffic {
+        traffic::keep_written(traffic.clone(), path.clone()).map_err(|e| {
+            Fatal::usage(format!(
+                "--traffic {}: cannot write it ({e}); name a file in a folder you can write",
+                path.display()
+            ))
+        })?;
+    }
     let relay = match relayed {
         true => Some(TcpListener::bind((host, args.port)).map_err(|e| {
             Fatal::backend(format!(
@@ -94,14 +104,6 @@ fn start(args: &WorkerArgs) -> Result<i32, Fatal> {
         }
         None => (host, port),
     };
-    if let Some(path) = &args.traffic {
-        traffic::keep_written(traffic.clone(), path.clone()).map_err(|e| {
-            Fatal::usage(format!(
-                "--traffic {}: cannot write it ({e}); name a file in a folder you can write",
-                path.display()
-            ))
-        })?;
-    }
     let endpoint = format!("{host}:{port}");
     if !host.is_loopback() {
         tracing::warn!("1bit rpc-worker: {}", exposure_warning(&endpoint));
