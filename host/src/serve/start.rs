@@ -244,8 +244,8 @@ enum Bound {
     Handed(Option<Event>),
 }
 
-/// Wait until every backend listens on its port (seen in /proc, on a blocking thread), one
-/// exits, or those still waiting have each used [`BIND_CPU_LIMIT`] of CPU time, or
+/// Wait until every backend listens on its port (seen in /proc, on a blocking thread) or
+/// another process listens there, one exits, or those still waiting have each used [`BIND_CPU_LIMIT`] of CPU time, or
 /// [`BIND_LIMIT`] passed.
 async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> Bound {
     let deadline = tokio::time::Instant::now() + BIND_LIMIT;
@@ -256,24 +256,26 @@ async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> B
         .collect();
     loop {
         let looked = waiting.clone();
-        let (holding, all_ran) = tokio::task::spawn_blocking(move || {
+        // Settled: the backend listens, or another process does (serve's check of who holds
+        // the port refuses that once the backend answers; waiting longer would not change it).
+        let (settled, all_ran) = tokio::task::spawn_blocking(move || {
             let proc = Path::new("/proc");
-            let holding = looked
+            let settled = looked
                 .iter()
                 .filter(|(_, port, pid)| {
-                    port_owner::listener(proc, *port, *pid) == Listener::Backend
+                    port_owner::listener(proc, *port, *pid) != Listener::Unknown
                 })
                 .map(|(index, _, _)| *index)
                 .collect::<Vec<usize>>();
             let all_ran = looked
                 .iter()
-                .filter(|(index, _, _)| !holding.contains(index))
+                .filter(|(index, _, _)| !settled.contains(index))
                 .all(|(_, _, pid)| cpu_time(proc, *pid).is_some_and(|t| t >= BIND_CPU_LIMIT));
-            (holding, all_ran)
+            (settled, all_ran)
         })
         .await
         .unwrap_or_default();
-        waiting.retain(|(index, _, _)| !holding.contains(index));
+        waiting.retain(|(index, _, _)| !settled.contains(index));
         if waiting.is_empty() || all_ran || tokio::time::Instant::now() >= deadline {
             return Bound::All;
         }
