@@ -65,10 +65,10 @@ pub(super) struct Planned<'a> {
 /// serve's run folder made (the backends write there), SIGTERM and SIGINT installed, then
 /// every plan's backends started on their ports (`held` lets go of them first), waiting until
 /// each holds its port, or has run long enough not to ([`BIND_CPU_LIMIT`]), or one exited for
-/// another reason (its event is handed on, for serve to report as a failed load). A backend that lost its port is
-/// started again, with every other backend (they were starting, so nothing is lost), on a plan
-/// made again on new ports. Err is serve's exit status: a backend could not be started, or a
-/// signal came.
+/// another reason (its event is handed on, for serve to report as a failed load). A backend
+/// that lost its port is started again, with every other backend (they were starting, so
+/// nothing is lost), on a plan made again on new ports. Err is serve's exit status: a backend
+/// could not be started, or a signal came.
 pub(super) async fn backends(
     args: &ServeArgs,
     planned: Planned<'_>,
@@ -245,7 +245,8 @@ enum Bound {
 }
 
 /// Wait until every backend listens on its port (seen in /proc, on a blocking thread) or
-/// another process listens there, one exits, or those still waiting have each used [`BIND_CPU_LIMIT`] of CPU time, or
+/// another process listens there, one exits, or those still waiting have each used
+/// [`BIND_CPU_LIMIT`] of CPU time (a wrapper's own: its children's are not counted), or
 /// [`BIND_LIMIT`] passed.
 async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> Bound {
     let deadline = tokio::time::Instant::now() + BIND_LIMIT;
