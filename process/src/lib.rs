@@ -24,14 +24,18 @@
 //!
 //! `unsafe` (denied in the workspace) is allowed in one private module, `sys`: the pre-exec
 //! hook (setpgid, prctl, the group told to the keeper) that runs in the forked child, kill(2)
-//! of a process group, and the keeper's forks and system calls.
+//! of a process group, the keeper's forks and system calls, and sysconf (the unit of the CPU
+//! time [`cpu_time`] reads from `/proc`).
 
 #![deny(missing_docs)]
 
+mod cpu_time;
 mod groups;
 mod hung_handler;
 mod keeper;
 mod sys;
+
+pub use cpu_time::cpu_time;
 
 use std::io;
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus};

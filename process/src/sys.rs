@@ -1,9 +1,9 @@
 //! The calls of this crate that have no safe equivalent: the pre-exec hook that runs in the
 //! forked child (its own process group, the parent-death signal, its group told to the
-//! keeper), kill(2) of a group, and the keeper's start and life (`keeper`), which run between
-//! a fork and an `_exit` in a threaded process.
+//! keeper), kill(2) of a group, the keeper's start and life (`keeper`), which run between a
+//! fork and an `_exit` in a threaded process, and the unit of `/proc`'s times (`cpu_time`).
 
-// Unsafe is allowed here alone in this crate: the spawner's pre-exec hook (setpgid, prctl, send) runs in the forked child, kill(2) of a group, and the keeper's forks and system calls.
+// Unsafe is allowed here alone in this crate: the spawner's pre-exec hook (setpgid, prctl, send) runs in the forked child, kill(2) of a group, the keeper's forks and system calls, and sysconf.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -224,4 +224,14 @@ fn group_exists(group: i32) -> bool {
 fn errno() -> i32 {
     // SAFETY: __errno_location returns this thread's errno, always valid to read.
     unsafe { *libc::__errno_location() }
+}
+
+/// The unit of `/proc`'s times (`_SC_CLK_TCK`; 100, Linux's, when it cannot be read).
+pub(crate) fn clock_ticks_per_second() -> u64 {
+    // SAFETY: sysconf reads a constant of the system; it takes no pointer and has no
+    // precondition.
+    match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+        n if n > 0 => n as u64,
+        _ => 100,
+    }
 }

@@ -271,7 +271,9 @@ async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> B
             let all_ran = looked
                 .iter()
                 .filter(|(index, _, _)| !settled.contains(index))
-                .all(|(_, _, pid)| cpu_time(proc, *pid).is_some_and(|t| t >= BIND_CPU_LIMIT));
+                .all(|(_, _, pid)| {
+                    onebit_process::cpu_time(*pid).is_some_and(|t| t >= BIND_CPU_LIMIT)
+                });
             (settled, all_ran)
         })
         .await
@@ -294,33 +296,6 @@ async fn bound(backends: &[Backend], events: &mut UnboundedReceiver<Event>) -> B
             }
             _ = tokio::time::sleep(BIND_POLL) => {}
         }
-    }
-}
-
-/// The CPU time (user and system) process `pid` has used, from `/proc/PID/stat`; None once
-/// it is gone.
-fn cpu_time(proc: &Path, pid: u32) -> Option<Duration> {
-    let stat = std::fs::read_to_string(proc.join(pid.to_string()).join("stat")).ok()?;
-    cpu_time_of_stat(&stat)
-}
-
-/// utime + stime (fields 14 and 15, in clock ticks) of a `/proc/PID/stat` line; the command
-/// name in parentheses may hold spaces, so fields are counted after its closing one.
-fn cpu_time_of_stat(stat: &str) -> Option<Duration> {
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    let mut fields = after_name.split_whitespace().skip(11);
-    let ticks: u64 = fields.next()?.parse::<u64>().ok()? + fields.next()?.parse::<u64>().ok()?;
-    Some(Duration::from_millis(
-        ticks * 1000 / clock_ticks_per_second(),
-    ))
-}
-
-/// The unit of `/proc`'s times (`_SC_CLK_TCK`; 100 on Linux when it cannot be read).
-fn clock_ticks_per_second() -> u64 {
-    use nix::unistd::{SysconfVar, sysconf};
-    match sysconf(SysconfVar::CLK_TCK) {
-        Ok(Some(n)) if n > 0 => n as u64,
-        _ => 100,
     }
 }
 
@@ -349,37 +324,4 @@ fn port_is_taken(port: u16) -> bool {
         StdListener::bind(("127.0.0.1", port)),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cpu_time_is_read_after_a_command_name_with_spaces_and_parentheses() {
-        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
-        // utime stime ...
-        let stat = "42 (llama server (x)) S 1 42 42 0 -1 4194560 100 0 0 0 150 50 0 0 20 0 4 0";
-        let ticks = clock_ticks_per_second();
-        assert_eq!(
-            cpu_time_of_stat(stat),
-            Some(Duration::from_millis(200 * 1000 / ticks))
-        );
-        assert_eq!(cpu_time_of_stat("42 (cut"), None);
-        assert_eq!(cpu_time_of_stat("42 (x) S 1 2"), None);
-    }
-
-    #[test]
-    fn this_process_has_a_cpu_time_and_a_gone_one_has_none() {
-        let spent = std::time::Instant::now();
-        while spent.elapsed() < Duration::from_millis(60) {
-            std::hint::black_box(0u64);
-        }
-        let mine = cpu_time(Path::new("/proc"), std::process::id());
-        assert!(
-            mine.is_some_and(|t| t >= Duration::from_millis(30)),
-            "{mine:?}"
-        );
-        assert_eq!(cpu_time(Path::new("/proc"), u32::MAX), None);
-    }
 }
