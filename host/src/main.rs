@@ -32,9 +32,9 @@ fn main() {
     onebit_heap::tune();
     let code = run();
     // The one place serve exits, with the code each command decided after stopping what it
-    // started; threads still parked on a blocking read are not waited for.
-    #[allow(clippy::disallowed_methods)]
-    std::process::exit(code);
+    // started; threads still parked on a blocking read or mid-compute in a route's library are
+    // not waited for, and no `atexit` handler runs under them (onebit_process::exit says why).
+    onebit_process::exit(code);
 }
 
 /// The command `argv` names, run: its exit code.

@@ -24,18 +24,21 @@
 //!
 //! `unsafe` (denied in the workspace) is allowed in one private module, `sys`: the pre-exec
 //! hook (setpgid, prctl, the group told to the keeper) that runs in the forked child, kill(2)
-//! of a process group, the keeper's forks and system calls, and sysconf (the unit of the CPU
-//! time [`cpu_time`] reads from `/proc`).
+//! of a process group, the keeper's forks and system calls, sysconf (the unit of the CPU
+//! time [`cpu_time`] reads from `/proc`), and fflush and `_exit` for [`exit`], this process's
+//! own end without the `atexit` handlers that would run under a route's working threads.
 
 #![deny(missing_docs)]
 
 mod cpu_time;
+mod exit;
 mod groups;
 mod hung_handler;
 mod keeper;
 mod sys;
 
 pub use cpu_time::cpu_time;
+pub use exit::exit;
 
 use std::io;
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus};

@@ -1,9 +1,10 @@
 //! The calls of this crate that have no safe equivalent: the pre-exec hook that runs in the
 //! forked child (its own process group, the parent-death signal, its group told to the
 //! keeper), kill(2) of a group, the keeper's start and life (`keeper`), which run between a
-//! fork and an `_exit` in a threaded process, and the unit of `/proc`'s times (`cpu_time`).
+//! fork and an `_exit` in a threaded process, the unit of `/proc`'s times (`cpu_time`), and
+//! this process's own end (`exit`).
 
-// Unsafe is allowed here alone in this crate: the spawner's pre-exec hook (setpgid, prctl, send) runs in the forked child, kill(2) of a group, the keeper's forks and system calls, and sysconf.
+// Unsafe is allowed here alone in this crate: the spawner's pre-exec hook (setpgid, prctl, send) runs in the forked child, kill(2) of a group, the keeper's forks and system calls, sysconf, and fflush and _exit.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -233,5 +234,16 @@ pub(crate) fn clock_ticks_per_second() -> u64 {
     match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
         n if n > 0 => n as u64,
         _ => 100,
+    }
+}
+
+/// C's stdio buffers flushed (a route's library may have printed through them), then
+/// `_exit(code)`: no `atexit` handler runs (`exit`).
+pub(crate) fn flush_stdio_and_exit(code: i32) -> ! {
+    // SAFETY: fflush(NULL) flushes every open output stream under stdio's own locks; _exit
+    // ends the process without touching any state of this one.
+    unsafe {
+        libc::fflush(std::ptr::null_mut());
+        libc::_exit(code)
     }
 }

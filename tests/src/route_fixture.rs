@@ -73,7 +73,7 @@ impl Fixture<'_> {
             format!(
                 "[package]\nname = \"onebit-route-{name}\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n\
                  [lib]\nname = \"onebit_route_{name}\"\ncrate-type = [\"cdylib\"]\n\n\
-                 [dependencies]\nonebit-plugin-api = {{ path = \"../plugin-api\" }}\n\
+                 [dependencies]\nonebit-plugin-api = {{ path = \"../plugin-api\" }}\nlibc = \"0.2\"\n\
                  serde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n"
             ),
         )

@@ -167,6 +167,31 @@ fn sigterm_with_an_in_process_stream_in_flight_cuts_it_at_the_window_and_tells_t
     assert!(!run_dir_of(serve.pid()).exists());
 }
 
+/// A route's library mid-compute when serve exits (llama.cpp's CPU backend in a decode the stop
+/// cut, on a starved machine): serve ends without running the `atexit` handlers (C++'s static
+/// destructors) under it, so it exits 0, not killed by the crash of a kernel on freed state.
+#[test]
+fn a_stop_with_a_routes_kernel_mid_compute_exits_0_without_running_exit_handlers_under_it() {
+    let mut serve = serve_inproc(&["--drain-s", "1"]);
+    let stream = request(
+        serve.port,
+        r#"{"stream":true,"events":3,"kernel_ms":30000}"#,
+    );
+    stream.wait_for("200 OK");
+    serve.signal(Signal::SIGTERM);
+    let status = serve
+        .wait_exit(Duration::from_secs(10))
+        .expect("serve exits");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{status:?} (a signal: a kernel crashed on state torn down at exit): {}",
+        serve.output()
+    );
+    assert!(!serve.output().contains("torn down"), "{}", serve.output());
+    let _ = stream.finish();
+}
+
 #[test]
 fn sigterm_of_an_idle_in_process_serve_exits_at_once() {
     let mut serve = serve_inproc(&[]);

@@ -144,7 +144,9 @@ impl Engine {
     }
 }
 
-/// What serve's phases need: the binaries, the model, the add-on's folder, a scratch folder.
+/// What serve's phases need: the binaries, the model, the add-on's folder, a scratch folder,
+/// and the flags the cpu route's llama-server gets after serve's `--` (none but in the starved
+/// soak).
 struct Kit {
     onebit: PathBuf,
     llama_server: PathBuf,
@@ -152,6 +154,7 @@ struct Kit {
     plugins: PathBuf,
     lib_dir: PathBuf,
     scratch: PathBuf,
+    backend_flags: Vec<String>,
 }
 
 /// One sample of serve's process: seconds into the phase, RSS (KiB) and its anonymous and
@@ -357,6 +360,7 @@ fn build_kit(ws: &Workspace, prep: &dyn Prepare) -> Result<Kit, Failure> {
         plugins: std::env::temp_dir().join(format!("onebit-soak-{}/plugins", std::process::id())),
         lib_dir: ws.layout.lib_dir(),
         scratch: std::env::temp_dir().join(format!("onebit-soak-{}", std::process::id())),
+        backend_flags: Vec::new(),
     };
     if !kit.llama_server.exists() || !kit.model.exists() {
         return Err(Failure::new(
@@ -393,15 +397,18 @@ fn start_serve(
             .env("ONEBIT_INPROC_LIB_DIR", &kit.lib_dir),
     };
     let stderr = std::fs::File::create(log).map_err(|e| Failure::new(e, "check /tmp"))?;
+    command.args([
+        "--parallel",
+        &PARALLEL.to_string(),
+        "--port",
+        &port.to_string(),
+    ]);
+    command.args(extra);
+    if engine == Engine::Cpu && !kit.backend_flags.is_empty() {
+        command.arg("--").args(&kit.backend_flags);
+    }
     let serve = Killed(
         command
-            .args([
-                "--parallel",
-                &PARALLEL.to_string(),
-                "--port",
-                &port.to_string(),
-            ])
-            .args(extra)
             .env("ONEBIT_STATE_DIR", &kit.scratch)
             // A chunked body over the limit is cheap to send at 1 MiB (the default is 64).
             .env("ONEBIT_MAX_BODY_BYTES", SOAK_BODY_LIMIT.to_string())
