@@ -145,8 +145,7 @@ impl Engine {
 }
 
 /// What serve's phases need: the binaries, the model, the add-on's folder, a scratch folder,
-/// and the flags the cpu route's llama-server gets after serve's `--` (none but in the starved
-/// soak).
+/// and the engines' compute threads when not their default (the starved soak's one).
 struct Kit {
     onebit: PathBuf,
     llama_server: PathBuf,
@@ -154,7 +153,7 @@ struct Kit {
     plugins: PathBuf,
     lib_dir: PathBuf,
     scratch: PathBuf,
-    backend_flags: Vec<String>,
+    engine_threads: Option<u32>,
 }
 
 /// One sample of serve's process: seconds into the phase, RSS (KiB) and its anonymous and
@@ -360,7 +359,7 @@ fn build_kit(ws: &Workspace, prep: &dyn Prepare) -> Result<Kit, Failure> {
         plugins: std::env::temp_dir().join(format!("onebit-soak-{}/plugins", std::process::id())),
         lib_dir: ws.layout.lib_dir(),
         scratch: std::env::temp_dir().join(format!("onebit-soak-{}", std::process::id())),
-        backend_flags: Vec::new(),
+        engine_threads: None,
     };
     if !kit.llama_server.exists() || !kit.model.exists() {
         return Err(Failure::new(
@@ -403,9 +402,21 @@ fn start_serve(
         "--port",
         &port.to_string(),
     ]);
-    command.args(extra);
-    if engine == Engine::Cpu && !kit.backend_flags.is_empty() {
-        command.arg("--").args(&kit.backend_flags);
+    match (engine, kit.engine_threads) {
+        (Engine::Inproc, Some(n)) => {
+            command
+                .args(extra)
+                .arg("--route-opt")
+                .arg(format!("threads={n}"));
+        }
+        (Engine::Cpu, Some(n)) => {
+            command
+                .args(extra)
+                .args(["--", "--threads", &n.to_string()]);
+        }
+        (_, None) => {
+            command.args(extra);
+        }
     }
     let serve = Killed(
         command

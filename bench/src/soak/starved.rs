@@ -11,12 +11,13 @@ use super::*;
 
 /// The traffic phase's default length under `--starved`.
 pub(super) const MINUTES: f64 = 2.0;
-/// llama-server computes on one thread beside the hog. Its ggml threads spin at every barrier
-/// of a token's graph while a partner waits for a core: two threads beside two busy loops made
-/// 8-15 tokens/s here against 33-37 for one, and in a CI run 0.34 (a 50-token reply took 24 s,
-/// the next outlasted the client's minute). That measures the scheduler, not serve, whose own
-/// threads still meet the hog at its priority.
-const BACKEND_FLAGS: &[&str] = &["--threads", "1"];
+/// The engines (llama-server, the inproc add-on) compute on one thread beside the hog. ggml's
+/// threads wait for each other at every step of a token's graph, spinning while a partner
+/// waits for a core: llama-server's two threads beside two busy loops made 8-15 tokens/s here
+/// against 33-37 for one, and in a CI run 0.34 (a 50-token reply took 24 s, the next outlasted
+/// the client's minute). That measures the scheduler, not serve, whose own threads still meet
+/// the hog at its priority.
+const ENGINE_THREADS: u32 = 1;
 /// serve's `--drain-s` in the stops, given explicitly so the bound is derived from it.
 const DRAIN_S: f64 = 3.0;
 /// How far past the drain window a signal's stop may end (docs/serve.md: the window + 1 s).
@@ -51,7 +52,7 @@ struct WorkerLossRun {
 /// The starved soak: each phase beside the hog, the report, whether every target was met.
 pub(super) fn run(ws: &Workspace, prep: &dyn Prepare, minutes: f64) -> Result<bool, Failure> {
     let mut kit = build_kit(ws, prep)?;
-    kit.backend_flags = BACKEND_FLAGS.iter().map(|f| f.to_string()).collect();
+    kit.engine_threads = Some(ENGINE_THREADS);
     let hog = Hog::start(Duration::from_secs_f64(minutes * 60.0) + HOG_PAST_THE_TRAFFIC)?;
     println!(
         "soak --starved: {} busy loop(s), one per core, at serve's priority through every phase",
