@@ -577,9 +577,61 @@ fn loadavg() -> String {
         .unwrap_or_default()
 }
 
+/// How an idle CPU of this machine waits under `sys` (`/sys`): the cpuidle driver, and under
+/// `haltpoll` (a KVM guest) how long a vCPU polls before it halts. A thread woken on a halted
+/// vCPU waits for it to leave the halt (19-30 µs on a guest that does not poll), which is most
+/// of any proxy's hop there (docs/performance.md, "Where wrk's time goes").
+fn idle_path(sys: &Path) -> String {
+    let read = |file: &str| {
+        std::fs::read_to_string(sys.join(file))
+            .ok()
+            .map(|text| text.trim().to_string())
+            .filter(|text| !text.is_empty())
+    };
+    match read("devices/system/cpu/cpuidle/current_driver") {
+        None => "no cpuidle driver".to_string(),
+        Some(driver) if driver == "haltpoll" => {
+            match read("module/haltpoll/parameters/guest_halt_poll_ns") {
+                Some(ns) if ns == "0" => {
+                    "cpuidle haltpoll, halting at once (guest_halt_poll_ns 0)".to_string()
+                }
+                Some(ns) => format!("cpuidle haltpoll, polling up to {ns} ns before halting"),
+                None => "cpuidle haltpoll".to_string(),
+            }
+        }
+        Some(driver) => format!("cpuidle {driver}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_idle_path_names_the_driver_and_a_guests_halt_polling() {
+        let sys = std::env::temp_dir().join(format!("onebit-idle-path-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&sys);
+        assert_eq!(idle_path(&sys), "no cpuidle driver");
+        let driver = sys.join("devices/system/cpu/cpuidle/current_driver");
+        std::fs::create_dir_all(driver.parent().unwrap()).unwrap();
+        std::fs::write(&driver, "intel_idle\n").unwrap();
+        assert_eq!(idle_path(&sys), "cpuidle intel_idle");
+        std::fs::write(&driver, "haltpoll\n").unwrap();
+        assert_eq!(idle_path(&sys), "cpuidle haltpoll");
+        let poll = sys.join("module/haltpoll/parameters/guest_halt_poll_ns");
+        std::fs::create_dir_all(poll.parent().unwrap()).unwrap();
+        std::fs::write(&poll, "0\n").unwrap();
+        assert_eq!(
+            idle_path(&sys),
+            "cpuidle haltpoll, halting at once (guest_halt_poll_ns 0)"
+        );
+        std::fs::write(&poll, "200000\n").unwrap();
+        assert_eq!(
+            idle_path(&sys),
+            "cpuidle haltpoll, polling up to 200000 ns before halting"
+        );
+        std::fs::remove_dir_all(&sys).unwrap();
+    }
 
     #[test]
     fn each_arm_follows_every_other_equally_often() {

@@ -6,8 +6,8 @@ use std::time::SystemTime;
 
 use super::measures::{Hop, Sse, late_ms};
 use super::{
-    ARMS, CLIENTS, Gate, SSE_EVENTS, SSE_INTERVAL_MS, arms, chart, gate_verdict, loadavg,
-    mem_check, percentile, write_result,
+    ARMS, CLIENTS, Gate, SSE_EVENTS, SSE_INTERVAL_MS, arms, chart, gate_verdict, idle_path,
+    loadavg, mem_check, percentile, write_result,
 };
 use crate::Failure;
 
@@ -38,6 +38,8 @@ pub(super) struct Report {
     /// Busy loops run beside the arms (`--hog`): 0 on a quiet run.
     pub(super) hog_loops: usize,
     pub(super) load_before: String,
+    /// How an idle CPU waits (`idle_path`): what a woken thread pays there.
+    pub(super) idle_path: String,
     pub(super) hop: Option<Hop>,
     pub(super) throughput: Option<[f64; 3]>,
     pub(super) sse: Option<Sse>,
@@ -57,6 +59,7 @@ impl Report {
             quick,
             hog_loops: 0,
             load_before: loadavg(),
+            idle_path: idle_path(Path::new("/sys")),
             hop: None,
             throughput: None,
             sse: None,
@@ -339,6 +342,7 @@ impl Report {
             "load average before: {}; after: {load_after}",
             self.load_before
         );
+        println!("idle CPUs: {}", self.idle_path);
         if self.hog_loops > 0 {
             println!(
                 "measured beside a CPU hog: {} busy loop(s) at the bench's priority",
@@ -443,6 +447,7 @@ impl Report {
                 "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
                 "load_average_before": self.load_before,
                 "load_average_after": load_after,
+                "idle_path": self.idle_path,
             },
             "settings": {
                 "llama_server_threads_http": arms::THREADS_HTTP,
