@@ -208,6 +208,37 @@ pub fn dummy_model(dir: &Path, name: &str) -> PathBuf {
     path
 }
 
+/// Write `text` to `path` as an executable (0755): a stand-in engine with its own `#!` line.
+pub fn executable(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).expect("an executable's file");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+        .expect("an executable's mode");
+}
+
+/// An executable `dir/name` that runs `body` under `/bin/sh`.
+pub fn shell_script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let path = dir.join(name);
+    executable(&path, &format!("#!/bin/sh\n{body}\n"));
+    path
+}
+
+/// serve of a dummy model in `dir` on the cpu route with `engine` as its llama-server, `extra`
+/// flags and environment; started, not waited for.
+pub fn serve_cpu_engine(dir: &Path, engine: &Path, extra: &[&str], env: &[(&str, &str)]) -> Serve {
+    let model = dummy_model(dir, "m.gguf");
+    let mut args = vec![
+        "-m",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--llama-server",
+        engine.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Serve::start(&args, env)
+}
+
 /// A `1bit serve` process under test. Dropping it SIGKILLs it.
 pub struct Serve {
     child: Child,

@@ -2,29 +2,15 @@
 //! included): by the backend's CPU time, 2 s of it, so a starved machine's lost seconds do not
 //! count (serve_port_lost.rs), and 20 s by the clock for a backend that neither binds nor runs.
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use onebit_tests::*;
 
 /// serve on a "llama-server" that runs `body` (a shell script) and never listens.
 fn serve_on_script(dir: &Path, body: &str) -> Serve {
-    let model = dummy_model(dir, "m.gguf");
-    let backend: PathBuf = dir.join("llama-server");
-    std::fs::write(&backend, format!("#!/bin/sh\n{body}\n")).unwrap();
-    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
-    Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            backend.to_str().unwrap(),
-        ],
-        &[],
-    )
+    let backend = shell_script(dir, "llama-server", body);
+    serve_cpu_engine(dir, &backend, &[], &[])
 }
 
 #[test]

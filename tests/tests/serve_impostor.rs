@@ -4,19 +4,9 @@
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use onebit_tests::*;
-
-/// An executable shell script `name` in `dir` with `body`.
-fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    path
-}
 
 /// The backend port serve announced in its "starting ... (port N)" line.
 fn backend_port(serve: &Serve) -> u16 {
@@ -33,20 +23,9 @@ fn backend_port(serve: &Serve) -> u16 {
 #[test]
 fn a_process_listening_on_the_backends_port_is_refused_with_exit_1() {
     let dir = temp_dir("impostor");
-    let model = dummy_model(&dir, "m.gguf");
     // A "backend" that starts and never listens, as one that failed to bind would.
-    let silent = script(&dir, "silent-server", "exec sleep 60");
-    let mut serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            silent.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let silent = shell_script(&dir, "silent-server", "exec sleep 60");
+    let mut serve = serve_cpu_engine(&dir, &silent, &[], &[]);
     let port = backend_port(&serve);
     // This test process takes the port and answers every request 200, as a stray server would.
     let impostor = TcpListener::bind(("127.0.0.1", port)).expect("the backend port is free");
@@ -87,10 +66,9 @@ fn a_process_listening_on_the_backends_port_is_refused_with_exit_1() {
 #[test]
 fn a_wrapper_whose_child_listens_is_the_backend() {
     let dir = temp_dir("impostor-wrapper");
-    let model = dummy_model(&dir, "m.gguf");
     // No exec: the engine runs as the wrapper's child, and its socket is still the backend's.
     // The wrapper passes SIGTERM (serve's stop, or its death signal) on to the engine.
-    let wrapper = script(
+    let wrapper = shell_script(
         &dir,
         "wrapper",
         &format!(
@@ -98,17 +76,7 @@ fn a_wrapper_whose_child_listens_is_the_backend() {
             fake_backend().display()
         ),
     );
-    let mut serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            wrapper.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let mut serve = serve_cpu_engine(&dir, &wrapper, &[], &[]);
     serve.ready();
     assert_eq!(
         post(
@@ -134,12 +102,11 @@ fn a_wrapper_whose_child_listens_is_the_backend() {
 #[test]
 fn a_process_that_takes_the_port_while_serving_ends_serve_with_exit_1() {
     let dir = temp_dir("impostor-later");
-    let model = dummy_model(&dir, "m.gguf");
     let trigger = dir.join("let-go");
     let released = dir.join("released");
     // A backend that serves until told to let go of its port, then lives on without it (as an
     // engine that closed its listener would), so only the port's new holder answers there.
-    let wrapper = script(
+    let wrapper = shell_script(
         &dir,
         "letting-go",
         &format!(
@@ -151,17 +118,7 @@ fn a_process_that_takes_the_port_while_serving_ends_serve_with_exit_1() {
             released = released.display(),
         ),
     );
-    let mut serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            wrapper.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let mut serve = serve_cpu_engine(&dir, &wrapper, &[], &[]);
     let port = backend_port(&serve);
     serve.ready();
     std::fs::write(&trigger, b"").unwrap();

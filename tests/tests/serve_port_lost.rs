@@ -4,7 +4,6 @@
 
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -14,24 +13,19 @@ use onebit_tests::*;
 /// A llama-server that, on its first start only, writes the port serve gave it to `port` and
 /// waits for `taken` before it runs the fake backend (which then cannot bind the port).
 fn pausing_backend(dir: &Path) -> std::path::PathBuf {
-    let path = dir.join("llama-server");
     let body = format!(
-        r#"#!/bin/sh
-port=""; prev=""
+        r#"port=""; prev=""
 for a in "$@"; do [ "$prev" = "--port" ] && port="$a"; prev="$a"; done
 if [ ! -e "{dir}/first" ]; then
   : > "{dir}/first"
   echo "$port" > "{dir}/port.tmp" && mv "{dir}/port.tmp" "{dir}/port"
   while [ ! -e "{dir}/taken" ]; do sleep 0.01; done
 fi
-exec "{fake}" "$@"
-"#,
+exec "{fake}" "$@""#,
         dir = dir.display(),
         fake = fake_backend().display()
     );
-    std::fs::write(&path, body).unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    path
+    shell_script(dir, "llama-server", &body)
 }
 
 /// An outgoing connection from 127.0.0.1:`port` to a listener of this test, as any client on
@@ -77,19 +71,8 @@ fn a_port_taken_before_the_backend_binds_it_is_replaced_and_serve_starts() {
 /// dropped, so killed) when the port was already held by another socket of the machine.
 fn port_lost_before_the_backend_binds() -> bool {
     let dir = temp_dir("port-lost");
-    let model = dummy_model(&dir, "m.gguf");
     let backend = pausing_backend(&dir);
-    let serve = Serve::start(
-        &[
-            "-m",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--llama-server",
-            backend.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let serve = serve_cpu_engine(&dir, &backend, &[], &[]);
     let port_file = dir.join("port");
     assert!(
         wait_until(Duration::from_secs(20), || port_file.exists()),

@@ -131,21 +131,9 @@ fn serve_on_script(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> Serve {
-    use std::os::unix::fs::PermissionsExt;
-    let model = dummy_model(dir, "m.gguf");
     let backend = dir.join("backend.py");
-    std::fs::write(&backend, script).unwrap();
-    std::fs::set_permissions(&backend, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut all = vec![
-        "-m",
-        model.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--llama-server",
-        backend.to_str().unwrap(),
-    ];
-    all.extend_from_slice(args);
-    let serve = Serve::start(&all, env);
+    executable(&backend, script);
+    let serve = serve_cpu_engine(dir, &backend, args, env);
     serve.ready();
     serve
 }
