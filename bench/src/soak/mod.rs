@@ -402,21 +402,12 @@ fn start_serve(
         "--port",
         &port.to_string(),
     ]);
-    match (engine, kit.engine_threads) {
-        (Engine::Inproc, Some(n)) => {
-            command
-                .args(extra)
-                .arg("--route-opt")
-                .arg(format!("threads={n}"));
-        }
-        (Engine::Cpu, Some(n)) => {
-            command
-                .args(extra)
-                .args(["--", "--threads", &n.to_string()]);
-        }
-        (_, None) => {
-            command.args(extra);
-        }
+    command.args(extra);
+    if let Some(n) = kit.engine_threads {
+        match engine {
+            Engine::Inproc => command.arg("--route-opt").arg(format!("threads={n}")),
+            Engine::Cpu => command.args(["--", "--threads", &n.to_string()]),
+        };
     }
     let serve = Killed(
         command
